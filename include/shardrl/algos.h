@@ -1,0 +1,325 @@
+// The math of ShardRL's RL post-training algorithms: flow-matching SDE sampling with log-probs
+// (Flow-GRPO), DiffusionNFT, Diffusion-DPO, and verl's LM policy losses. Formulas and test vectors:
+// shared/reference/rl-algorithms.md. No distributed code and no models here: engines run the
+// forward passes, feed the tensors in, and call backward() on the returned loss.
+//
+// Conventions:
+//  - An optional tensor argument is an undefined torch::Tensor when absent.
+//  - Math runs in fp32 whatever the input dtype: with bf16 model outputs the PPO ratio of a
+//    mean log-prob would be rounded coarser than the 1e-4 clip range it is compared with.
+//  - Metrics are detached 0-dim tensors, so a caller can gather them in one device->host copy.
+//  - An unknown mode string throws std::invalid_argument naming the config field and the value.
+//  - Batch-dim-first everywhere; "per sample" means a [B] tensor.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace shardrl::algos {
+
+// ---------------------------------------------------------------------------------------------
+// Flow-matching scheduler and SDE step (§1)
+
+// Shifted Euler flow-matching schedule (diffusers' FlowMatchEulerDiscreteScheduler for SD3).
+struct FlowMatchScheduler {
+  torch::Tensor sigmas;     // [N+1] fp32: the N step sigmas, sigmas[0] = 1, then a final 0
+  torch::Tensor timesteps;  // [N] fp32: 1000 * sigmas[:N]
+
+  // sigmas = shift(linspace(sigma_max, sigma_min, N)) with shift(s) = k*s / (1 + (k-1)*s).
+  // sigma_min < 0 means diffusers' value: training timestep 1 of 1000 after the shift,
+  // k*1e-3 / (1 + (k-1)*1e-3), i.e. 0.003/1.002 for SD3's k = 3.
+  static FlowMatchScheduler create(int64_t num_steps, double shift = 3.0, double sigma_max = 1.0,
+                                   double sigma_min = -1.0);
+
+  int64_t num_steps() const { return timesteps.size(0); }
+  double sigma(int64_t i) const;  // sigmas[i], i in [0, N]
+};
+
+struct SdeStepOptions {
+  double noise_level = 0.7;  // a: scales the SDE's diffusion coefficient
+  // Defined: score this sample (training recomputes the rollout's log-prob); undefined: draw one.
+  torch::Tensor prev_sample;
+  std::optional<at::Generator> generator;  // for the drawn noise; the default generator if unset
+};
+
+struct SdeStepResult {
+  torch::Tensor prev_sample;       // x_{i+1}, fp32, shape of the sample
+  torch::Tensor log_prob;          // [B]: MEAN (not sum) of the Gaussian log-density over elements
+  torch::Tensor prev_sample_mean;  // fp32, shape of the sample; carries the model's gradient
+  torch::Tensor std_dev_t;         // [B, 1, ...] (or 0-dim for scalar sigmas)
+  torch::Tensor sqrt_dt;           // sqrt(sigma - sigma_prev), shaped like std_dev_t
+};
+
+// One Flow-GRPO SDE step from sigmas[step_index] to sigmas[step_index + 1].
+// step_index: 0-dim or [B] integer tensor (per-sample steps).
+SdeStepResult sde_step_with_logprob(const FlowMatchScheduler& scheduler,
+                                    const torch::Tensor& model_output, const torch::Tensor& sample,
+                                    const torch::Tensor& step_index,
+                                    const SdeStepOptions& options = {});
+SdeStepResult sde_step_with_logprob(const FlowMatchScheduler& scheduler,
+                                    const torch::Tensor& model_output, const torch::Tensor& sample,
+                                    int64_t step_index, const SdeStepOptions& options = {});
+// The same step from explicit sigmas (0-dim or [B]). sigma1 is the schedule's sigmas[1]: at
+// sigma == 1 it stands in for sigma in the 1 - sigma denominator of std_dev_t, which would be 0.
+SdeStepResult sde_step_with_logprob_sigmas(const torch::Tensor& model_output,
+                                           const torch::Tensor& sample, const torch::Tensor& sigma,
+                                           const torch::Tensor& sigma_prev, double sigma1,
+                                           const SdeStepOptions& options = {});
+
+// Classifier-free guidance: v_uncond + g * (v_cond - v_uncond).
+torch::Tensor cfg_combine(const torch::Tensor& v_uncond, const torch::Tensor& v_cond,
+                          double guidance_scale);
+
+// Forward noising xt = (1 - sigma) * x0 + sigma * eps; sigma is 0-dim or per sample [B].
+torch::Tensor flow_interpolate(const torch::Tensor& x0, const torch::Tensor& eps,
+                               const torch::Tensor& sigma);
+
+// Regression target of the denoiser. prediction_type: "flow_matching" (eps - x0, a velocity) or
+// "epsilon" (eps).
+torch::Tensor diffusion_target(const torch::Tensor& x0, const torch::Tensor& eps,
+                               const std::string& prediction_type);
+
+// ---------------------------------------------------------------------------------------------
+// Group-relative advantages
+
+struct DiffusionAdvantageConfig {
+  bool normalize_by_std = true;  // false: A = r - mean_group
+  bool global_std = true;        // std of the whole batch (Flow-GRPO default), else per group
+  double eps = 1e-4;
+};
+
+// Flow-GRPO / NFT advantages per sample: (r - mean_group) / (std + eps), population std (numpy's
+// np.std in the reference). Singleton groups get 0. rewards: [B]; uids: B group keys.
+// Returns fp32 [B] on the rewards' device.
+torch::Tensor diffusion_group_advantages(const torch::Tensor& rewards,
+                                         const std::vector<std::string>& uids,
+                                         const DiffusionAdvantageConfig& config = {});
+torch::Tensor diffusion_group_advantages(const torch::Tensor& rewards,
+                                         const std::vector<int64_t>& uids,
+                                         const DiffusionAdvantageConfig& config = {});
+
+// [B] -> [B, num_timesteps]: every denoising step of a sample shares its advantage.
+torch::Tensor broadcast_over_timesteps(const torch::Tensor& advantages, int64_t num_timesteps);
+
+// verl's GRPO outcome advantage: (s - mean_g) / (std_g + eps) with the UNBIASED std; a singleton
+// group uses mean 0, std 1. scores: [B]. Returns fp32 [B].
+torch::Tensor grpo_score_advantages(const torch::Tensor& scores,
+                                    const std::vector<std::string>& uids,
+                                    bool norm_adv_by_std = true, double eps = 1e-6);
+torch::Tensor grpo_score_advantages(const torch::Tensor& scores, const std::vector<int64_t>& uids,
+                                    bool norm_adv_by_std = true, double eps = 1e-6);
+// Token level, as verl: scores are the row sums of token_level_rewards [B, L], and the per-sample
+// advantage is broadcast over the response and zeroed outside response_mask [B, L].
+torch::Tensor grpo_outcome_advantages(const torch::Tensor& token_level_rewards,
+                                      const torch::Tensor& response_mask,
+                                      const std::vector<std::string>& uids,
+                                      bool norm_adv_by_std = true, double eps = 1e-6);
+torch::Tensor grpo_outcome_advantages(const torch::Tensor& token_level_rewards,
+                                      const torch::Tensor& response_mask,
+                                      const std::vector<int64_t>& uids, bool norm_adv_by_std = true,
+                                      double eps = 1e-6);
+
+// ---------------------------------------------------------------------------------------------
+// Gradient accumulation (§6)
+
+// What each micro-batch loss is divided by so that one optimizer step sees the mean gradient.
+// algorithm: "flow_grpo" (alias "ppo") and "nft": num_micro_batches * num_timesteps (every
+// timestep is its own backward); "dpo": num_micro_batches. Every rank must run the same number of
+// micro-batches, or the FSDP collectives of the extra ones would wait forever.
+int64_t grad_accum_divisor(const std::string& algorithm, int64_t num_micro_batches,
+                           int64_t num_timesteps = 1);
+
+// ---------------------------------------------------------------------------------------------
+// Flow-GRPO loss (§1)
+
+struct FlowGrpoLossConfig {
+  double clip_range = 1e-4;  // tiny because log_prob is a per-element mean
+  double adv_clip_max = 5.0;
+  double beta = 0.0;          // KL-to-reference weight; > 0 needs ref_prev_sample_mean
+  double loss_divisor = 1.0;  // grad_accum_divisor("flow_grpo", ...)
+};
+
+struct FlowGrpoLossInputs {
+  torch::Tensor log_prob;              // [B] current policy at timestep t, with grad
+  torch::Tensor old_log_prob;          // [B] rollout log-prob at t
+  torch::Tensor advantages;            // [B] advantages at t
+  torch::Tensor prev_sample_mean;      // current policy's step mean (for the KL term)
+  torch::Tensor ref_prev_sample_mean;  // same with adapters disabled; optional unless beta > 0
+  torch::Tensor std_dev_t;             // from the step; [B, 1, ...], [B] or 0-dim
+  torch::Tensor rollout_is_weights;    // optional [B] importance weights, no gradient
+};
+
+struct FlowGrpoLossOutput {
+  torch::Tensor loss;         // (L_pg + beta * L_kl) / loss_divisor, with grad
+  torch::Tensor policy_loss;  // L_pg (detached)
+  torch::Tensor kl_loss;      // L_kl (detached; 0 when no reference mean was given)
+  torch::Tensor ppo_kl;       // mean(-log_ratio)
+  torch::Tensor clipfrac;     // mean(|ratio - 1| > clip_range)
+};
+
+FlowGrpoLossOutput flow_grpo_loss(const FlowGrpoLossInputs& inputs,
+                                  const FlowGrpoLossConfig& config = {});
+
+// ---------------------------------------------------------------------------------------------
+// DiffusionNFT (§2)
+
+// Reward probability r in [0, 1] from advantages. adv_mode: "continuous", "positive_only",
+// "negative_only", "one_only", "binary". Modes act on A (after the clamp to +-adv_clip_max) and
+// BEFORE r = clamp(A / c / 2 + 0.5, 0, 1), as in the reference code: so one_only maps A > 0 to
+// 1/c/2 + 0.5 (0.6 for c = 5), not to 1, and binary maps to {0.4, 0.5, 0.6}.
+torch::Tensor nft_reward_prob(const torch::Tensor& advantages, const std::string& adv_mode,
+                              double adv_clip_max = 5.0);
+
+struct NftTimestepSelection {
+  torch::Tensor indices;    // [B, K] int64 column indices into the rollout timesteps
+  torch::Tensor timesteps;  // [B, K] the selected rollout timesteps
+};
+// Per row a random permutation of the rollout timesteps [B, T], keeping the first
+// K = max(1, int(T * timestep_fraction)). timestep_fraction in (0, 1].
+NftTimestepSelection nft_select_train_timesteps(const torch::Tensor& rollout_timesteps,
+                                                double timestep_fraction,
+                                                std::optional<at::Generator> generator = {});
+
+struct NftLossConfig {
+  double beta = 1.0;  // mix weight of the implicit positive/negative policies, (0, 1]
+  double adv_clip_max = 5.0;
+  double ref_kl_coef = 0.0;   // > 0 needs v_ref
+  double loss_divisor = 1.0;  // grad_accum_divisor("nft", ...)
+};
+
+struct NftLossInputs {
+  torch::Tensor v;      // current ("default" adapter) velocity, with grad
+  torch::Tensor v_old;  // "old" adapter velocity (treated as constant)
+  torch::Tensor v_ref;  // adapters disabled; optional unless ref_kl_coef > 0
+  torch::Tensor x0;     // clean latent
+  torch::Tensor xt;     // (1 - t) * x0 + t * eps
+  torch::Tensor t;      // [B] or 0-dim, timestep / 1000
+  torch::Tensor r;      // [B] reward probability (nft_reward_prob)
+};
+
+struct NftLossOutput {
+  torch::Tensor loss;           // (L_pol + ref_kl_coef * L_ref) / loss_divisor, with grad
+  torch::Tensor policy_loss;    // L_pol (detached)
+  torch::Tensor ref_loss;       // L_ref (detached; 0 without v_ref)
+  torch::Tensor positive_loss;  // mean_b L_pos (detached)
+  torch::Tensor negative_loss;  // mean_b L_neg (detached)
+};
+
+NftLossOutput nft_loss(const NftLossInputs& inputs, const NftLossConfig& config = {});
+
+// Decay of the "old" adapter's EMA: d(step) = step < flat_steps ? 0
+//                                               : min((step - flat_steps) * rate, max_decay).
+struct EmaDecaySchedule {
+  int64_t flat_steps = 0;
+  double rate = 0.0;
+  double max_decay = 0.0;
+};
+// decay_schedule: "copy" (0, 0, 0), "linear_to_0_5" (0, 0.001, 0.5),
+// "delayed_linear_to_0_999" (75, 0.0075, 0.999).
+EmaDecaySchedule ema_decay_schedule(const std::string& decay_schedule);
+double ema_decay(const EmaDecaySchedule& schedule, int64_t step);
+double ema_decay(const std::string& decay_schedule, int64_t step);
+
+// In place, without autograd: target[i] <- decay * target[i] + (1 - decay) * source[i].
+// decay == 0 is an exact copy (stale NaNs in target do not survive).
+void ema_update(const std::vector<torch::Tensor>& target, const std::vector<torch::Tensor>& source,
+                double decay);
+
+// ---------------------------------------------------------------------------------------------
+// Diffusion-DPO (§3)
+
+struct DpoPairing {
+  // Batch indices, chosen at even and rejected at odd positions: index_select(0, indices) turns
+  // the batch into [w0, l0, w1, l1, ...].
+  std::vector<int64_t> indices;
+  int64_t num_skipped_groups = 0;  // groups with fewer than 2 samples
+  int64_t num_pairs() const { return static_cast<int64_t>(indices.size() / 2); }
+  torch::Tensor index_tensor() const;  // indices as an int64 CPU tensor
+};
+
+// Online pairing: groups by uid (in order of first appearance), sorts each by reward
+// descending (stable, so ties keep batch order) and pairs best with worst.
+DpoPairing dpo_make_pairs(const std::vector<double>& rewards, const std::vector<std::string>& uids);
+DpoPairing dpo_make_pairs(const std::vector<double>& rewards, const std::vector<int64_t>& uids);
+DpoPairing dpo_make_pairs(const torch::Tensor& rewards, const std::vector<std::string>& uids);
+DpoPairing dpo_make_pairs(const torch::Tensor& rewards, const std::vector<int64_t>& uids);
+
+// Logit-normal index: floor(sigmoid(N(0,1)) * num_train_timesteps), clamped into range. [n] int64.
+torch::Tensor dpo_sample_timestep_indices(int64_t n, int64_t num_train_timesteps = 1000,
+                                          std::optional<at::Generator> generator = {});
+
+struct DpoTimesteps {
+  torch::Tensor indices;    // [P] int64 into the training schedule
+  torch::Tensor timesteps;  // [P] fp32, train_scheduler.timesteps[indices]
+  torch::Tensor sigmas;     // [P] fp32, train_scheduler.sigmas[indices]
+};
+// One timestep per pair from the training schedule (typically 1000 steps).
+DpoTimesteps dpo_sample_timesteps(const FlowMatchScheduler& train_scheduler, int64_t num_pairs,
+                                  std::optional<at::Generator> generator = {});
+
+// [P, ...] -> [2P, ...]: both members of a pair share their noise and timestep.
+torch::Tensor repeat_for_pairs(const torch::Tensor& per_pair);
+
+struct DpoLossConfig {
+  double beta = 100.0;
+  double loss_divisor = 1.0;  // grad_accum_divisor("dpo", ...)
+};
+
+struct DpoLossOutput {
+  torch::Tensor loss;             // mean_pairs(-logsigmoid(inside)) / loss_divisor, with grad
+  torch::Tensor implicit_acc;     // mean(inside > 0)
+  torch::Tensor reward_margin;    // mean(inside) = mean(chosen reward - rejected reward)
+  torch::Tensor chosen_reward;    // mean(-0.5 * beta * (e_theta_w - e_ref_w))
+  torch::Tensor rejected_reward;  // mean(-0.5 * beta * (e_theta_l - e_ref_l))
+  torch::Tensor model_mse;        // mean of e_theta over all samples
+  torch::Tensor ref_mse;          // mean of e_ref over all samples
+};
+
+// Inputs are [2P, ...], interleaved chosen/rejected as dpo_make_pairs orders them.
+DpoLossOutput diffusion_dpo_loss(const torch::Tensor& model_pred, const torch::Tensor& ref_pred,
+                                 const torch::Tensor& target, const DpoLossConfig& config = {});
+
+// ---------------------------------------------------------------------------------------------
+// Language-model policy loss (§4, verl core_algos)
+
+// sum(values * mask) / (sum(mask) + 1e-8): an all-masked input gives 0, not NaN.
+torch::Tensor masked_mean(const torch::Tensor& values, const torch::Tensor& mask);
+
+// loss_agg_mode: "token-mean" (every token weighs the same), "seq-mean-token-sum",
+// "seq-mean-token-mean" (every sequence weighs the same). loss_mat, loss_mask: [B, L]. The
+// seq-mean modes average over sequences that have at least one unmasked token.
+torch::Tensor agg_loss(const torch::Tensor& loss_mat, const torch::Tensor& loss_mask,
+                       const std::string& loss_agg_mode);
+
+struct PolicyLossConfig {
+  double clip_ratio_low = 0.2;   // ratio floor 1 - clip_ratio_low
+  double clip_ratio_high = 0.2;  // ratio ceiling 1 + clip_ratio_high (DAPO raises it)
+  double clip_ratio_c = 3.0;     // dual clip for A < 0; must be > 1
+  std::string loss_agg_mode = "token-mean";
+};
+
+struct PolicyLossOutput {
+  torch::Tensor pg_loss;            // aggregated, with grad
+  torch::Tensor pg_losses;          // [B, L] per-token losses before aggregation, with grad
+  torch::Tensor pg_clipfrac;        // masked mean of (clipped loss > unclipped loss)
+  torch::Tensor ppo_kl;             // masked mean of -log_ratio
+  torch::Tensor pg_clipfrac_lower;  // masked mean of dual-clip activations (A < 0)
+};
+
+// PPO dual-clip loss; all tensors [B, L].
+PolicyLossOutput compute_policy_loss(const torch::Tensor& old_log_prob,
+                                     const torch::Tensor& log_prob, const torch::Tensor& advantages,
+                                     const torch::Tensor& response_mask,
+                                     const PolicyLossConfig& config = {});
+
+// Per-token KL estimate between the policy and the reference. kl_penalty: "kl"/"k1"
+// (logp - ref), "abs", "mse"/"k2" (0.5 * (logp - ref)^2), "low_var_kl"/"k3"
+// (clamp(exp(d) - d - 1, -10, 10) with d = clamp(ref - logp, -20, 20)).
+torch::Tensor kl_penalty(const torch::Tensor& log_prob, const torch::Tensor& ref_log_prob,
+                         const std::string& penalty);
+
+}  // namespace shardrl::algos

@@ -1,0 +1,155 @@
+// Distributed runtime: rendezvous, process groups with timed collectives, and the device mesh.
+//
+// A job starts the torchrun way: every rank reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+// (set by `shardrl launch`, torchrun or a Slurm wrapper) and meets the others through a TCP store
+// hosted by rank 0. Collectives run over Gloo on CPU and NCCL on CUDA.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Store;
+class Work;
+}  // namespace c10d
+
+namespace shardrl::dist {
+
+class Liveness;
+
+// A collective failed or timed out. The message names the op, this rank and, when it can be
+// found out, the rank that stopped answering.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct InitOptions {
+  std::string backend = "auto";                       // "gloo", "nccl" or "auto" (nccl on CUDA)
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};  // every collective and rendezvous
+};
+
+class ProcessGroup;
+
+// A collective in flight. wait() completes it (running any local post-processing, such as the sum
+// of a reduce-scatter) and turns transport failures into CollectiveError.
+class Pending {
+ public:
+  Pending() = default;
+  void wait();
+  bool valid() const { return group_ != nullptr; }
+
+ private:
+  friend class ProcessGroup;
+  ProcessGroup* group_ = nullptr;
+  std::string op_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::function<void()> finish_;
+};
+
+enum class ReduceOp { kSum, kMax };
+
+class ProcessGroup {
+ public:
+  struct Impl;  // the transport; built by World
+  explicit ProcessGroup(std::unique_ptr<Impl> impl);
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const;
+  int size() const;
+  const std::string& name() const;
+  std::chrono::milliseconds timeout() const;
+
+  // out (contiguous, size() * shard.numel() elements) receives every rank's shard, rank-major.
+  Pending all_gather_async(const torch::Tensor& shard, torch::Tensor out);
+  // input holds size() equal contiguous chunks; out receives the sum of chunk[rank()] over ranks.
+  // Gloo moves each chunk once (alltoall) and sums locally in fp32: (W-1)/W of the bytes, where
+  // allreduce-then-slice would move about twice that.
+  Pending reduce_scatter_async(const torch::Tensor& input, torch::Tensor out);
+  void all_gather(const torch::Tensor& shard, torch::Tensor out) {
+    all_gather_async(shard, out).wait();
+  }
+  void reduce_scatter(const torch::Tensor& input, torch::Tensor out) {
+    reduce_scatter_async(input, out).wait();
+  }
+  void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  void broadcast(torch::Tensor& tensor, int root);
+  void barrier();
+
+  // Payload bytes this rank handed to the transport, for traffic accounting.
+  uint64_t bytes_sent() const { return bytes_sent_; }
+  void reset_bytes_sent() { bytes_sent_ = 0; }
+
+  // Wraps a transport failure: finds which ranks still answer through the store and names the
+  // ones that do not. Never returns.
+  [[noreturn]] void raise_failure(const std::string& op, const std::string& cause);
+
+ private:
+  friend class Pending;
+  Pending make_pending(std::string op, std::vector<c10::intrusive_ptr<c10d::Work>> works,
+                       std::function<void()> finish = nullptr);
+  c10::intrusive_ptr<c10d::Work> launch(const std::string& op,
+                                         const std::function<c10::intrusive_ptr<c10d::Work>()>& f);
+
+  std::unique_ptr<Impl> impl_;
+  uint64_t bytes_sent_ = 0;
+};
+
+// The job: this process's place in it, the store, and the global process group.
+class World {
+ public:
+  // Reads the torchrun environment. Without RANK and WORLD_SIZE it forms a world of one, so the
+  // same program runs unsharded. Errors name the variable, the rank or the port at fault.
+  static std::shared_ptr<World> init_from_env(const InitOptions& options = {});
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int local_rank() const { return local_rank_; }
+  torch::Device device() const { return device_; }
+  ProcessGroup& group() { return *global_; }
+  const InitOptions& options() const { return options_; }
+
+  // Every rank must call this with the same ranks and tag; members get their group, others null.
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& tag);
+
+ private:
+  World() = default;
+  int rank_ = 0, size_ = 1, local_rank_ = 0;
+  std::string master_addr_ = "127.0.0.1";
+  torch::Device device_ = torch::kCPU;
+  InitOptions options_;
+  bool use_nccl_ = false;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<Liveness> liveness_;
+  std::shared_ptr<ProcessGroup> global_;
+};
+
+// Ranks laid out as [replicate, shard]: parameters are sharded over `shard` ranks (fsdp_size) and
+// replicated over the rest (hybrid sharding, HSDP). fsdp_size <= 0 or == world size gives 1-D FSDP.
+class DeviceMesh {
+ public:
+  static DeviceMesh create(World& world, int fsdp_size = -1);
+
+  ProcessGroup& shard_group() const { return *shard_; }
+  // Null for a 1-D mesh.
+  ProcessGroup* replicate_group() const { return replicate_.get(); }
+  int shard_size() const { return shard_->size(); }
+  int replicate_size() const { return replicate_ ? replicate_->size() : 1; }
+  int data_parallel_size() const { return shard_size() * replicate_size(); }
+  int data_parallel_rank() const;
+  torch::Device device() const { return device_; }
+
+ private:
+  std::shared_ptr<ProcessGroup> shard_, replicate_;
+  torch::Device device_ = torch::kCPU;
+};
+
+}  // namespace shardrl::dist

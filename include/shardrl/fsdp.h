@@ -1,0 +1,178 @@
+// fully_shard for the LibTorch C++ frontend, after PyTorch FSDP2.
+//
+// Every parameter is split on dim 0 across the shard group (padded to equal shards); a rank keeps
+// only its fp32 shard. A unit (usually one transformer block) all-gathers its parameters with one
+// collective right before its forward, frees them after it (reshard_after_forward), gathers them
+// again before its backward and reduce-scatters its gradients with one collective after it.
+//
+// The C++ frontend has no forward hooks, so the unit boundary is a type: declare a block as
+// `fsdp::Unit<BlockImpl>` instead of `BlockImpl`'s holder and call it as usual (`x = block(x)`).
+// Before fully_shard() it is a plain module holder; after, the call runs the FSDP schedule.
+//
+//   for (auto& block : model->blocks) fsdp::fully_shard(block, mesh, options);
+//   fsdp::fully_shard(model, mesh, options);   // root: the parameters no block owns
+//   auto loss = loss_fn(model(tokens));        // model is an fsdp::Unit<ModelImpl>
+//   loss.backward();                           // grads land in the shards
+//   auto shards = model.fsdp().sharded_parameters();   // what the optimizer steps
+#pragma once
+
+#include <torch/torch.h>
+
+#include <array>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "shardrl/dist.h"
+
+namespace shardrl::fsdp {
+
+// Parses "bf16"/"bfloat16", "fp16"/"float16", "fp32"/"float32"; errors name `field`.
+torch::ScalarType parse_dtype(const std::string& name, const std::string& field);
+
+struct MixedPrecision {
+  torch::ScalarType param_dtype = torch::kFloat;   // unsharded params and compute
+  torch::ScalarType reduce_dtype = torch::kFloat;  // gradient reduce-scatter
+  // Root outputs are cast to this when set (e.g. fp32 logits for the loss).
+  std::optional<torch::ScalarType> output_dtype;
+};
+
+struct Options {
+  bool reshard_after_forward = true;  // the root always keeps its params until after backward
+  MixedPrecision mixed_precision;
+  int prefetch = 1;  // units whose all-gather starts ahead of use, in forward and backward order
+};
+
+// One sharded parameter as the optimizer and checkpoints see it.
+struct ShardedParameter {
+  std::string name;                   // fully qualified, as in the unsharded model
+  torch::Tensor shard;                // fp32 master shard [ceil(dim0 / N), ...], zero padded; .grad()
+  std::vector<int64_t> global_shape;  // the unsharded shape
+  int64_t row_offset = 0;             // first dim-0 row this rank holds
+  int64_t valid_rows = 0;             // rows of `shard` that are real (the rest is padding)
+};
+
+struct MemoryStats {
+  int64_t sharded_param_bytes = 0;    // fp32 master shards
+  int64_t sharded_grad_bytes = 0;     // reduced gradient shards
+  int64_t unsharded_param_bytes = 0;  // all-gathered parameters currently allocated
+  int64_t unsharded_grad_bytes = 0;   // gradients waiting for reduce-scatter (no_sync)
+};
+
+class UnitState;
+
+// Operations on a sharded unit and every unit below it (the whole model when called on the root).
+class FSDPModule {
+ public:
+  explicit FSDPModule(std::shared_ptr<UnitState> state) : state_(std::move(state)) {}
+
+  std::vector<ShardedParameter> sharded_parameters() const;
+  // false: keep accumulating unsharded grads locally (no_sync); the next backward with true
+  // reduce-scatters the total once.
+  void set_requires_gradient_sync(bool sync);
+  void set_reshard_after_forward(bool reshard);
+  // Total norm over all shards of every rank, equal to the unsharded model's norm. Grads are
+  // scaled only when the norm is finite and above max_norm; a non-finite norm is returned as is.
+  double clip_grad_norm_(double max_norm);
+  void zero_grad();
+  // Every parameter at full size, gathered one tensor at a time (fp32 masters).
+  std::map<std::string, torch::Tensor> full_parameters() const;
+  MemoryStats memory() const;
+  // Payload bytes this rank sent in FSDP collectives since the last reset.
+  uint64_t bytes_sent() const;
+  void reset_bytes_sent();
+  void reshard();
+  const dist::DeviceMesh& mesh() const;
+
+ private:
+  std::shared_ptr<UnitState> state_;
+};
+
+namespace detail {
+std::shared_ptr<UnitState> shard_module(const std::shared_ptr<torch::nn::Module>& module,
+                                        const dist::DeviceMesh& mesh, const Options& options);
+// Gathers params, casts and wraps the inputs; returns them in the same order.
+std::vector<torch::Tensor> before_forward(UnitState& unit, std::vector<torch::Tensor> inputs);
+// Wraps outputs so their backward re-gathers, reshards; returns them in the same order.
+std::vector<torch::Tensor> after_forward(UnitState& unit, std::vector<torch::Tensor> outputs);
+
+template <class T>
+constexpr bool is_tensor_v = std::is_same_v<std::decay_t<T>, torch::Tensor>;
+template <class T>
+struct is_tuple : std::false_type {};
+template <class... Ts>
+struct is_tuple<std::tuple<Ts...>> : std::true_type {};
+
+template <class T>
+void collect_tensors(std::vector<torch::Tensor>& out, const T& value) {
+  if constexpr (is_tensor_v<T>) {
+    out.push_back(value);
+  } else if constexpr (std::is_same_v<std::decay_t<T>, std::vector<torch::Tensor>>) {
+    out.insert(out.end(), value.begin(), value.end());
+  } else if constexpr (is_tuple<std::decay_t<T>>::value) {
+    std::apply([&](const auto&... items) { (collect_tensors(out, items), ...); }, value);
+  }
+}
+
+template <class T>
+void replace_tensors(T& value, const std::vector<torch::Tensor>& with, size_t& next) {
+  if constexpr (is_tensor_v<T>) {
+    value = with[next++];
+  } else if constexpr (std::is_same_v<std::decay_t<T>, std::vector<torch::Tensor>>) {
+    for (auto& t : value) t = with[next++];
+  } else if constexpr (is_tuple<std::decay_t<T>>::value) {
+    std::apply([&](auto&... items) { (replace_tensors(items, with, next), ...); }, value);
+  }
+}
+}  // namespace detail
+
+// A module holder whose call is an FSDP unit boundary once fully_shard() has run on it.
+template <class ModuleImpl>
+class Unit : public torch::nn::ModuleHolder<ModuleImpl> {
+ public:
+  using torch::nn::ModuleHolder<ModuleImpl>::ModuleHolder;
+
+  template <class... Args>
+  auto operator()(Args&&... args) {
+    if (!state_) return this->get()->forward(std::forward<Args>(args)...);
+    // Arguments are taken by value so tensors can be swapped for their wrapped versions.
+    std::tuple<std::decay_t<Args>...> values(std::forward<Args>(args)...);
+    std::vector<torch::Tensor> inputs;
+    detail::collect_tensors(inputs, values);
+    inputs = detail::before_forward(*state_, std::move(inputs));
+    size_t next = 0;
+    detail::replace_tensors(values, inputs, next);
+    auto result = std::apply([this](auto&... a) { return this->get()->forward(a...); }, values);
+    std::vector<torch::Tensor> outputs;
+    detail::collect_tensors(outputs, result);
+    outputs = detail::after_forward(*state_, std::move(outputs));
+    next = 0;
+    detail::replace_tensors(result, outputs, next);
+    return result;
+  }
+
+  bool is_sharded() const { return state_ != nullptr; }
+  FSDPModule fsdp() const {
+    TORCH_CHECK(state_, "fsdp(): fully_shard() has not been applied to this module");
+    return FSDPModule(state_);
+  }
+
+ private:
+  template <class M>
+  friend void fully_shard(Unit<M>& unit, const dist::DeviceMesh& mesh, const Options& options);
+  std::shared_ptr<UnitState> state_;
+};
+
+// Shards the parameters of `unit` that no already-sharded unit below it owns. Shard children
+// first, then the root, as with FSDP2.
+template <class M>
+void fully_shard(Unit<M>& unit, const dist::DeviceMesh& mesh, const Options& options = {}) {
+  TORCH_CHECK(!unit.state_, "fully_shard: this module is already sharded");
+  unit.state_ = detail::shard_module(unit.ptr(), mesh, options);
+}
+
+}  // namespace shardrl::fsdp

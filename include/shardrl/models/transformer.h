@@ -1,0 +1,57 @@
+// A small GPT-style transformer: the built-in model for tests, benchmarks and the first demo.
+// Each block is an fsdp::Unit, so sharding it needs no change to the model code.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "shardrl/fsdp.h"
+
+namespace shardrl::models {
+
+struct TransformerConfig {
+  int64_t vocab_size = 97;  // deliberately not divisible by small world sizes
+  int64_t max_seq_len = 64;
+  int64_t d_model = 48;
+  int64_t n_heads = 4;
+  int64_t n_layers = 2;
+  int64_t mlp_ratio = 4;
+  int64_t parameter_count() const;
+};
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const TransformerConfig& config);
+  torch::Tensor forward(torch::Tensor x);
+
+ private:
+  torch::Tensor attention(const torch::Tensor& x);
+  int64_t n_heads_;
+  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+};
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  explicit TransformerImpl(const TransformerConfig& config);
+  // tokens [B, T] int64 -> logits [B, T, vocab]
+  torch::Tensor forward(torch::Tensor tokens);
+  std::vector<fsdp::Unit<BlockImpl>>& blocks() { return blocks_; }
+  const TransformerConfig& config() const { return config_; }
+
+ private:
+  TransformerConfig config_;
+  torch::nn::Embedding tok_emb_{nullptr}, pos_emb_{nullptr};
+  std::vector<fsdp::Unit<BlockImpl>> blocks_;
+  torch::nn::LayerNorm ln_f_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+
+using Transformer = fsdp::Unit<TransformerImpl>;
+
+// Shards every block as a unit, then the root (embeddings, final norm, head).
+void shard_transformer(Transformer& model, const dist::DeviceMesh& mesh, const fsdp::Options& options);
+
+// Mean next-token cross-entropy of logits [B, T, V] against tokens [B, T] (predicting t+1).
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& tokens);
+
+}  // namespace shardrl::models

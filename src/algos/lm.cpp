@@ -1,0 +1,174 @@
+// Language-model policy loss, loss aggregation, KL penalties and GRPO advantages, following
+// verl's core_algos (reference §4).
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "algos/internal.h"
+#include "shardrl/algos.h"
+
+namespace shardrl::algos {
+
+using internal::f32;
+using internal::require;
+
+namespace {
+
+template <typename Key>
+torch::Tensor grpo_scores_impl(const torch::Tensor& scores, const std::vector<Key>& uids,
+                               bool norm_adv_by_std, double eps) {
+  const std::vector<double> s = internal::to_host_vector(scores, "scores");
+  require(s.size() == uids.size(), "uids",
+          "has " + std::to_string(uids.size()) + " entries for " + std::to_string(s.size()) +
+              " scores");
+  std::vector<double> adv(s.size(), 0.0);
+  for (const auto& group : internal::group_members(uids)) {
+    // verl's convention: a lone response is judged by its raw score.
+    double mean = 0.0;
+    double sd = 1.0;
+    if (group.size() > 1) {
+      for (int64_t i : group) mean += s[i];
+      mean /= static_cast<double>(group.size());
+      double ss = 0.0;
+      for (int64_t i : group) ss += (s[i] - mean) * (s[i] - mean);
+      sd = std::sqrt(ss / static_cast<double>(group.size() - 1));
+    }
+    for (int64_t i : group) adv[i] = norm_adv_by_std ? (s[i] - mean) / (sd + eps) : s[i] - mean;
+  }
+  return torch::tensor(adv, torch::TensorOptions().dtype(torch::kDouble))
+      .to(scores.device(), torch::kFloat);
+}
+
+template <typename Key>
+torch::Tensor grpo_outcome_impl(const torch::Tensor& token_level_rewards,
+                                const torch::Tensor& response_mask, const std::vector<Key>& uids,
+                                bool norm_adv_by_std, double eps) {
+  require(token_level_rewards.defined() && token_level_rewards.dim() == 2, "token_level_rewards",
+          "must be [B, L]");
+  require(response_mask.defined() && response_mask.sizes() == token_level_rewards.sizes(),
+          "response_mask", "must have the shape of token_level_rewards");
+  auto adv = grpo_scores_impl(f32(token_level_rewards).sum(-1), uids, norm_adv_by_std, eps);
+  return adv.unsqueeze(-1) * f32(response_mask).to(adv.device());
+}
+
+// Masked-out entries contribute an exact 0 even when they hold inf/NaN (padding garbage).
+torch::Tensor masked_sum(const torch::Tensor& values, const torch::Tensor& mask,
+                         c10::optional<int64_t> dim) {
+  auto v = torch::where(mask.to(torch::kBool), values, torch::zeros_like(values));
+  return dim ? v.sum(*dim) : v.sum();
+}
+
+}  // namespace
+
+torch::Tensor grpo_score_advantages(const torch::Tensor& scores,
+                                    const std::vector<std::string>& uids, bool norm_adv_by_std,
+                                    double eps) {
+  return grpo_scores_impl(scores, uids, norm_adv_by_std, eps);
+}
+
+torch::Tensor grpo_score_advantages(const torch::Tensor& scores, const std::vector<int64_t>& uids,
+                                    bool norm_adv_by_std, double eps) {
+  return grpo_scores_impl(scores, uids, norm_adv_by_std, eps);
+}
+
+torch::Tensor grpo_outcome_advantages(const torch::Tensor& token_level_rewards,
+                                      const torch::Tensor& response_mask,
+                                      const std::vector<std::string>& uids, bool norm_adv_by_std,
+                                      double eps) {
+  return grpo_outcome_impl(token_level_rewards, response_mask, uids, norm_adv_by_std, eps);
+}
+
+torch::Tensor grpo_outcome_advantages(const torch::Tensor& token_level_rewards,
+                                      const torch::Tensor& response_mask,
+                                      const std::vector<int64_t>& uids, bool norm_adv_by_std,
+                                      double eps) {
+  return grpo_outcome_impl(token_level_rewards, response_mask, uids, norm_adv_by_std, eps);
+}
+
+torch::Tensor masked_mean(const torch::Tensor& values, const torch::Tensor& mask) {
+  require(values.sizes() == mask.sizes(), "mask", "must have the shape of values");
+  auto m = f32(mask).to(values.device());
+  return masked_sum(f32(values), m, c10::nullopt) / (m.sum() + 1e-8);
+}
+
+torch::Tensor agg_loss(const torch::Tensor& loss_mat, const torch::Tensor& loss_mask,
+                       const std::string& loss_agg_mode) {
+  require(loss_mat.defined() && loss_mat.dim() == 2, "loss_mat", "must be [B, L]");
+  require(loss_mask.defined() && loss_mask.sizes() == loss_mat.sizes(), "loss_mask",
+          "must have the shape of loss_mat");
+  auto loss = f32(loss_mat);
+  auto mask = f32(loss_mask).to(loss.device());
+  if (loss_agg_mode == "token-mean") return masked_mean(loss, mask);
+  if (loss_agg_mode == "seq-mean-token-sum" || loss_agg_mode == "seq-mean-token-mean") {
+    auto tokens = mask.sum(-1);
+    auto seq = masked_sum(loss, mask, -1);
+    if (loss_agg_mode == "seq-mean-token-mean") seq = seq / (tokens + 1e-8);
+    // A fully masked sequence (e.g. padding rows of a micro-batch) must not dilute the mean.
+    return masked_mean(seq, (tokens > 0).to(torch::kFloat));
+  }
+  internal::throw_unknown_value("loss_agg_mode", loss_agg_mode,
+                                {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean"});
+}
+
+PolicyLossOutput compute_policy_loss(const torch::Tensor& old_log_prob,
+                                     const torch::Tensor& log_prob, const torch::Tensor& advantages,
+                                     const torch::Tensor& response_mask,
+                                     const PolicyLossConfig& config) {
+  require(log_prob.defined() && log_prob.dim() == 2, "log_prob", "must be [B, L]");
+  const auto shape = log_prob.sizes();
+  require(old_log_prob.defined() && old_log_prob.sizes() == shape, "old_log_prob",
+          "must have the shape of log_prob");
+  require(advantages.defined() && advantages.sizes() == shape, "advantages",
+          "must have the shape of log_prob");
+  require(response_mask.defined() && response_mask.sizes() == shape, "response_mask",
+          "must have the shape of log_prob");
+  require(config.clip_ratio_low >= 0.0 && config.clip_ratio_low < 1.0, "clip_ratio_low",
+          "must be in [0, 1)");
+  require(config.clip_ratio_high >= 0.0, "clip_ratio_high", "must be >= 0");
+  require(config.clip_ratio_c > 1.0, "clip_ratio_c",
+          "must be > 1, got " + std::to_string(config.clip_ratio_c));
+  const auto device = log_prob.device();
+
+  auto mask = f32(response_mask).to(device);
+  auto adv = f32(advantages).detach().to(device);
+  // Clamped so that a stale or garbage log-prob cannot overflow exp().
+  auto log_ratio = (f32(log_prob) - f32(old_log_prob).detach().to(device)).clamp(-20.0, 20.0);
+  auto ratio = torch::exp(log_ratio);
+
+  auto l1 = -adv * ratio;
+  auto l2 = -adv * ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high);
+  auto c1 = torch::maximum(l1, l2);
+  // For A < 0 a huge ratio makes c1 unbounded; the dual clip caps it at -A * c.
+  auto l3 = -adv * config.clip_ratio_c;
+  auto c2 = torch::minimum(l3, c1);
+  auto negative = adv < 0;
+
+  PolicyLossOutput out;
+  out.pg_losses = torch::where(negative, c2, c1);
+  out.pg_loss = agg_loss(out.pg_losses, mask, config.loss_agg_mode);
+  out.pg_clipfrac = masked_mean((l2 > l1).to(torch::kFloat), mask).detach();
+  out.ppo_kl = masked_mean(-log_ratio, mask).detach();
+  out.pg_clipfrac_lower = masked_mean(((c1 > l3) & negative).to(torch::kFloat), mask).detach();
+  return out;
+}
+
+torch::Tensor kl_penalty(const torch::Tensor& log_prob, const torch::Tensor& ref_log_prob,
+                         const std::string& penalty) {
+  require(log_prob.sizes() == ref_log_prob.sizes(), "ref_log_prob",
+          "must have the shape of log_prob");
+  auto lp = f32(log_prob);
+  auto ref = f32(ref_log_prob).to(lp.device());
+  if (penalty == "kl" || penalty == "k1") return lp - ref;
+  if (penalty == "abs") return (lp - ref).abs();
+  if (penalty == "mse" || penalty == "k2") return 0.5 * (lp - ref).pow(2);
+  if (penalty == "low_var_kl" || penalty == "k3") {
+    // k3 is unbiased and always >= 0 but exp() explodes for far-off tokens; the clamps keep a
+    // single such token from dominating the batch.
+    auto d = (ref - lp).clamp(-20.0, 20.0);
+    return (torch::exp(d) - d - 1.0).clamp(-10.0, 10.0);
+  }
+  internal::throw_unknown_value("kl_penalty", penalty,
+                                {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"});
+}
+
+}  // namespace shardrl::algos

@@ -1,0 +1,194 @@
+#include "dist/process_group_impl.h"
+
+#include <fmt/format.h>
+
+#include <thread>
+
+namespace shardrl::dist {
+namespace {
+
+// Gloo before 2.2 rejects bf16 outright; data movement only needs the bytes, so move bf16 as
+// fp16 (same width) and reinterpret on arrival.
+torch::Tensor as_transportable(const torch::Tensor& t, bool is_nccl) {
+  if (!is_nccl && !compat::kGlooHasBf16 && t.scalar_type() == torch::kBFloat16) {
+    return t.view(torch::kHalf);
+  }
+  return t;
+}
+
+uint64_t nbytes(const torch::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
+
+}  // namespace
+
+ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ProcessGroup::~ProcessGroup() = default;
+
+int ProcessGroup::rank() const { return impl_->rank; }
+int ProcessGroup::size() const { return static_cast<int>(impl_->global_ranks.size()); }
+const std::string& ProcessGroup::name() const { return impl_->name; }
+std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->timeout; }
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::launch(
+    const std::string& op, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+  try {
+    return start();
+  } catch (const std::exception& e) {
+    raise_failure(op, e.what());
+  }
+}
+
+Pending ProcessGroup::make_pending(std::string op, std::vector<c10::intrusive_ptr<c10d::Work>> works,
+                                   std::function<void()> finish) {
+  Pending p;
+  p.group_ = this;
+  p.op_ = std::move(op);
+  p.works_ = std::move(works);
+  p.finish_ = std::move(finish);
+  return p;
+}
+
+void Pending::wait() {
+  if (!group_) return;
+  ProcessGroup* group = group_;
+  group_ = nullptr;  // a failed wait must not be waited on again
+  for (auto& work : works_) {
+    try {
+      work->wait(group->timeout());
+    } catch (const std::exception& e) {
+      group->raise_failure(op_, e.what());
+    }
+  }
+  works_.clear();
+  if (finish_) finish_();
+}
+
+Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor out) {
+  const int world = size();
+  const int64_t n = shard.numel();
+  TORCH_CHECK(out.is_contiguous() && out.numel() == n * world,
+              "all_gather: output must be contiguous with world_size * shard numel elements");
+  TORCH_CHECK(out.scalar_type() == shard.scalar_type(), "all_gather: dtype mismatch");
+  torch::Tensor flat_out = as_transportable(out.view(-1), impl_->is_nccl);
+  torch::Tensor flat_in = as_transportable(shard.reshape(-1), impl_->is_nccl);
+  bytes_sent_ += static_cast<uint64_t>(world - 1) * nbytes(shard);
+  if (world == 1) {
+    if (flat_out.data_ptr() != flat_in.data_ptr()) flat_out.copy_(flat_in);
+    return make_pending("all_gather", {});
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  if (impl_->is_nccl) {
+    works.push_back(launch("all_gather", [&] {
+      return impl_->backend->_allgather_base(flat_out, flat_in, c10d::AllgatherOptions());
+    }));
+    return make_pending("all_gather", std::move(works));
+  }
+  // Gloo's list all-gather copies through its own buffer; W broadcasts straight into views of the
+  // output were measured faster here and send the same (W-1)/W of the bytes.
+  torch::Tensor mine = flat_out.narrow(0, rank() * n, n);
+  if (mine.data_ptr() != flat_in.data_ptr()) mine.copy_(flat_in);
+  auto views = std::make_shared<std::vector<std::vector<at::Tensor>>>(world);
+  for (int r = 0; r < world; ++r) {
+    (*views)[r] = {flat_out.narrow(0, r * n, n)};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = r;
+    opts.timeout = timeout();
+    works.push_back(launch("all_gather", [&] { return impl_->backend->broadcast((*views)[r], opts); }));
+  }
+  return make_pending("all_gather", std::move(works), [views] {});
+}
+
+Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Tensor out) {
+  const int world = size();
+  const int64_t n = out.numel();
+  TORCH_CHECK(input.is_contiguous() && input.numel() == n * world,
+              "reduce_scatter: input must be contiguous with world_size * output numel elements");
+  bytes_sent_ += static_cast<uint64_t>(world - 1) * n * input.element_size();
+  if (world == 1) {
+    out.view(-1).copy_(input.view(-1));
+    return make_pending("reduce_scatter", {});
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  if (impl_->is_nccl) {
+    torch::Tensor flat_out = out.view(-1);
+    torch::Tensor flat_in = input.view(-1);
+    works.push_back(launch("reduce_scatter", [&] {
+      return impl_->backend->_reduce_scatter_base(flat_out, flat_in, c10d::ReduceScatterOptions());
+    }));
+    return make_pending("reduce_scatter", std::move(works));
+  }
+  // alltoall hands chunk j to rank j; every rank then sums the W chunks it received.
+  auto received = torch::empty_like(input);
+  torch::Tensor send = as_transportable(input.view(-1), false);
+  torch::Tensor recv = as_transportable(received.view(-1), false);
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout();
+  std::vector<int64_t> equal_splits;
+  works.push_back(launch("reduce_scatter", [&] {
+    return impl_->backend->alltoall_base(recv, send, equal_splits, equal_splits, opts);
+  }));
+  return make_pending("reduce_scatter", std::move(works), [received, out, send, world, n]() mutable {
+    torch::Tensor rows = received.view({world, n});
+    if (rows.scalar_type() == torch::kFloat || rows.scalar_type() == torch::kDouble) {
+      if (out.scalar_type() == rows.scalar_type() && out.is_contiguous()) {
+        torch::Tensor flat = out.view(-1);
+        torch::sum_out(flat, rows, 0);
+      } else {
+        out.view(-1).copy_(rows.sum(0));
+      }
+    } else {
+      // Low-precision inputs are summed in fp32 and rounded once.
+      out.view(-1).copy_(rows.to(torch::kFloat).sum(0));
+    }
+  });
+}
+
+void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
+  if (size() == 1) return;
+  const bool upcast = !impl_->is_nccl && !compat::kGlooHasBf16 &&
+                      tensor.scalar_type() == torch::kBFloat16;
+  std::vector<at::Tensor> tensors{upcast ? tensor.to(torch::kFloat) : tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+  opts.timeout = timeout();
+  bytes_sent_ += 2 * nbytes(tensors[0]) * (size() - 1) / size();
+  auto work = launch("all_reduce", [&] { return impl_->backend->allreduce(tensors, opts); });
+  make_pending("all_reduce", {work}).wait();
+  if (upcast || !tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
+}
+
+void ProcessGroup::broadcast(torch::Tensor& tensor, int root) {
+  if (size() == 1) return;
+  std::vector<at::Tensor> tensors{as_transportable(tensor, impl_->is_nccl)};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.timeout = timeout();
+  if (rank() == root) bytes_sent_ += nbytes(tensor) * (size() - 1);
+  auto work = launch("broadcast", [&] { return impl_->backend->broadcast(tensors, opts); });
+  make_pending("broadcast", {work}).wait();
+}
+
+void ProcessGroup::barrier() {
+  if (size() == 1) return;
+  c10d::BarrierOptions opts;
+  opts.timeout = timeout();
+  auto work = launch("barrier", [&] { return impl_->backend->barrier(opts); });
+  make_pending("barrier", {work}).wait();
+}
+
+void ProcessGroup::raise_failure(const std::string& op, const std::string& cause) {
+  std::string culprit;
+  try {
+    culprit = impl_->liveness ? impl_->liveness->describe_unresponsive(impl_->global_ranks)
+                              : "no liveness information";
+  } catch (const std::exception& e) {
+    culprit = fmt::format("the rendezvous store on rank 0 is unreachable, so rank 0 is down ({})",
+                          e.what());
+  }
+  std::string first_line = cause.substr(0, cause.find('\n'));
+  throw CollectiveError(fmt::format("{} failed on rank {} (process group '{}', timeout {} ms): {}. "
+                                    "Transport said: {}",
+                                    op, impl_->world_rank, impl_->name, impl_->timeout.count(),
+                                    culprit, first_line));
+}
+
+}  // namespace shardrl::dist

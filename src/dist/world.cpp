@@ -1,0 +1,216 @@
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
+
+#include "dist/process_group_impl.h"
+
+namespace shardrl::dist {
+namespace {
+
+constexpr const char* kKeyPrefix = "shardrl/";
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  return std::string(v);
+}
+
+int env_int(const char* name, int fallback, int min_value) {
+  auto v = env(name);
+  if (!v) return fallback;
+  try {
+    size_t used = 0;
+    int value = std::stoi(*v, &used);
+    if (used != v->size() || value < min_value) throw std::invalid_argument("range");
+    return value;
+  } catch (const std::exception&) {
+    throw std::invalid_argument(
+        fmt::format("environment variable {}='{}' is not an integer >= {}", name, *v, min_value));
+  }
+}
+
+}  // namespace
+
+Liveness::Liveness(c10::intrusive_ptr<c10d::Store> heartbeat_store,
+                   c10::intrusive_ptr<c10d::Store> probe_store, int rank,
+                   std::chrono::milliseconds period)
+    : heartbeat_store_(std::move(heartbeat_store)),
+      probe_store_(std::move(probe_store)),
+      rank_(rank),
+      period_(period),
+      thread_([this] { beat_loop(); }) {}
+
+Liveness::~Liveness() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+void Liveness::beat_loop() {
+  const std::string key = fmt::format("{}heartbeat/{}", kKeyPrefix, rank_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    try {
+      heartbeat_store_->add(key, 1);
+    } catch (const std::exception&) {
+      return;  // the store is gone; failures will be diagnosed by whoever notices it
+    }
+    wake_.wait_for(lock, period_, [this] { return stop_; });
+  }
+}
+
+std::string Liveness::describe_unresponsive(const std::vector<int>& ranks) {
+  auto read_all = [&] {
+    std::vector<int64_t> counts;
+    for (int r : ranks) counts.push_back(probe_store_->add(fmt::format("{}heartbeat/{}", kKeyPrefix, r), 0));
+    return counts;
+  };
+  auto before = read_all();
+  std::this_thread::sleep_for(period_ * 6);
+  auto after = read_all();
+  std::vector<std::string> silent;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] != rank_ && after[i] == before[i]) silent.push_back(std::to_string(ranks[i]));
+  }
+  if (silent.empty()) {
+    return "every rank of the group is alive, so the collective itself failed or timed out "
+           "(ranks calling different collectives, or one rank far slower than the timeout)";
+  }
+  return fmt::format("rank {} stopped responding (exited, was killed or is frozen)",
+                     fmt::join(silent, ", "));
+}
+
+std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
+  std::shared_ptr<World> world(new World());
+  world->options_ = options;
+  const bool launched = env("RANK") || env("WORLD_SIZE");
+  if (launched && !env("WORLD_SIZE")) {
+    throw std::invalid_argument("RANK is set but WORLD_SIZE is not (start ranks with `shardrl launch` or torchrun)");
+  }
+  if (launched && !env("RANK")) {
+    throw std::invalid_argument("WORLD_SIZE is set but RANK is not (start ranks with `shardrl launch` or torchrun)");
+  }
+  world->size_ = env_int("WORLD_SIZE", 1, 1);
+  world->rank_ = env_int("RANK", 0, 0);
+  world->local_rank_ = env_int("LOCAL_RANK", world->rank_, 0);
+  if (world->rank_ >= world->size_) {
+    throw std::invalid_argument(
+        fmt::format("RANK={} is out of range for WORLD_SIZE={}", world->rank_, world->size_));
+  }
+  world->master_addr_ = env("MASTER_ADDR").value_or("127.0.0.1");
+
+  if (options.backend == "nccl" || (options.backend == "auto" && torch::cuda::is_available())) {
+#ifdef USE_C10D_NCCL
+    world->use_nccl_ = true;
+    world->device_ = torch::Device(torch::kCUDA, world->local_rank_ % torch::cuda::device_count());
+#else
+    if (options.backend == "nccl") {
+      throw std::invalid_argument("backend='nccl' but this build of LibTorch has no NCCL");
+    }
+#endif
+  } else if (options.backend != "gloo" && options.backend != "auto") {
+    throw std::invalid_argument(
+        fmt::format("backend='{}' is unknown (expected gloo, nccl or auto)", options.backend));
+  }
+
+  if (world->size_ == 1) {
+    world->store_ = c10::make_intrusive<c10d::HashStore>();
+  } else {
+    if (!env("MASTER_PORT")) {
+      throw std::invalid_argument("WORLD_SIZE > 1 but MASTER_PORT is not set");
+    }
+    const int port = env_int("MASTER_PORT", 0, 1);
+    if (port > 65535) throw std::invalid_argument(fmt::format("MASTER_PORT={} is not a port", port));
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(port);
+    store_options.isServer = world->rank_ == 0;
+    store_options.numWorkers = world->size_;
+    store_options.waitWorkers = false;
+    store_options.timeout = options.timeout;
+    try {
+      world->store_ = c10::make_intrusive<c10d::TCPStore>(world->master_addr_, store_options);
+    } catch (const std::exception& e) {
+      std::string why = e.what();
+      why = why.substr(0, why.find('\n'));
+      if (world->rank_ == 0) {
+        throw std::runtime_error(fmt::format(
+            "rank 0 cannot host the rendezvous store on {}:{} (is the port in use? pick another "
+            "MASTER_PORT / --master-port): {}",
+            world->master_addr_, port, why));
+      }
+      throw std::runtime_error(fmt::format("rank {} cannot reach the rendezvous store at {}:{}: {}",
+                                           world->rank_, world->master_addr_, port, why));
+    }
+    // A rank started with another WORLD_SIZE would otherwise wait forever for peers that never come.
+    auto& store = *world->store_;
+    auto encode = [](int v) {
+      std::string s = std::to_string(v);
+      return std::vector<uint8_t>(s.begin(), s.end());
+    };
+    store.set(fmt::format("{}world_size/{}", kKeyPrefix, world->rank_), encode(world->size_));
+    std::vector<int> check = world->rank_ == 0 ? std::vector<int>{} : std::vector<int>{0};
+    if (world->rank_ == 0) {
+      for (int r = 1; r < world->size_; ++r) check.push_back(r);
+    }
+    for (int r : check) {
+      auto raw = store.get(fmt::format("{}world_size/{}", kKeyPrefix, r));
+      int theirs = std::stoi(std::string(raw.begin(), raw.end()));
+      if (theirs != world->size_) {
+        throw std::runtime_error(fmt::format(
+            "world size mismatch: rank {} has WORLD_SIZE={} but rank {} has WORLD_SIZE={}",
+            world->rank_, world->size_, r, theirs));
+      }
+    }
+  }
+
+  std::vector<int> all(world->size_);
+  for (int r = 0; r < world->size_; ++r) all[r] = r;
+  world->global_ = world->new_group(all, "global");
+  return world;
+}
+
+std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks, const std::string& tag) {
+  auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  if (it == ranks.end()) return nullptr;
+  auto impl = std::make_unique<ProcessGroup::Impl>();
+  impl->name = tag;
+  impl->rank = static_cast<int>(it - ranks.begin());
+  impl->global_ranks = ranks;
+  impl->world_rank = rank_;
+  impl->timeout = options_.timeout;
+  impl->is_nccl = use_nccl_;
+  if (ranks.size() > 1) {
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(fmt::format("{}pg/{}", kKeyPrefix, tag), store_);
+#ifdef USE_C10D_NCCL
+    if (use_nccl_) {
+      impl->backend = compat::make_nccl(prefixed, impl->rank, static_cast<int>(ranks.size()), options_.timeout);
+    }
+#endif
+    if (!impl->backend) {
+      impl->backend = compat::make_gloo(prefixed, impl->rank, static_cast<int>(ranks.size()),
+                                        options_.timeout, master_addr_);
+    }
+    if (!liveness_) {
+      // The heartbeat gets its own store connection so it never queues behind a blocked get().
+      c10d::TCPStoreOptions o;
+      o.port = static_cast<c10d::TCPStore*>(store_.get())->getPort();
+      o.isServer = false;
+      o.waitWorkers = false;
+      o.timeout = options_.timeout;
+      auto beat_store = c10::make_intrusive<c10d::TCPStore>(master_addr_, o);
+      liveness_ = std::make_shared<Liveness>(beat_store, store_, rank_, std::chrono::milliseconds(250));
+    }
+    impl->liveness = liveness_;
+  }
+  return std::make_shared<ProcessGroup>(std::move(impl));
+}
+
+}  // namespace shardrl::dist

@@ -1,0 +1,366 @@
+// fully_shard(), the unit boundary hooks and the model-wide operations of FSDPModule.
+#include <fmt/format.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "compat.h"
+#include "fsdp/unit_state.h"
+
+namespace shardrl::fsdp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Which modules are units, so a root can find the units below it on its first forward.
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<const torch::nn::Module*, std::weak_ptr<UnitState>> units;
+
+  std::shared_ptr<UnitState> find(const torch::nn::Module* m) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = units.find(m);
+    return it == units.end() ? nullptr : it->second.lock();
+  }
+  void add(const torch::nn::Module* m, const std::shared_ptr<UnitState>& unit) {
+    std::lock_guard<std::mutex> lock(mutex);
+    units[m] = unit;
+  }
+};
+
+Registry& registry() {
+  static Registry instance;
+  return instance;
+}
+
+// The root whose forward is running on this thread.
+thread_local RootContext* t_active_root = nullptr;
+
+UnitState* unit_from(AutogradContext* ctx) {
+  return reinterpret_cast<UnitState*>(ctx->saved_data["unit"].toInt());
+}
+
+// Identity on a unit's outputs; its backward runs before the unit's backward: re-gather.
+struct PreBackward : public torch::autograd::Function<PreBackward> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList outputs, int64_t unit) {
+    ctx->saved_data["unit"] = unit;
+    return variable_list(outputs.begin(), outputs.end());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    unit_from(ctx)->pre_backward();
+    grads.emplace_back();  // for the unit argument
+    return grads;
+  }
+};
+
+// Identity on a unit's inputs; its backward runs once the unit's backward has produced the input
+// grads, after every parameter grad of the unit was accumulated (AccumulateGrad nodes run first).
+struct PostBackward : public torch::autograd::Function<PostBackward> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList inputs, int64_t unit) {
+    ctx->saved_data["unit"] = unit;
+    return variable_list(inputs.begin(), inputs.end());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    unit_from(ctx)->post_backward();
+    grads.emplace_back();
+    return grads;
+  }
+};
+
+// Applies fn to the tensors of `all` that require grad, keeping the order of `all`.
+std::vector<torch::Tensor> wrap_requiring_grad(
+    std::vector<torch::Tensor> all, UnitState& unit,
+    variable_list (*fn)(const at::TensorList&, const int64_t&)) {
+  std::vector<size_t> where;
+  std::vector<torch::Tensor> picked;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i].defined() && all[i].requires_grad()) {
+      where.push_back(i);
+      picked.push_back(all[i]);
+    }
+  }
+  if (picked.empty()) return all;
+  auto wrapped = fn(at::TensorList(picked), reinterpret_cast<int64_t>(&unit));
+  for (size_t k = 0; k < where.size(); ++k) all[where[k]] = wrapped[k];
+  return all;
+}
+
+variable_list apply_pre_backward(const at::TensorList& t, const int64_t& u) {
+  return PreBackward::apply(t, u);
+}
+variable_list apply_post_backward(const at::TensorList& t, const int64_t& u) {
+  return PostBackward::apply(t, u);
+}
+
+void init_root(const std::shared_ptr<UnitState>& unit) {
+  unit->is_root = true;
+  unit->owned_root = std::make_unique<RootContext>(unit.get());
+  RootContext* root = unit->owned_root.get();
+  root->units.push_back(unit.get());
+  unit->root = root;
+  for (const auto& child : unit->module->modules(/*include_self=*/false)) {
+    auto sub = registry().find(child.get());
+    if (!sub) continue;
+    TORCH_CHECK(!sub->root, "fully_shard: a unit belongs to two sharded roots");
+    sub->root = root;
+    root->units.push_back(sub.get());
+  }
+}
+
+RootContext& root_of(const std::shared_ptr<UnitState>& unit) {
+  if (!unit->root) init_root(unit);
+  return *unit->root;
+}
+
+// Units scoped by this handle: the whole model for the root, the unit alone otherwise.
+std::vector<UnitState*> scoped_units(const std::shared_ptr<UnitState>& unit) {
+  RootContext& root = root_of(unit);
+  if (unit->is_root) return root.units;
+  return {unit.get()};
+}
+
+}  // namespace
+
+torch::ScalarType parse_dtype(const std::string& name, const std::string& field) {
+  static const std::unordered_map<std::string, torch::ScalarType> known = {
+      {"bf16", torch::kBFloat16}, {"bfloat16", torch::kBFloat16}, {"fp16", torch::kHalf},
+      {"float16", torch::kHalf},  {"half", torch::kHalf},         {"fp32", torch::kFloat},
+      {"float32", torch::kFloat}, {"float", torch::kFloat}};
+  auto it = known.find(name);
+  if (it == known.end()) {
+    throw std::invalid_argument(
+        fmt::format("{}: unknown dtype '{}' (expected bf16, fp16 or fp32)", field, name));
+  }
+  return it->second;
+}
+
+void UnitState::shard_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& named) {
+  const int world = mesh.shard_size();
+  const int rank = mesh.shard_group().rank();
+  int64_t total = 0;
+  for (const auto& [name, param] : named) {
+    ParamSlot slot;
+    slot.name = name;
+    slot.unsharded = param;
+    slot.shape = param.sizes().vec();
+    slot.rows = param.dim() == 0 ? 1 : param.size(0);
+    slot.row_numel = slot.rows == 0 ? 0 : param.numel() / slot.rows;
+    slot.chunk_rows = (slot.rows + world - 1) / world;
+    slot.offset = total;
+    total += slot.shard_numel();
+    params.push_back(std::move(slot));
+  }
+  torch::NoGradGuard no_grad;
+  const auto device = mesh.device();
+  flat_shard = torch::zeros({total}, torch::dtype(torch::kFloat).device(device));
+  for (auto& slot : params) {
+    std::vector<int64_t> shape = slot.shape;
+    if (shape.empty()) shape = {1};
+    shape[0] = slot.chunk_rows;
+    torch::Tensor view = flat_shard.narrow(0, slot.offset, slot.shard_numel()).view(shape);
+    const int64_t valid = slot.valid_rows_on(rank);
+    if (valid > 0) {
+      torch::Tensor full = slot.unsharded.detach().reshape({slot.rows, slot.row_numel});
+      view.view({slot.chunk_rows, slot.row_numel})
+          .narrow(0, 0, valid)
+          .copy_(full.narrow(0, rank * slot.chunk_rows, valid));
+    }
+    slot.shard = view.detach().set_requires_grad(slot.unsharded.requires_grad());
+    // A fresh, exclusive storage in the compute dtype; freed right away, refilled by all-gathers.
+    slot.unsharded.set_data(torch::empty(
+        slot.shape, torch::dtype(options.mixed_precision.param_dtype).device(device)));
+    compat::free_storage(slot.unsharded);
+  }
+}
+
+namespace detail {
+
+std::shared_ptr<UnitState> shard_module(const std::shared_ptr<torch::nn::Module>& module,
+                                        const dist::DeviceMesh& mesh, const Options& options) {
+  TORCH_CHECK(options.prefetch >= 0, "fully_shard: prefetch must be >= 0");
+  // Parameters of units sharded earlier (the children) stay theirs.
+  std::unordered_set<const c10::TensorImpl*> owned;
+  for (const auto& child : module->modules(/*include_self=*/false)) {
+    if (!registry().find(child.get())) continue;
+    for (const auto& p : child->parameters()) owned.insert(p.unsafeGetTensorImpl());
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> mine;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    if (owned.count(impl) || !seen.insert(impl).second) continue;
+    mine.emplace_back(item.key(), item.value());
+  }
+  auto unit = std::make_shared<UnitState>(module, mesh, options);
+  unit->shard_parameters(mine);
+  registry().add(module.get(), unit);
+  return unit;
+}
+
+std::vector<torch::Tensor> before_forward(UnitState& unit, std::vector<torch::Tensor> inputs) {
+  if (unit.is_root && t_active_root == unit.root) t_active_root = nullptr;  // an earlier forward threw
+  if (!t_active_root) {
+    auto self = registry().find(unit.module.get());
+    RootContext& root = root_of(self);
+    TORCH_CHECK(unit.is_root,
+                "FSDP unit called on its own: call the root module that fully_shard() was "
+                "applied to last");
+    t_active_root = &root;
+    root.begin_forward();
+  }
+  TORCH_CHECK(unit.root == t_active_root,
+              "FSDP unit called from a root it does not belong to (shard children before the root)");
+  unit.finish_gather();
+  if (!unit.is_root) unit.root->forward_order.push_back(&unit);
+  unit.root->prefetch_after_in_forward(&unit);
+
+  const auto param_dtype = unit.options.mixed_precision.param_dtype;
+  for (auto& t : inputs) {
+    if (t.defined() && t.is_floating_point() && t.scalar_type() != param_dtype) t = t.to(param_dtype);
+  }
+  if (torch::GradMode::is_enabled()) {
+    inputs = wrap_requiring_grad(std::move(inputs), unit, apply_post_backward);
+  }
+  return inputs;
+}
+
+std::vector<torch::Tensor> after_forward(UnitState& unit, std::vector<torch::Tensor> outputs) {
+  bool needs_backward = false;
+  if (torch::GradMode::is_enabled()) {
+    for (const auto& t : outputs) needs_backward |= t.defined() && t.requires_grad();
+  }
+  if (needs_backward) outputs = wrap_requiring_grad(std::move(outputs), unit, apply_pre_backward);
+  if (unit.is_root) {
+    if (auto dtype = unit.options.mixed_precision.output_dtype) {
+      for (auto& t : outputs) {
+        if (t.defined() && t.is_floating_point()) t = t.to(*dtype);
+      }
+    }
+    t_active_root = nullptr;
+    // No backward will come to reshard: do it now (eval and reference forwards).
+    if (!needs_backward) {
+      for (auto* u : unit.root->units) u->reshard();
+    }
+  } else if (!needs_backward || unit.options.reshard_after_forward) {
+    unit.reshard();
+  }
+  return outputs;
+}
+
+}  // namespace detail
+
+std::vector<ShardedParameter> FSDPModule::sharded_parameters() const {
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  for (const auto& item : state_->module->named_parameters(true)) {
+    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  const int rank = state_->mesh.shard_group().rank();
+  std::vector<ShardedParameter> out;
+  for (UnitState* unit : scoped_units(state_)) {
+    for (const auto& slot : unit->params) {
+      ShardedParameter p;
+      p.name = names.at(slot.unsharded.unsafeGetTensorImpl());
+      p.shard = slot.shard;
+      p.global_shape = slot.shape;
+      p.row_offset = std::min(slot.rows, rank * slot.chunk_rows);
+      p.valid_rows = slot.valid_rows_on(rank);
+      out.push_back(std::move(p));
+    }
+  }
+  return out;
+}
+
+void FSDPModule::set_requires_gradient_sync(bool sync) { root_of(state_).requires_gradient_sync = sync; }
+
+void FSDPModule::set_reshard_after_forward(bool reshard) {
+  for (UnitState* unit : scoped_units(state_)) unit->options.reshard_after_forward = reshard;
+}
+
+double FSDPModule::clip_grad_norm_(double max_norm) {
+  torch::NoGradGuard no_grad;
+  auto shards = sharded_parameters();
+  torch::Tensor sum_sq = torch::zeros({1}, torch::dtype(torch::kDouble).device(state_->mesh.device()));
+  for (const auto& p : shards) {
+    if (p.shard.grad().defined()) sum_sq += p.shard.grad().to(torch::kDouble).pow(2).sum();
+  }
+  // Shards are disjoint across the shard group and identical across replicas.
+  state_->mesh.shard_group().all_reduce(sum_sq);
+  const double total = std::sqrt(sum_sq.item<double>());
+  if (!std::isfinite(total)) return total;
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    for (const auto& p : shards) {
+      if (p.shard.grad().defined()) p.shard.mutable_grad().mul_(coef);
+    }
+  }
+  return total;
+}
+
+void FSDPModule::zero_grad() {
+  for (UnitState* unit : scoped_units(state_)) {
+    for (auto& slot : unit->params) {
+      slot.shard.mutable_grad() = torch::Tensor();
+      slot.unsharded.mutable_grad() = torch::Tensor();
+    }
+  }
+}
+
+std::map<std::string, torch::Tensor> FSDPModule::full_parameters() const {
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  for (const auto& item : state_->module->named_parameters(true)) {
+    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  torch::NoGradGuard no_grad;
+  auto& group = state_->mesh.shard_group();
+  std::map<std::string, torch::Tensor> out;
+  for (UnitState* unit : scoped_units(state_)) {
+    for (const auto& slot : unit->params) {
+      torch::Tensor gathered = torch::empty({group.size() * slot.shard_numel()}, slot.shard.options());
+      group.all_gather(slot.shard.detach().reshape(-1), gathered);
+      out[names.at(slot.unsharded.unsafeGetTensorImpl())] =
+          gathered.view({group.size() * slot.chunk_rows, slot.row_numel})
+              .narrow(0, 0, slot.rows)
+              .reshape(slot.shape);
+    }
+  }
+  return out;
+}
+
+MemoryStats FSDPModule::memory() const {
+  MemoryStats stats;
+  auto bytes = [](const torch::Tensor& t) {
+    return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : int64_t{0};
+  };
+  for (UnitState* unit : scoped_units(state_)) {
+    stats.sharded_param_bytes += bytes(unit->flat_shard);
+    for (const auto& slot : unit->params) {
+      stats.sharded_grad_bytes += bytes(slot.shard.grad());
+      stats.unsharded_param_bytes += bytes(slot.unsharded);
+      stats.unsharded_grad_bytes += bytes(slot.unsharded.grad());
+    }
+  }
+  return stats;
+}
+
+uint64_t FSDPModule::bytes_sent() const {
+  const auto& mesh = state_->mesh;
+  return mesh.shard_group().bytes_sent() +
+         (mesh.replicate_group() ? mesh.replicate_group()->bytes_sent() : 0);
+}
+
+void FSDPModule::reset_bytes_sent() {
+  const auto& mesh = state_->mesh;
+  mesh.shard_group().reset_bytes_sent();
+  if (mesh.replicate_group()) mesh.replicate_group()->reset_bytes_sent();
+}
+
+void FSDPModule::reshard() {
+  for (UnitState* unit : scoped_units(state_)) unit->reshard();
+}
+
+const dist::DeviceMesh& FSDPModule::mesh() const { return state_->mesh; }
+
+}  // namespace shardrl::fsdp

@@ -1,0 +1,77 @@
+#include "shardrl/models/transformer.h"
+
+#include <cmath>
+
+namespace shardrl::models {
+
+int64_t TransformerConfig::parameter_count() const {
+  const int64_t d = d_model, h = mlp_ratio * d_model;
+  const int64_t block = 2 * 2 * d + (3 * d * d + 2 * d) + (d * d + d) + (h * d + h) + (d * h + d);
+  return vocab_size * d + max_seq_len * d + n_layers * block + 2 * d + d * vocab_size;
+}
+
+BlockImpl::BlockImpl(const TransformerConfig& c) : n_heads_(c.n_heads) {
+  TORCH_CHECK(c.d_model % c.n_heads == 0, "d_model must be divisible by n_heads");
+  ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  q_proj_ = register_module("q_proj", torch::nn::Linear(c.d_model, c.d_model));
+  // A key bias shifts every score of a query by the same amount, which softmax cancels: its
+  // gradient is exactly zero in theory and rounding noise in practice, which Adam would amplify.
+  k_proj_ = register_module("k_proj",
+                            torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.d_model).bias(false)));
+  v_proj_ = register_module("v_proj", torch::nn::Linear(c.d_model, c.d_model));
+  proj_ = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
+  ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  fc1_ = register_module("fc1", torch::nn::Linear(c.d_model, c.mlp_ratio * c.d_model));
+  fc2_ = register_module("fc2", torch::nn::Linear(c.mlp_ratio * c.d_model, c.d_model));
+}
+
+torch::Tensor BlockImpl::attention(const torch::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), hd = D / n_heads_;
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_heads_, hd}).transpose(1, 2); };
+  auto q = heads(q_proj_(x)), k = heads(k_proj_(x)), v = heads(v_proj_(x));
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+  auto future = torch::ones({T, T}, torch::dtype(torch::kBool).device(x.device())).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  auto out = torch::matmul(torch::softmax(scores, -1), v);
+  return proj_(out.transpose(1, 2).reshape({B, T, D}));
+}
+
+torch::Tensor BlockImpl::forward(torch::Tensor x) {
+  x = x + attention(ln1_(x));
+  return x + fc2_(torch::gelu(fc1_(ln2_(x))));
+}
+
+TransformerImpl::TransformerImpl(const TransformerConfig& c) : config_(c) {
+  tok_emb_ = register_module("tok_emb", torch::nn::Embedding(c.vocab_size, c.d_model));
+  pos_emb_ = register_module("pos_emb", torch::nn::Embedding(c.max_seq_len, c.d_model));
+  auto list = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    blocks_.emplace_back(c);
+    list->push_back(blocks_.back().ptr());
+  }
+  ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  head_ = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+}
+
+torch::Tensor TransformerImpl::forward(torch::Tensor tokens) {
+  const int64_t T = tokens.size(1);
+  TORCH_CHECK(T <= config_.max_seq_len, "sequence length ", T, " exceeds max_seq_len ", config_.max_seq_len);
+  auto positions = torch::arange(T, torch::dtype(torch::kLong).device(tokens.device()));
+  auto x = tok_emb_(tokens) + pos_emb_(positions);
+  for (auto& block : blocks_) x = block(x);
+  return head_(ln_f_(x));
+}
+
+void shard_transformer(Transformer& model, const dist::DeviceMesh& mesh, const fsdp::Options& options) {
+  for (auto& block : model->blocks()) fsdp::fully_shard(block, mesh, options);
+  fsdp::fully_shard(model, mesh, options);
+}
+
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& tokens) {
+  const int64_t V = logits.size(-1);
+  auto pred = logits.narrow(1, 0, logits.size(1) - 1).reshape({-1, V}).to(torch::kFloat);
+  auto target = tokens.narrow(1, 1, tokens.size(1) - 1).reshape({-1});
+  return torch::nn::functional::cross_entropy(pred, target);
+}
+
+}  // namespace shardrl::models

@@ -1,0 +1,98 @@
+#include "test_util.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+
+namespace shardrl::testing {
+
+std::string bin(const std::string& name) { return std::string(SHARDRL_BIN_DIR) + "/" + name; }
+
+std::string make_temp_dir(const std::string& tag) {
+  std::string pattern = (std::filesystem::temp_directory_path() / ("shardrl-" + tag + "-XXXXXX")).string();
+  if (!mkdtemp(pattern.data())) throw std::runtime_error("mkdtemp failed");
+  return pattern;
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+ProcessResult run_process(const std::vector<std::string>& argv,
+                          const std::map<std::string, std::string>& env, double timeout_s) {
+  int pipe_fds[2];
+  if (pipe(pipe_fds) != 0) throw std::runtime_error("pipe failed");
+  const auto start = std::chrono::steady_clock::now();
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    dup2(pipe_fds[1], 1);
+    dup2(pipe_fds[1], 2);
+    close(pipe_fds[0]);
+    close(pipe_fds[1]);
+    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execvp(args[0], args.data());
+    _exit(127);
+  }
+  close(pipe_fds[1]);
+  ProcessResult result;
+  char buf[4096];
+  bool timed_out = false;
+  while (true) {
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed > timeout_s) {
+      timed_out = true;
+      kill(-pid, SIGKILL);
+      break;
+    }
+    pollfd p{pipe_fds[0], POLLIN, 0};
+    if (poll(&p, 1, 200) > 0) {
+      ssize_t n = read(pipe_fds[0], buf, sizeof(buf));
+      if (n <= 0) break;
+      result.output.append(buf, n);
+    }
+  }
+  close(pipe_fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (timed_out) {
+    result.exit_code = -2;
+    result.output += "\n[test harness: killed after timeout]\n";
+  } else if (WIFEXITED(status)) {
+    result.exit_code = WEXITSTATUS(status);
+  } else {
+    result.exit_code = 128 + WTERMSIG(status);
+  }
+  return result;
+}
+
+ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args, double timeout_s) {
+  std::vector<std::string> argv = {bin("shardrl"), "launch", "-n", std::to_string(nproc), "--threads", "1",
+                                   "--grace", "20", "--", bin("dist_worker")};
+  argv.insert(argv.end(), worker_args.begin(), worker_args.end());
+  return run_process(argv, {}, timeout_s);
+}
+
+}  // namespace shardrl::testing

@@ -1,0 +1,29 @@
+// Shared by the tests: running real processes and reading what they wrote.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace shardrl::testing {
+
+struct ProcessResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+  double seconds = 0;
+};
+
+// Runs argv with extra environment variables; output captured; killed after timeout_s.
+ProcessResult run_process(const std::vector<std::string>& argv,
+                          const std::map<std::string, std::string>& env = {},
+                          double timeout_s = 300);
+
+// `shardrl launch -n N -- dist_worker args...`
+ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,
+                             double timeout_s = 300);
+
+std::string bin(const std::string& name);
+std::string make_temp_dir(const std::string& tag);
+int free_port();
+
+}  // namespace shardrl::testing

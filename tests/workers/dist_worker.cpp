@@ -1,0 +1,125 @@
+// One rank of a multi-rank test, started by `shardrl launch`. Trains the scenario with FSDP and
+// writes what the test compares: per-step losses, the gathered parameters, memory per rank.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <csignal>
+#include <fstream>
+#include <iostream>
+
+#include "shardrl/dist.h"
+#include "shardrl/fsdp.h"
+#include "shardrl/optim.h"
+#include "workers/scenario.h"
+
+using namespace shardrl;
+
+namespace {
+
+int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
+          const std::string& param_dtype, const std::string& reduce_dtype, bool no_sync,
+          int die_rank, int die_step, int timeout_ms, bool reshard_after_forward) {
+  dist::InitOptions init;
+  init.timeout = std::chrono::milliseconds(timeout_ms);
+  auto world = dist::World::init_from_env(init);
+  auto mesh = dist::DeviceMesh::create(*world, fsdp_size);
+
+  fsdp::Options options;
+  options.mixed_precision.param_dtype = fsdp::parse_dtype(param_dtype, "mixed_precision.param_dtype");
+  options.mixed_precision.reduce_dtype = fsdp::parse_dtype(reduce_dtype, "mixed_precision.reduce_dtype");
+  options.mixed_precision.output_dtype = torch::kFloat;
+  options.reshard_after_forward = reshard_after_forward;
+
+  auto model = testing::build_model(s);
+  const int64_t vocab = model->config().vocab_size;
+  models::shard_transformer(model, mesh, options);
+  auto fsdp_model = model.fsdp();
+  optim::AdamWConfig adam;
+  adam.lr = s.lr;
+  auto optimizer = optim::make_adamw(optim::from_sharded(fsdp_model.sharded_parameters()), adam);
+
+  const int dp = mesh.data_parallel_size();
+  const int dp_rank = mesh.data_parallel_rank();
+  const int64_t local = s.batch / dp, micro_rows = local / s.micro;
+  nlohmann::json losses = nlohmann::json::array(), norms = nlohmann::json::array(),
+                 bytes = nlohmann::json::array();
+  for (int64_t step = 0; step < s.steps; ++step) {
+    if (world->rank() == die_rank && step == die_step) std::raise(SIGKILL);
+    auto batch = testing::global_batch(s, step, vocab).narrow(0, dp_rank * local, local);
+    fsdp_model.zero_grad();
+    fsdp_model.reset_bytes_sent();
+    torch::Tensor loss_sum = torch::zeros({1});
+    for (int64_t m = 0; m < s.micro; ++m) {
+      fsdp_model.set_requires_gradient_sync(!no_sync || m == s.micro - 1);
+      auto tokens = batch.narrow(0, m * micro_rows, micro_rows);
+      auto loss = models::next_token_loss(model(tokens), tokens) / static_cast<double>(s.micro);
+      loss.backward();
+      loss_sum += loss.detach();
+    }
+    bytes.push_back(fsdp_model.bytes_sent());
+    auto result = optim::clip_and_step(fsdp_model, *optimizer, s.max_norm);
+    world->group().all_reduce(loss_sum);
+    losses.push_back(loss_sum.item<double>() / world->size());
+    norms.push_back(result.grad_norm);
+  }
+
+  auto mem = fsdp_model.memory();
+  nlohmann::json memory = {{"sharded_param_bytes", mem.sharded_param_bytes},
+                           {"sharded_grad_bytes", mem.sharded_grad_bytes},
+                           {"unsharded_param_bytes", mem.unsharded_param_bytes},
+                           {"unsharded_grad_bytes", mem.unsharded_grad_bytes},
+                           {"optimizer_bytes", optim::optimizer_state_bytes(*optimizer)}};
+  auto full = fsdp_model.full_parameters();
+  if (world->rank() == 0) {
+    std::vector<torch::Tensor> tensors;
+    std::ofstream names(out + "/names.txt");
+    for (const auto& [name, tensor] : full) {
+      names << name << "\n";
+      tensors.push_back(tensor);
+    }
+    torch::save(tensors, out + "/params.pt");
+    std::ofstream(out + "/losses.json") << nlohmann::json{{"loss", losses}, {"grad_norm", norms}, {"bytes_sent", bytes}}.dump();
+  }
+  std::ofstream(out + "/memory_" + std::to_string(world->rank()) + ".json") << memory.dump();
+  world->group().barrier();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ShardRL multi-rank test worker"};
+  testing::Scenario s;
+  std::string out = ".", param_dtype = "fp32", reduce_dtype = "fp32";
+  int fsdp_size = -1, die_rank = -1, die_step = -1, timeout_ms = 60000;
+  bool no_sync = false, keep_unsharded = false;
+  auto* train_cmd = app.add_subcommand("train", "FSDP training of the test transformer");
+  train_cmd->add_option("--steps", s.steps);
+  train_cmd->add_option("--batch", s.batch);
+  train_cmd->add_option("--seq", s.seq);
+  train_cmd->add_option("--micro", s.micro);
+  train_cmd->add_option("--layers", s.layers);
+  train_cmd->add_option("--lr", s.lr);
+  train_cmd->add_option("--max-norm", s.max_norm);
+  train_cmd->add_option("--seed", s.seed);
+  train_cmd->add_flag("--unused-params", s.unused_params);
+  train_cmd->add_option("--freeze", s.freeze);
+  train_cmd->add_option("--out", out);
+  train_cmd->add_option("--fsdp-size", fsdp_size);
+  train_cmd->add_option("--param-dtype", param_dtype);
+  train_cmd->add_option("--reduce-dtype", reduce_dtype);
+  train_cmd->add_flag("--no-sync", no_sync);
+  train_cmd->add_flag("--keep-unsharded", keep_unsharded);
+  train_cmd->add_option("--die-rank", die_rank);
+  train_cmd->add_option("--die-step", die_step);
+  train_cmd->add_option("--timeout-ms", timeout_ms);
+  app.require_subcommand(1);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return train(s, out, fsdp_size, param_dtype, reduce_dtype, no_sync, die_rank, die_step,
+                 timeout_ms, !keep_unsharded);
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+}
