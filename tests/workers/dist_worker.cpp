@@ -6,6 +6,7 @@
 #include <csignal>
 #include <fstream>
 #include <iostream>
+#include <thread>
 
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
@@ -18,7 +19,7 @@ namespace {
 
 int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
           const std::string& param_dtype, const std::string& reduce_dtype, bool no_sync,
-          int die_rank, int die_step, int timeout_ms, bool reshard_after_forward) {
+          int die_rank, int die_step, int hang_rank, int timeout_ms, bool reshard_after_forward) {
   dist::InitOptions init;
   init.timeout = std::chrono::milliseconds(timeout_ms);
   auto world = dist::World::init_from_env(init);
@@ -45,6 +46,8 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
                  bytes = nlohmann::json::array();
   for (int64_t step = 0; step < s.steps; ++step) {
     if (world->rank() == die_rank && step == die_step) std::raise(SIGKILL);
+    // Alive but stuck outside any collective: the others must time out, not hang.
+    if (world->rank() == hang_rank && step == die_step) std::this_thread::sleep_for(std::chrono::minutes(10));
     auto batch = testing::global_batch(s, step, vocab).narrow(0, dp_rank * local, local);
     fsdp_model.zero_grad();
     fsdp_model.reset_bytes_sent();
@@ -91,7 +94,7 @@ int main(int argc, char** argv) {
   CLI::App app{"ShardRL multi-rank test worker"};
   testing::Scenario s;
   std::string out = ".", param_dtype = "fp32", reduce_dtype = "fp32";
-  int fsdp_size = -1, die_rank = -1, die_step = -1, timeout_ms = 60000;
+  int fsdp_size = -1, die_rank = -1, die_step = -1, hang_rank = -1, timeout_ms = 60000;
   bool no_sync = false, keep_unsharded = false;
   auto* train_cmd = app.add_subcommand("train", "FSDP training of the test transformer");
   train_cmd->add_option("--steps", s.steps);
@@ -111,13 +114,14 @@ int main(int argc, char** argv) {
   train_cmd->add_flag("--no-sync", no_sync);
   train_cmd->add_flag("--keep-unsharded", keep_unsharded);
   train_cmd->add_option("--die-rank", die_rank);
-  train_cmd->add_option("--die-step", die_step);
+  train_cmd->add_option("--die-step", die_step, "Step at which --die-rank or --hang-rank acts");
+  train_cmd->add_option("--hang-rank", hang_rank);
   train_cmd->add_option("--timeout-ms", timeout_ms);
   app.require_subcommand(1);
   CLI11_PARSE(app, argc, argv);
   try {
     return train(s, out, fsdp_size, param_dtype, reduce_dtype, no_sync, die_rank, die_step,
-                 timeout_ms, !keep_unsharded);
+                 hang_rank, timeout_ms, !keep_unsharded);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;
