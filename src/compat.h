@@ -1,11 +1,11 @@
 // Every difference between LibTorch 1.13 (Debian, CPU) and 2.x (CUDA/NCCL clusters) lives here.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/version.h>
-#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -25,8 +25,8 @@ using Backend = c10d::ProcessGroup;
 #endif
 
 // Gloo learnt bf16 in 2.2; before that any bf16 tensor throws "Invalid scalar type".
-constexpr bool kGlooHasBf16 =
-    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2);
+constexpr bool kGlooHasBf16 = TORCH_VERSION_MAJOR > 2 ||
+                              (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2);
 
 inline std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_addr) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
@@ -38,8 +38,8 @@ inline std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string&
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
-inline c10::intrusive_ptr<Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store,
-                                             int rank, int size, std::chrono::milliseconds timeout,
+inline c10::intrusive_ptr<Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                             int size, std::chrono::milliseconds timeout,
                                              const std::string& master_addr) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(gloo_device(master_addr));
@@ -49,9 +49,8 @@ inline c10::intrusive_ptr<Backend> make_gloo(const c10::intrusive_ptr<c10d::Stor
 }
 
 #ifdef USE_C10D_NCCL
-inline c10::intrusive_ptr<Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store,
-                                             int rank, int size,
-                                             std::chrono::milliseconds timeout) {
+inline c10::intrusive_ptr<Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                             int size, std::chrono::milliseconds timeout) {
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);

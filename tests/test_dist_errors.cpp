@@ -19,13 +19,15 @@ std::vector<std::string> train_args(std::vector<std::string> extra) {
 TEST(DistErrors, UnknownDtypeNamesTheField) {
   auto r = launch_workers(1, train_args({"--param-dtype", "fp8"}));
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("mixed_precision.param_dtype: unknown dtype 'fp8'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("mixed_precision.param_dtype: unknown dtype 'fp8'"), std::string::npos)
+      << r.output;
 }
 
 TEST(DistErrors, MeshThatDoesNotDivideTheWorld) {
   auto r = launch_workers(4, train_args({"--fsdp-size", "3"}));
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("fsdp_size=3 does not divide the world size 4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fsdp_size=3 does not divide the world size 4"), std::string::npos)
+      << r.output;
 }
 
 TEST(DistErrors, MismatchedWorldSizeIsReportedNotAwaited) {
@@ -35,11 +37,13 @@ TEST(DistErrors, MismatchedWorldSizeIsReportedNotAwaited) {
                              "RANK=0 WORLD_SIZE=2 " + worker + " & RANK=1 WORLD_SIZE=3 " + worker +
                              "; wait";
   auto r = run_process({"/bin/sh", "-c", script}, {}, 60);
-  EXPECT_NE(r.output.find("world size mismatch: rank 1 has WORLD_SIZE=3 but rank 0 has WORLD_SIZE=2"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find("world size mismatch: rank 1 has WORLD_SIZE=3 but rank 0 has WORLD_SIZE=2"),
+      std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("world size mismatch: rank 0 has WORLD_SIZE=2 but rank 1 has WORLD_SIZE=3"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find("world size mismatch: rank 0 has WORLD_SIZE=2 but rank 1 has WORLD_SIZE=3"),
+      std::string::npos)
       << r.output;
 }
 
@@ -47,7 +51,8 @@ TEST(DistErrors, RankOutOfRange) {
   auto r = run_process({bin("dist_worker"), "train", "--out", make_temp_dir("range")},
                        {{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, 60);
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("RANK=2 is out of range for WORLD_SIZE=2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("RANK=2 is out of range for WORLD_SIZE=2"), std::string::npos)
+      << r.output;
 }
 
 TEST(DistErrors, PortInUseIsNamed) {
@@ -60,9 +65,10 @@ TEST(DistErrors, PortInUseIsNamed) {
   socklen_t len = sizeof(addr);
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   const std::string port = std::to_string(ntohs(addr.sin_port));
-  auto r = run_process({bin("shardrl"), "launch", "-n", "2", "--master-port", port, "--grace", "1", "--",
-                        bin("dist_worker"), "train", "--timeout-ms", "5000", "--out", make_temp_dir("port")},
-                       {}, 60);
+  auto r = run_process(
+      {bin("shardrl"), "launch", "-n", "2", "--master-port", port, "--grace", "1", "--",
+       bin("dist_worker"), "train", "--timeout-ms", "5000", "--out", make_temp_dir("port")},
+      {}, 60);
   close(fd);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("rank 0 cannot host the rendezvous store on 127.0.0.1:" + port +
@@ -72,7 +78,8 @@ TEST(DistErrors, PortInUseIsNamed) {
 }
 
 TEST(DistErrors, KilledRankIsNamedBySurvivorsWithinTheTimeout) {
-  auto r = launch_workers(3, train_args({"--die-rank", "1", "--die-step", "2", "--timeout-ms", "10000"}));
+  auto r = launch_workers(
+      3, train_args({"--die-rank", "1", "--die-step", "2", "--timeout-ms", "10000"}));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("[rank 0] error:"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[rank 2] error:"), std::string::npos) << r.output;
@@ -81,7 +88,8 @@ TEST(DistErrors, KilledRankIsNamedBySurvivorsWithinTheTimeout) {
 }
 
 TEST(DistErrors, KilledStoreHostIsNamed) {
-  auto r = launch_workers(2, train_args({"--die-rank", "0", "--die-step", "2", "--timeout-ms", "10000"}));
+  auto r = launch_workers(
+      2, train_args({"--die-rank", "0", "--die-step", "2", "--timeout-ms", "10000"}));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("[rank 1] error:"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rank 0"), std::string::npos) << r.output;
@@ -89,7 +97,8 @@ TEST(DistErrors, KilledStoreHostIsNamed) {
 }
 
 TEST(DistErrors, StuckRankMakesOthersTimeOut) {
-  auto r = launch_workers(2, train_args({"--hang-rank", "1", "--die-step", "1", "--timeout-ms", "3000"}));
+  auto r = launch_workers(
+      2, train_args({"--hang-rank", "1", "--die-step", "1", "--timeout-ms", "3000"}));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("[rank 0] error:"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("timeout 3000 ms"), std::string::npos) << r.output;

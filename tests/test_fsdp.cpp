@@ -38,15 +38,17 @@ Run train_reference(const Scenario& s) {
     optimizer->step();
     run.losses.push_back(loss.item<double>());
   }
-  for (const auto& item : model->named_parameters()) run.params[item.key()] = item.value().detach().clone();
+  for (const auto& item : model->named_parameters())
+    run.params[item.key()] = item.value().detach().clone();
   return run;
 }
 
 std::vector<std::string> scenario_args(const Scenario& s) {
-  std::vector<std::string> args = {"--steps", std::to_string(s.steps), "--batch", std::to_string(s.batch),
-                                   "--seq",   std::to_string(s.seq),   "--micro", std::to_string(s.micro),
-                                   "--layers", std::to_string(s.layers), "--lr",  std::to_string(s.lr),
-                                   "--max-norm", std::to_string(s.max_norm), "--seed", std::to_string(s.seed)};
+  std::vector<std::string> args = {
+      "--steps",    std::to_string(s.steps),    "--batch", std::to_string(s.batch),
+      "--seq",      std::to_string(s.seq),      "--micro", std::to_string(s.micro),
+      "--layers",   std::to_string(s.layers),   "--lr",    std::to_string(s.lr),
+      "--max-norm", std::to_string(s.max_norm), "--seed",  std::to_string(s.seed)};
   if (s.unused_params) args.push_back("--unused-params");
   if (!s.freeze.empty()) args.insert(args.end(), {"--freeze", s.freeze});
   return args;
@@ -72,7 +74,8 @@ Run train_sharded(int nproc, const Scenario& s, const std::vector<std::string>& 
   std::string name;
   for (size_t i = 0; std::getline(names, name); ++i) run.params[name] = tensors.at(i);
   for (int r = 0; r < nproc; ++r) {
-    run.memory.push_back(nlohmann::json::parse(std::ifstream(dir + "/memory_" + std::to_string(r) + ".json")));
+    run.memory.push_back(
+        nlohmann::json::parse(std::ifstream(dir + "/memory_" + std::to_string(r) + ".json")));
   }
   return run;
 }
@@ -199,8 +202,8 @@ TEST(FSDP, PersistentStatePerRankIsFullSizeOverN) {
   const double full_bytes = 4.0 * params + 4.0 * trained * 3;
   ASSERT_EQ(sharded.memory.size(), static_cast<size_t>(world));
   for (const auto& m : sharded.memory) {
-    const double held = m["sharded_param_bytes"].get<double>() + m["sharded_grad_bytes"].get<double>() +
-                        m["optimizer_bytes"].get<double>();
+    const double held = m["sharded_param_bytes"].get<double>() +
+                        m["sharded_grad_bytes"].get<double>() + m["optimizer_bytes"].get<double>();
     EXPECT_EQ(m["unsharded_param_bytes"].get<int64_t>(), 0);
     EXPECT_EQ(m["unsharded_grad_bytes"].get<int64_t>(), 0);
     // Padding to equal shards costs at most one row per param per rank.

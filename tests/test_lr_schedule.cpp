@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "optim/lr_schedule.h"
+#include "shardrl/lr_schedule.h"
 
 namespace shardrl::optim {
 namespace {

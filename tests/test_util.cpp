@@ -15,10 +15,13 @@
 
 namespace shardrl::testing {
 
-std::string bin(const std::string& name) { return std::string(SHARDRL_BIN_DIR) + "/" + name; }
+std::string bin(const std::string& name) {
+  return std::string(SHARDRL_BIN_DIR) + "/" + name;
+}
 
 std::string make_temp_dir(const std::string& tag) {
-  std::string pattern = (std::filesystem::temp_directory_path() / ("shardrl-" + tag + "-XXXXXX")).string();
+  std::string pattern =
+      (std::filesystem::temp_directory_path() / ("shardrl-" + tag + "-XXXXXX")).string();
   if (!mkdtemp(pattern.data())) throw std::runtime_error("mkdtemp failed");
   return pattern;
 }
@@ -88,9 +91,11 @@ ProcessResult run_process(const std::vector<std::string>& argv,
   return result;
 }
 
-ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args, double timeout_s) {
-  std::vector<std::string> argv = {bin("shardrl"), "launch", "-n", std::to_string(nproc), "--threads", "1",
-                                   "--grace", "20", "--", bin("dist_worker")};
+ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,
+                             double timeout_s) {
+  std::vector<std::string> argv = {
+      bin("shardrl"), "launch", "-n", std::to_string(nproc), "--threads", "1",
+      "--grace",      "20",     "--", bin("dist_worker")};
   argv.insert(argv.end(), worker_args.begin(), worker_args.end());
   return run_process(argv, {}, timeout_s);
 }

@@ -31,7 +31,7 @@ class CollectiveError : public std::runtime_error {
 };
 
 struct InitOptions {
-  std::string backend = "auto";                       // "gloo", "nccl" or "auto" (nccl on CUDA)
+  std::string backend = "auto";  // "gloo", "nccl" or "auto" (nccl on CUDA)
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};  // every collective and rendezvous
 };
 
@@ -97,7 +97,7 @@ class ProcessGroup {
   Pending make_pending(std::string op, std::vector<c10::intrusive_ptr<c10d::Work>> works,
                        std::function<void()> finish = nullptr);
   c10::intrusive_ptr<c10d::Work> launch(const std::string& op,
-                                         const std::function<c10::intrusive_ptr<c10d::Work>()>& f);
+                                        const std::function<c10::intrusive_ptr<c10d::Work>()>& f);
 
   std::unique_ptr<Impl> impl_;
   uint64_t bytes_sent_ = 0;

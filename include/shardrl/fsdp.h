@@ -49,8 +49,8 @@ struct Options {
 
 // One sharded parameter as the optimizer and checkpoints see it.
 struct ShardedParameter {
-  std::string name;                   // fully qualified, as in the unsharded model
-  torch::Tensor shard;                // fp32 master shard [ceil(dim0 / N), ...], zero padded; .grad()
+  std::string name;     // fully qualified, as in the unsharded model
+  torch::Tensor shard;  // fp32 master shard [ceil(dim0 / N), ...], zero padded; .grad()
   std::vector<int64_t> global_shape;  // the unsharded shape
   int64_t row_offset = 0;             // first dim-0 row this rank holds
   int64_t valid_rows = 0;             // rows of `shard` that are real (the rest is padding)

@@ -7,13 +7,13 @@
 namespace shardrl::dist {
 
 struct LaunchOptions {
-  int nproc = 1;                        // local ranks to start
-  int master_port = 0;                  // 0: pick a free port on master_addr
+  int nproc = 1;        // local ranks to start
+  int master_port = 0;  // 0: pick a free port on master_addr
   std::string master_addr = "127.0.0.1";
-  int threads_per_rank = 0;             // 0: max(1, cores / nproc), unless OMP_NUM_THREADS is set
-  double grace_seconds = 5.0;           // after a rank fails, time the others get to report an error
-  std::vector<std::string> command;     // argv of every rank
-  int stdout_fd = 1;                    // where prefixed rank output goes (tests redirect it)
+  int threads_per_rank = 0;          // 0: max(1, cores / nproc), unless OMP_NUM_THREADS is set
+  double grace_seconds = 5.0;        // after a rank fails, time the others get to report an error
+  std::vector<std::string> command;  // argv of every rank
+  int stdout_fd = 1;                 // where prefixed rank output goes (tests redirect it)
   int stderr_fd = 2;
 };
 

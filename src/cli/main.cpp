@@ -12,15 +12,19 @@ int main(int argc, char** argv) {
   shardrl::dist::LaunchOptions launch;
   auto* launch_cmd = app.add_subcommand(
       "launch", "Start N local ranks of a command with the torchrun environment");
-  launch_cmd->add_option("-n,--nproc-per-node", launch.nproc, "Ranks to start")->required()->check(CLI::PositiveNumber);
-  launch_cmd->add_option("--master-port", launch.master_port, "Rendezvous port (default: a free one)")
+  launch_cmd->add_option("-n,--nproc-per-node", launch.nproc, "Ranks to start")
+      ->required()
+      ->check(CLI::PositiveNumber);
+  launch_cmd
+      ->add_option("--master-port", launch.master_port, "Rendezvous port (default: a free one)")
       ->check(CLI::Range(0, 65535));
   launch_cmd->add_option("--master-addr", launch.master_addr, "Rendezvous address");
   launch_cmd->add_option("--threads", launch.threads_per_rank,
                          "Compute threads per rank (default: cores / N, or OMP_NUM_THREADS)");
   launch_cmd->add_option("--grace", launch.grace_seconds,
                          "Seconds the other ranks get to report after one fails");
-  launch_cmd->add_option("command", launch.command, "Command to run on every rank (after --)")->required();
+  launch_cmd->add_option("command", launch.command, "Command to run on every rank (after --)")
+      ->required();
 
   CLI11_PARSE(app, argc, argv);
   try {

@@ -8,10 +8,10 @@ DeviceMesh DeviceMesh::create(World& world, int fsdp_size) {
   const int world_size = world.size();
   if (fsdp_size <= 0) fsdp_size = world_size;
   if (fsdp_size > world_size || world_size % fsdp_size != 0) {
-    throw std::invalid_argument(fmt::format(
-        "fsdp_size={} does not divide the world size {} (hybrid sharding needs world = "
-        "replicas x fsdp_size)",
-        fsdp_size, world_size));
+    throw std::invalid_argument(
+        fmt::format("fsdp_size={} does not divide the world size {} (hybrid sharding needs world = "
+                    "replicas x fsdp_size)",
+                    fsdp_size, world_size));
   }
   DeviceMesh mesh;
   mesh.device_ = world.device();

@@ -16,17 +16,27 @@ torch::Tensor as_transportable(const torch::Tensor& t, bool is_nccl) {
   return t;
 }
 
-uint64_t nbytes(const torch::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
+uint64_t nbytes(const torch::Tensor& t) {
+  return static_cast<uint64_t>(t.numel()) * t.element_size();
+}
 
 }  // namespace
 
 ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ProcessGroup::~ProcessGroup() = default;
 
-int ProcessGroup::rank() const { return impl_->rank; }
-int ProcessGroup::size() const { return static_cast<int>(impl_->global_ranks.size()); }
-const std::string& ProcessGroup::name() const { return impl_->name; }
-std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->timeout; }
+int ProcessGroup::rank() const {
+  return impl_->rank;
+}
+int ProcessGroup::size() const {
+  return static_cast<int>(impl_->global_ranks.size());
+}
+const std::string& ProcessGroup::name() const {
+  return impl_->name;
+}
+std::chrono::milliseconds ProcessGroup::timeout() const {
+  return impl_->timeout;
+}
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::launch(
     const std::string& op, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
@@ -37,7 +47,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::launch(
   }
 }
 
-Pending ProcessGroup::make_pending(std::string op, std::vector<c10::intrusive_ptr<c10d::Work>> works,
+Pending ProcessGroup::make_pending(std::string op,
+                                   std::vector<c10::intrusive_ptr<c10d::Work>> works,
                                    std::function<void()> finish) {
   Pending p;
   p.group_ = this;
@@ -92,7 +103,8 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
     c10d::BroadcastOptions opts;
     opts.rootRank = r;
     opts.timeout = timeout();
-    works.push_back(launch("all_gather", [&] { return impl_->backend->broadcast((*views)[r], opts); }));
+    works.push_back(
+        launch("all_gather", [&] { return impl_->backend->broadcast((*views)[r], opts); }));
   }
   return make_pending("all_gather", std::move(works), [views] {});
 }
@@ -126,26 +138,27 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
   works.push_back(launch("reduce_scatter", [&] {
     return impl_->backend->alltoall_base(recv, send, equal_splits, equal_splits, opts);
   }));
-  return make_pending("reduce_scatter", std::move(works), [received, out, send, world, n]() mutable {
-    torch::Tensor rows = received.view({world, n});
-    if (rows.scalar_type() == torch::kFloat || rows.scalar_type() == torch::kDouble) {
-      if (out.scalar_type() == rows.scalar_type() && out.is_contiguous()) {
-        torch::Tensor flat = out.view(-1);
-        torch::sum_out(flat, rows, 0);
-      } else {
-        out.view(-1).copy_(rows.sum(0));
-      }
-    } else {
-      // Low-precision inputs are summed in fp32 and rounded once.
-      out.view(-1).copy_(rows.to(torch::kFloat).sum(0));
-    }
-  });
+  return make_pending(
+      "reduce_scatter", std::move(works), [received, out, send, world, n]() mutable {
+        torch::Tensor rows = received.view({world, n});
+        if (rows.scalar_type() == torch::kFloat || rows.scalar_type() == torch::kDouble) {
+          if (out.scalar_type() == rows.scalar_type() && out.is_contiguous()) {
+            torch::Tensor flat = out.view(-1);
+            torch::sum_out(flat, rows, 0);
+          } else {
+            out.view(-1).copy_(rows.sum(0));
+          }
+        } else {
+          // Low-precision inputs are summed in fp32 and rounded once.
+          out.view(-1).copy_(rows.to(torch::kFloat).sum(0));
+        }
+      });
 }
 
 void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
   if (size() == 1) return;
-  const bool upcast = !impl_->is_nccl && !compat::kGlooHasBf16 &&
-                      tensor.scalar_type() == torch::kBFloat16;
+  const bool upcast =
+      !impl_->is_nccl && !compat::kGlooHasBf16 && tensor.scalar_type() == torch::kBFloat16;
   std::vector<at::Tensor> tensors{upcast ? tensor.to(torch::kFloat) : tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
@@ -185,10 +198,10 @@ void ProcessGroup::raise_failure(const std::string& op, const std::string& cause
                           e.what());
   }
   std::string first_line = cause.substr(0, cause.find('\n'));
-  throw CollectiveError(fmt::format("{} failed on rank {} (process group '{}', timeout {} ms): {}. "
-                                    "Transport said: {}",
-                                    op, impl_->world_rank, impl_->name, impl_->timeout.count(),
-                                    culprit, first_line));
+  throw CollectiveError(
+      fmt::format("{} failed on rank {} (process group '{}', timeout {} ms): {}. "
+                  "Transport said: {}",
+                  op, impl_->world_rank, impl_->name, impl_->timeout.count(), culprit, first_line));
 }
 
 }  // namespace shardrl::dist

@@ -16,8 +16,8 @@ namespace shardrl::dist {
 // which hosts it, is gone. A rank that is merely slow keeps beating and is not blamed.
 class Liveness {
  public:
-  Liveness(c10::intrusive_ptr<c10d::Store> heartbeat_store, c10::intrusive_ptr<c10d::Store> probe_store,
-           int rank, std::chrono::milliseconds period);
+  Liveness(c10::intrusive_ptr<c10d::Store> heartbeat_store,
+           c10::intrusive_ptr<c10d::Store> probe_store, int rank, std::chrono::milliseconds period);
   ~Liveness();
   std::string describe_unresponsive(const std::vector<int>& ranks);
 

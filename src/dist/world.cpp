@@ -70,7 +70,8 @@ void Liveness::beat_loop() {
 std::string Liveness::describe_unresponsive(const std::vector<int>& ranks) {
   auto read_all = [&] {
     std::vector<int64_t> counts;
-    for (int r : ranks) counts.push_back(probe_store_->add(fmt::format("{}heartbeat/{}", kKeyPrefix, r), 0));
+    for (int r : ranks)
+      counts.push_back(probe_store_->add(fmt::format("{}heartbeat/{}", kKeyPrefix, r), 0));
     return counts;
   };
   auto before = read_all();
@@ -93,10 +94,12 @@ std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
   world->options_ = options;
   const bool launched = env("RANK") || env("WORLD_SIZE");
   if (launched && !env("WORLD_SIZE")) {
-    throw std::invalid_argument("RANK is set but WORLD_SIZE is not (start ranks with `shardrl launch` or torchrun)");
+    throw std::invalid_argument(
+        "RANK is set but WORLD_SIZE is not (start ranks with `shardrl launch` or torchrun)");
   }
   if (launched && !env("RANK")) {
-    throw std::invalid_argument("WORLD_SIZE is set but RANK is not (start ranks with `shardrl launch` or torchrun)");
+    throw std::invalid_argument(
+        "WORLD_SIZE is set but RANK is not (start ranks with `shardrl launch` or torchrun)");
   }
   world->size_ = env_int("WORLD_SIZE", 1, 1);
   world->rank_ = env_int("RANK", 0, 0);
@@ -128,7 +131,8 @@ std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
       throw std::invalid_argument("WORLD_SIZE > 1 but MASTER_PORT is not set");
     }
     const int port = env_int("MASTER_PORT", 0, 1);
-    if (port > 65535) throw std::invalid_argument(fmt::format("MASTER_PORT={} is not a port", port));
+    if (port > 65535)
+      throw std::invalid_argument(fmt::format("MASTER_PORT={} is not a port", port));
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(port);
     store_options.isServer = world->rank_ == 0;
@@ -149,7 +153,8 @@ std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
       throw std::runtime_error(fmt::format("rank {} cannot reach the rendezvous store at {}:{}: {}",
                                            world->rank_, world->master_addr_, port, why));
     }
-    // A rank started with another WORLD_SIZE would otherwise wait forever for peers that never come.
+    // A rank started with another WORLD_SIZE would otherwise wait forever for peers that never
+    // come.
     auto& store = *world->store_;
     auto encode = [](int v) {
       std::string s = std::to_string(v);
@@ -177,7 +182,8 @@ std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
   return world;
 }
 
-std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks, const std::string& tag) {
+std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks,
+                                               const std::string& tag) {
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
   if (it == ranks.end()) return nullptr;
   auto impl = std::make_unique<ProcessGroup::Impl>();
@@ -188,10 +194,12 @@ std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks, co
   impl->timeout = options_.timeout;
   impl->is_nccl = use_nccl_;
   if (ranks.size() > 1) {
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(fmt::format("{}pg/{}", kKeyPrefix, tag), store_);
+    auto prefixed =
+        c10::make_intrusive<c10d::PrefixStore>(fmt::format("{}pg/{}", kKeyPrefix, tag), store_);
 #ifdef USE_C10D_NCCL
     if (use_nccl_) {
-      impl->backend = compat::make_nccl(prefixed, impl->rank, static_cast<int>(ranks.size()), options_.timeout);
+      impl->backend =
+          compat::make_nccl(prefixed, impl->rank, static_cast<int>(ranks.size()), options_.timeout);
     }
 #endif
     if (!impl->backend) {
@@ -206,7 +214,8 @@ std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks, co
       o.waitWorkers = false;
       o.timeout = options_.timeout;
       auto beat_store = c10::make_intrusive<c10d::TCPStore>(master_addr_, o);
-      liveness_ = std::make_shared<Liveness>(beat_store, store_, rank_, std::chrono::milliseconds(250));
+      liveness_ =
+          std::make_shared<Liveness>(beat_store, store_, rank_, std::chrono::milliseconds(250));
     }
     impl->liveness = liveness_;
   }

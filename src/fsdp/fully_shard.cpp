@@ -71,9 +71,9 @@ struct PostBackward : public torch::autograd::Function<PostBackward> {
 };
 
 // Applies fn to the tensors of `all` that require grad, keeping the order of `all`.
-std::vector<torch::Tensor> wrap_requiring_grad(
-    std::vector<torch::Tensor> all, UnitState& unit,
-    variable_list (*fn)(const at::TensorList&, const int64_t&)) {
+std::vector<torch::Tensor> wrap_requiring_grad(std::vector<torch::Tensor> all, UnitState& unit,
+                                               variable_list (*fn)(const at::TensorList&,
+                                                                   const int64_t&)) {
   std::vector<size_t> where;
   std::vector<torch::Tensor> picked;
   for (size_t i = 0; i < all.size(); ++i) {
@@ -170,8 +170,8 @@ void UnitState::shard_parameters(const std::vector<std::pair<std::string, torch:
     }
     slot.shard = view.detach().set_requires_grad(slot.unsharded.requires_grad());
     // A fresh, exclusive storage in the compute dtype; freed right away, refilled by all-gathers.
-    slot.unsharded.set_data(torch::empty(
-        slot.shape, torch::dtype(options.mixed_precision.param_dtype).device(device)));
+    slot.unsharded.set_data(
+        torch::empty(slot.shape, torch::dtype(options.mixed_precision.param_dtype).device(device)));
     compat::free_storage(slot.unsharded);
   }
 }
@@ -201,7 +201,8 @@ std::shared_ptr<UnitState> shard_module(const std::shared_ptr<torch::nn::Module>
 }
 
 std::vector<torch::Tensor> before_forward(UnitState& unit, std::vector<torch::Tensor> inputs) {
-  if (unit.is_root && t_active_root == unit.root) t_active_root = nullptr;  // an earlier forward threw
+  if (unit.is_root && t_active_root == unit.root)
+    t_active_root = nullptr;  // an earlier forward threw
   if (!t_active_root) {
     auto self = registry().find(unit.module.get());
     RootContext& root = root_of(self);
@@ -211,15 +212,17 @@ std::vector<torch::Tensor> before_forward(UnitState& unit, std::vector<torch::Te
     t_active_root = &root;
     root.begin_forward();
   }
-  TORCH_CHECK(unit.root == t_active_root,
-              "FSDP unit called from a root it does not belong to (shard children before the root)");
+  TORCH_CHECK(
+      unit.root == t_active_root,
+      "FSDP unit called from a root it does not belong to (shard children before the root)");
   unit.finish_gather();
   if (!unit.is_root) unit.root->forward_order.push_back(&unit);
   unit.root->prefetch_after_in_forward(&unit);
 
   const auto param_dtype = unit.options.mixed_precision.param_dtype;
   for (auto& t : inputs) {
-    if (t.defined() && t.is_floating_point() && t.scalar_type() != param_dtype) t = t.to(param_dtype);
+    if (t.defined() && t.is_floating_point() && t.scalar_type() != param_dtype)
+      t = t.to(param_dtype);
   }
   if (torch::GradMode::is_enabled()) {
     inputs = wrap_requiring_grad(std::move(inputs), unit, apply_post_backward);
@@ -273,7 +276,9 @@ std::vector<ShardedParameter> FSDPModule::sharded_parameters() const {
   return out;
 }
 
-void FSDPModule::set_requires_gradient_sync(bool sync) { root_of(state_).requires_gradient_sync = sync; }
+void FSDPModule::set_requires_gradient_sync(bool sync) {
+  root_of(state_).requires_gradient_sync = sync;
+}
 
 void FSDPModule::set_reshard_after_forward(bool reshard) {
   for (UnitState* unit : scoped_units(state_)) unit->options.reshard_after_forward = reshard;
@@ -282,7 +287,8 @@ void FSDPModule::set_reshard_after_forward(bool reshard) {
 double FSDPModule::clip_grad_norm_(double max_norm) {
   torch::NoGradGuard no_grad;
   auto shards = sharded_parameters();
-  torch::Tensor sum_sq = torch::zeros({1}, torch::dtype(torch::kDouble).device(state_->mesh.device()));
+  torch::Tensor sum_sq =
+      torch::zeros({1}, torch::dtype(torch::kDouble).device(state_->mesh.device()));
   for (const auto& p : shards) {
     if (p.shard.grad().defined()) sum_sq += p.shard.grad().to(torch::kDouble).pow(2).sum();
   }
@@ -318,7 +324,8 @@ std::map<std::string, torch::Tensor> FSDPModule::full_parameters() const {
   std::map<std::string, torch::Tensor> out;
   for (UnitState* unit : scoped_units(state_)) {
     for (const auto& slot : unit->params) {
-      torch::Tensor gathered = torch::empty({group.size() * slot.shard_numel()}, slot.shard.options());
+      torch::Tensor gathered =
+          torch::empty({group.size() * slot.shard_numel()}, slot.shard.options());
       group.all_gather(slot.shard.detach().reshape(-1), gathered);
       out[names.at(slot.unsharded.unsafeGetTensorImpl())] =
           gathered.view({group.size() * slot.chunk_rows, slot.row_numel})
@@ -361,6 +368,8 @@ void FSDPModule::reshard() {
   for (UnitState* unit : scoped_units(state_)) unit->reshard();
 }
 
-const dist::DeviceMesh& FSDPModule::mesh() const { return state_->mesh; }
+const dist::DeviceMesh& FSDPModule::mesh() const {
+  return state_->mesh;
+}
 
 }  // namespace shardrl::fsdp

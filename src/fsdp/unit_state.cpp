@@ -40,7 +40,9 @@ void UnitState::finish_gather() {
       const int64_t valid = slot.valid_rows_on(r);
       if (valid == 0) continue;
       dst.narrow(0, r * slot.chunk_rows, valid)
-          .copy_(rows_by_rank[r].narrow(0, slot.offset, valid * slot.row_numel).view({valid, slot.row_numel}));
+          .copy_(rows_by_rank[r]
+                     .narrow(0, slot.offset, valid * slot.row_numel)
+                     .view({valid, slot.row_numel}));
     }
   }
   gather_output_ = torch::Tensor();
@@ -85,7 +87,8 @@ void UnitState::reduce_grads() {
     for (int r = 0; r < world; ++r) {
       const int64_t valid = slot.valid_rows_on(r);
       if (valid == 0) continue;
-      send[r].narrow(0, offsets[k], valid * slot.row_numel)
+      send[r]
+          .narrow(0, offsets[k], valid * slot.row_numel)
           .view({valid, slot.row_numel})
           .copy_(grad_rows.narrow(0, r * slot.chunk_rows, valid));
     }
@@ -96,24 +99,27 @@ void UnitState::reduce_grads() {
   auto pending = mesh.shard_group().reduce_scatter_async(send.view(-1), received);
   const int dp_size = mesh.data_parallel_size();
   dist::ProcessGroup* replicate = mesh.replicate_group();
-  root->enqueue_reduce(std::move(pending), [trainable, offsets, flags_at, received, dp_size, replicate] {
-    torch::NoGradGuard guard;
-    torch::Tensor summed = received.to(torch::kFloat);
-    if (replicate) replicate->all_reduce(summed);
-    summed.div_(dp_size);
-    // One host copy of the flags instead of a device sync per parameter.
-    torch::Tensor had_grad = summed.narrow(0, flags_at, static_cast<int64_t>(trainable.size())).cpu();
-    for (size_t k = 0; k < trainable.size(); ++k) {
-      if (had_grad[static_cast<int64_t>(k)].item<float>() == 0.0f) continue;
-      ParamSlot& slot = *trainable[k];
-      torch::Tensor grad = summed.narrow(0, offsets[k], slot.shard_numel()).view(slot.shard.sizes());
-      if (slot.shard.grad().defined()) {
-        slot.shard.mutable_grad().add_(grad);
-      } else {
-        slot.shard.mutable_grad() = grad.clone();
-      }
-    }
-  });
+  root->enqueue_reduce(
+      std::move(pending), [trainable, offsets, flags_at, received, dp_size, replicate] {
+        torch::NoGradGuard guard;
+        torch::Tensor summed = received.to(torch::kFloat);
+        if (replicate) replicate->all_reduce(summed);
+        summed.div_(dp_size);
+        // One host copy of the flags instead of a device sync per parameter.
+        torch::Tensor had_grad =
+            summed.narrow(0, flags_at, static_cast<int64_t>(trainable.size())).cpu();
+        for (size_t k = 0; k < trainable.size(); ++k) {
+          if (had_grad[static_cast<int64_t>(k)].item<float>() == 0.0f) continue;
+          ParamSlot& slot = *trainable[k];
+          torch::Tensor grad =
+              summed.narrow(0, offsets[k], slot.shard_numel()).view(slot.shard.sizes());
+          if (slot.shard.grad().defined()) {
+            slot.shard.mutable_grad().add_(grad);
+          } else {
+            slot.shard.mutable_grad() = grad.clone();
+          }
+        }
+      });
 }
 
 void UnitState::pre_backward() {
@@ -130,7 +136,9 @@ void UnitState::post_backward() {
 
 RootContext::RootContext(UnitState* root) : root_(root) {}
 
-void RootContext::begin_forward() { forward_order.clear(); }
+void RootContext::begin_forward() {
+  forward_order.clear();
+}
 
 void RootContext::prefetch_after_in_forward(UnitState* unit) {
   auto it = std::find(units.begin(), units.end(), unit);

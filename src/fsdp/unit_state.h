@@ -10,15 +10,15 @@ namespace shardrl::fsdp {
 
 // Where one parameter lives: in the unit's flat shard buffer and, unsharded, in the module.
 struct ParamSlot {
-  std::string name;               // relative to the unit's module
-  torch::Tensor unsharded;        // the module's parameter; its storage is freed while sharded
+  std::string name;         // relative to the unit's module
+  torch::Tensor unsharded;  // the module's parameter; its storage is freed while sharded
   std::vector<int64_t> shape;
-  int64_t rows = 1;               // dim 0 (1 for scalars)
-  int64_t row_numel = 1;          // elements per dim-0 row
-  int64_t chunk_rows = 1;         // rows per rank, padded: ceil(rows / N)
+  int64_t rows = 1;        // dim 0 (1 for scalars)
+  int64_t row_numel = 1;   // elements per dim-0 row
+  int64_t chunk_rows = 1;  // rows per rank, padded: ceil(rows / N)
   int64_t shard_numel() const { return chunk_rows * row_numel; }
-  int64_t offset = 0;             // of this param's shard in the unit's flat shard buffer
-  torch::Tensor shard;            // fp32 leaf view into the flat buffer, [chunk_rows, ...]
+  int64_t offset = 0;   // of this param's shard in the unit's flat shard buffer
+  torch::Tensor shard;  // fp32 leaf view into the flat buffer, [chunk_rows, ...]
   int64_t valid_rows_on(int rank) const {
     return std::max<int64_t>(0, std::min(chunk_rows, rows - rank * chunk_rows));
   }

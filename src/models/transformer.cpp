@@ -16,8 +16,8 @@ BlockImpl::BlockImpl(const TransformerConfig& c) : n_heads_(c.n_heads) {
   q_proj_ = register_module("q_proj", torch::nn::Linear(c.d_model, c.d_model));
   // A key bias shifts every score of a query by the same amount, which softmax cancels: its
   // gradient is exactly zero in theory and rounding noise in practice, which Adam would amplify.
-  k_proj_ = register_module("k_proj",
-                            torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.d_model).bias(false)));
+  k_proj_ = register_module(
+      "k_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.d_model).bias(false)));
   v_proj_ = register_module("v_proj", torch::nn::Linear(c.d_model, c.d_model));
   proj_ = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
   ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
@@ -50,19 +50,22 @@ TransformerImpl::TransformerImpl(const TransformerConfig& c) : config_(c) {
     list->push_back(blocks_.back().ptr());
   }
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
-  head_ = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+  head_ = register_module(
+      "head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
 }
 
 torch::Tensor TransformerImpl::forward(torch::Tensor tokens) {
   const int64_t T = tokens.size(1);
-  TORCH_CHECK(T <= config_.max_seq_len, "sequence length ", T, " exceeds max_seq_len ", config_.max_seq_len);
+  TORCH_CHECK(T <= config_.max_seq_len, "sequence length ", T, " exceeds max_seq_len ",
+              config_.max_seq_len);
   auto positions = torch::arange(T, torch::dtype(torch::kLong).device(tokens.device()));
   auto x = tok_emb_(tokens) + pos_emb_(positions);
   for (auto& block : blocks_) x = block(x);
   return head_(ln_f_(x));
 }
 
-void shard_transformer(Transformer& model, const dist::DeviceMesh& mesh, const fsdp::Options& options) {
+void shard_transformer(Transformer& model, const dist::DeviceMesh& mesh,
+                       const fsdp::Options& options) {
   for (auto& block : model->blocks()) fsdp::fully_shard(block, mesh, options);
   fsdp::fully_shard(model, mesh, options);
 }

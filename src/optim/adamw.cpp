@@ -61,9 +61,11 @@ int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
   return total;
 }
 
-StepResult clip_and_step(fsdp::FSDPModule& model, torch::optim::Optimizer& optimizer, double max_norm) {
+StepResult clip_and_step(fsdp::FSDPModule& model, torch::optim::Optimizer& optimizer,
+                         double max_norm) {
   StepResult result;
-  result.grad_norm = model.clip_grad_norm_(max_norm > 0 ? max_norm : std::numeric_limits<double>::infinity());
+  result.grad_norm =
+      model.clip_grad_norm_(max_norm > 0 ? max_norm : std::numeric_limits<double>::infinity());
   if (!std::isfinite(result.grad_norm)) {
     result.skipped = true;
     spdlog::warn("grad norm is {}: skipping this optimizer step", result.grad_norm);

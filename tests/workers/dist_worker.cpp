@@ -26,8 +26,10 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
   auto mesh = dist::DeviceMesh::create(*world, fsdp_size);
 
   fsdp::Options options;
-  options.mixed_precision.param_dtype = fsdp::parse_dtype(param_dtype, "mixed_precision.param_dtype");
-  options.mixed_precision.reduce_dtype = fsdp::parse_dtype(reduce_dtype, "mixed_precision.reduce_dtype");
+  options.mixed_precision.param_dtype =
+      fsdp::parse_dtype(param_dtype, "mixed_precision.param_dtype");
+  options.mixed_precision.reduce_dtype =
+      fsdp::parse_dtype(reduce_dtype, "mixed_precision.reduce_dtype");
   options.mixed_precision.output_dtype = torch::kFloat;
   options.reshard_after_forward = reshard_after_forward;
 
@@ -47,7 +49,8 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
   for (int64_t step = 0; step < s.steps; ++step) {
     if (world->rank() == die_rank && step == die_step) std::raise(SIGKILL);
     // Alive but stuck outside any collective: the others must time out, not hang.
-    if (world->rank() == hang_rank && step == die_step) std::this_thread::sleep_for(std::chrono::minutes(10));
+    if (world->rank() == hang_rank && step == die_step)
+      std::this_thread::sleep_for(std::chrono::minutes(10));
     auto batch = testing::global_batch(s, step, vocab).narrow(0, dp_rank * local, local);
     fsdp_model.zero_grad();
     fsdp_model.reset_bytes_sent();
@@ -81,7 +84,8 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
       tensors.push_back(tensor);
     }
     torch::save(tensors, out + "/params.pt");
-    std::ofstream(out + "/losses.json") << nlohmann::json{{"loss", losses}, {"grad_norm", norms}, {"bytes_sent", bytes}}.dump();
+    std::ofstream(out + "/losses.json")
+        << nlohmann::json{{"loss", losses}, {"grad_norm", norms}, {"bytes_sent", bytes}}.dump();
   }
   std::ofstream(out + "/memory_" + std::to_string(world->rank()) + ".json") << memory.dump();
   world->group().barrier();

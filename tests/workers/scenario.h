@@ -13,7 +13,7 @@ struct Scenario {
   int64_t steps = 3;
   int64_t batch = 12;  // global batch, divisible by every dp size x micro-batches used
   int64_t seq = 16;
-  int64_t micro = 1;   // micro-batches per step (gradient accumulation)
+  int64_t micro = 1;  // micro-batches per step (gradient accumulation)
   int64_t layers = 2;
   int64_t d_model = 48;
   double lr = 1e-2;

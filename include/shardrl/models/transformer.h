@@ -27,7 +27,8 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor attention(const torch::Tensor& x);
   int64_t n_heads_;
   torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
-  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, proj_{nullptr},
+      fc1_{nullptr}, fc2_{nullptr};
 };
 
 class TransformerImpl : public torch::nn::Module {
@@ -49,7 +50,8 @@ class TransformerImpl : public torch::nn::Module {
 using Transformer = fsdp::Unit<TransformerImpl>;
 
 // Shards every block as a unit, then the root (embeddings, final norm, head).
-void shard_transformer(Transformer& model, const dist::DeviceMesh& mesh, const fsdp::Options& options);
+void shard_transformer(Transformer& model, const dist::DeviceMesh& mesh,
+                       const fsdp::Options& options);
 
 // Mean next-token cross-entropy of logits [B, T, V] against tokens [B, T] (predicting t+1).
 torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& tokens);
