@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ccache pkg-config
-  libtorch-dev libgloo-dev libopenblas0-pthread
+  libtorch-dev libgloo-dev libopenblas0-pthread libblas3
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev libspdlog-dev
   googletest libgtest-dev libbenchmark-dev
   zlib1g-dev libpng-dev

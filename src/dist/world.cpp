@@ -168,11 +168,19 @@ std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
     for (int r : check) {
       auto raw = store.get(fmt::format("{}world_size/{}", kKeyPrefix, r));
       int theirs = std::stoi(std::string(raw.begin(), raw.end()));
-      if (theirs != world->size_) {
-        throw std::runtime_error(fmt::format(
-            "world size mismatch: rank {} has WORLD_SIZE={} but rank {} has WORLD_SIZE={}",
-            world->rank_, world->size_, r, theirs));
+      if (theirs == world->size_) continue;
+      if (world->rank_ == 0) {
+        // Rank 0 hosts the store: let the other side read it and report too before leaving.
+        try {
+          store.wait({fmt::format("{}world_size_read/{}", kKeyPrefix, r)}, std::chrono::seconds(5));
+        } catch (const std::exception&) {
+        }
+      } else {
+        store.set(fmt::format("{}world_size_read/{}", kKeyPrefix, world->rank_), encode(1));
       }
+      throw std::runtime_error(fmt::format(
+          "world size mismatch: rank {} has WORLD_SIZE={} but rank {} has WORLD_SIZE={}",
+          world->rank_, world->size_, r, theirs));
     }
   }
 

@@ -1,0 +1,405 @@
+// Foundation benchmark: one training step of models::Transformer under FSDP (one process per rank,
+// started by `shardrl launch`), unsharded in one process (the compute-only baseline), and a BLAS
+// GFLOP/s probe. scripts/bench.sh runs the whole comparison; this binary measures one setup.
+//
+// Timing is a benchmark, never a test: it depends on the machine being quiet.
+#include <ATen/CPUGeneratorImpl.h>
+#include <dlfcn.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "shardrl/dist.h"
+#include "shardrl/fsdp.h"
+#include "shardrl/models/transformer.h"
+#include "shardrl/optim.h"
+
+using namespace shardrl;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+namespace {
+
+struct Args {
+  int64_t d_model = 512, layers = 6, heads = 8, vocab = 8192, seq = 128, batch = 8;
+  int steps = 5, warmup = 2, threads = 0;
+  int64_t matmul_n = 1024;
+  std::string mode = "fsdp", json_out;
+  bool reshard_root = false;
+};
+
+constexpr double kMaxNorm = 1.0;
+constexpr uint64_t kModelSeed = 1234, kDataSeed = 4321;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+json timing_json(const std::vector<double>& s, int64_t tokens_per_step) {
+  const double med = median(s);
+  return {{"step_s", s},
+          {"median_step_s", med},
+          {"mean_step_s", s.empty() ? 0.0 : std::accumulate(s.begin(), s.end(), 0.0) / s.size()},
+          {"min_step_s", s.empty() ? 0.0 : *std::min_element(s.begin(), s.end())},
+          {"max_step_s", s.empty() ? 0.0 : *std::max_element(s.begin(), s.end())},
+          {"tokens_per_s", med > 0 ? tokens_per_step / med : 0.0}};
+}
+
+// Total bytes sent on the loopback interface by every process of the machine: an independent
+// check on the transport's own byte count (it also sees barriers, the store and TCP framing).
+uint64_t loopback_tx_bytes() {
+  std::ifstream in("/proc/net/dev");
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::string name = line.substr(0, colon);
+    name.erase(0, name.find_first_not_of(' '));
+    if (name != "lo") continue;
+    std::istringstream fields(line.substr(colon + 1));
+    uint64_t value = 0;
+    for (int i = 0; i < 9; ++i) fields >> value;  // 8 receive counters, then tx bytes
+    return value;
+  }
+  return 0;
+}
+
+// The library that actually serves sgemm_: LD_LIBRARY_PATH can put reference BLAS in front of the
+// OpenBLAS alternative, and this is how a run proves which one it measured.
+std::string blas_library() {
+  void* symbol = dlsym(RTLD_DEFAULT, "sgemm_");
+  Dl_info info{};
+  if (!symbol || !dladdr(symbol, &info) || !info.dli_fname) return "unknown";
+  // Through the alternatives symlinks to the file, which names the implementation.
+  std::error_code error;
+  auto real = std::filesystem::canonical(info.dli_fname, error);
+  return error ? info.dli_fname : real.string();
+}
+
+// OpenBLAS reads OPENBLAS_NUM_THREADS once at load and at::set_num_threads does not reach it, so
+// --threads is applied to it directly when OpenBLAS is loaded.
+void set_compute_threads(int threads) {
+  if (threads <= 0) return;
+  at::set_num_threads(threads);
+  using SetThreads = void (*)(int);
+  if (void* fn = dlsym(RTLD_DEFAULT, "openblas_set_num_threads")) {
+    reinterpret_cast<SetThreads>(fn)(threads);
+  }
+}
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
+}
+
+json run_environment() {
+  return {{"threads", at::get_num_threads()},
+          {"OMP_NUM_THREADS", env_or("OMP_NUM_THREADS", "")},
+          {"OPENBLAS_NUM_THREADS", env_or("OPENBLAS_NUM_THREADS", "")},
+          {"LD_LIBRARY_PATH", env_or("LD_LIBRARY_PATH", "")},
+          {"blas_library", blas_library()}};
+}
+
+models::TransformerConfig model_config(const Args& a) {
+  models::TransformerConfig c;
+  c.d_model = a.d_model;
+  c.n_layers = a.layers;
+  c.n_heads = a.heads;
+  c.vocab_size = a.vocab;
+  c.max_seq_len = a.seq;
+  return c;
+}
+
+// Parameters the root unit owns: everything outside the blocks.
+int64_t root_param_count(const models::TransformerConfig& c) {
+  return 2 * c.vocab_size * c.d_model + c.max_seq_len * c.d_model + 2 * c.d_model;
+}
+
+json model_json(const models::TransformerConfig& c) {
+  const int64_t root = root_param_count(c);
+  return {{"d_model", c.d_model},
+          {"n_layers", c.n_layers},
+          {"n_heads", c.n_heads},
+          {"vocab_size", c.vocab_size},
+          {"seq_len", c.max_seq_len},
+          {"mlp_ratio", c.mlp_ratio},
+          {"param_count", c.parameter_count()},
+          {"root_param_count", root},
+          {"block_param_count", c.parameter_count() - root}};
+}
+
+// Same model weights on every rank (sharding slices the local copy) and the same global batch.
+models::Transformer build_model(const models::TransformerConfig& c) {
+  torch::manual_seed(kModelSeed);
+  return models::Transformer(c);
+}
+
+torch::Tensor global_batch(const Args& a) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(kDataSeed);
+  return torch::randint(a.vocab, {a.batch, a.seq}, gen, torch::kLong);
+}
+
+void write_json(const Args& a, const json& j) {
+  if (a.json_out.empty()) return;
+  std::ofstream out(a.json_out);
+  if (!out) throw std::runtime_error("cannot write " + a.json_out);
+  out << j.dump(2) << "\n";
+}
+
+int run_fsdp(const Args& a) {
+  auto world = dist::World::init_from_env();
+  auto mesh = dist::DeviceMesh::create(*world);
+  set_compute_threads(a.threads);
+  const int N = world->size(), rank = world->rank();
+  if (a.batch % N != 0) throw std::invalid_argument("--batch must be divisible by WORLD_SIZE");
+  const int64_t local = a.batch / N;
+
+  const auto config = model_config(a);
+  auto model = build_model(config);
+  models::shard_transformer(model, mesh, fsdp::Options{});
+  auto fsdp_model = model.fsdp();
+  const auto shards = fsdp_model.sharded_parameters();
+  // The theoretical figures use the config's formulas; they must describe the model that runs.
+  int64_t sharded_total = 0, sharded_root = 0;
+  for (const auto& p : shards) {
+    const int64_t n = c10::multiply_integers(p.global_shape);
+    sharded_total += n;
+    if (p.name.rfind("blocks.", 0) != 0) sharded_root += n;
+  }
+  TORCH_CHECK(sharded_total == config.parameter_count() && sharded_root == root_param_count(config),
+              "parameter count formulas disagree with the model: ", sharded_total, " (root ",
+              sharded_root, ") vs ", config.parameter_count(), " (root ", root_param_count(config),
+              ")");
+  auto optimizer = optim::make_adamw(optim::from_sharded(shards), optim::AdamWConfig{});
+  auto tokens = global_batch(a).narrow(0, rank * local, local).contiguous();
+  auto& group = world->group();
+
+  std::vector<double> times;
+  std::vector<double> losses;
+  uint64_t fb_bytes_total = 0, clip_bytes_total = 0;
+  uint64_t fb_bytes_min = UINT64_MAX, fb_bytes_max = 0;
+  uint64_t lo_start = 0;
+  for (int step = 0; step < a.warmup + a.steps; ++step) {
+    const bool timed = step >= a.warmup;
+    // Read before the barrier so every timed step contributes its two barriers to the count.
+    if (timed && step == a.warmup && rank == 0) lo_start = loopback_tx_bytes();
+    group.barrier();
+    const auto t0 = Clock::now();
+    fsdp_model.reset_bytes_sent();
+    fsdp_model.zero_grad();
+    auto logits = model(tokens);
+    // The root keeps its parameters through backward; resharding it here makes backward gather
+    // it again, which is the textbook 3 x P schedule the theoretical figure assumes.
+    if (a.reshard_root) fsdp_model.reshard();
+    auto loss = models::next_token_loss(logits, tokens);
+    loss.backward();
+    const uint64_t fb_bytes = fsdp_model.bytes_sent();
+    optim::clip_and_step(fsdp_model, *optimizer, kMaxNorm);
+    const uint64_t clip_bytes = fsdp_model.bytes_sent() - fb_bytes;
+    group.barrier();
+    const double elapsed = seconds_since(t0);
+    if (!timed) continue;
+    times.push_back(elapsed);
+    losses.push_back(loss.item<double>());
+    fb_bytes_total += fb_bytes;
+    clip_bytes_total += clip_bytes;
+    fb_bytes_min = std::min(fb_bytes_min, fb_bytes);
+    fb_bytes_max = std::max(fb_bytes_max, fb_bytes);
+  }
+  const uint64_t lo_bytes = rank == 0 ? loopback_tx_bytes() - lo_start : 0;
+
+  // Byte counts of every rank, exchanged after the timed steps so they cost no step time.
+  torch::Tensor sums = torch::tensor(
+      {static_cast<double>(fb_bytes_total), static_cast<double>(clip_bytes_total)}, torch::kDouble);
+  torch::Tensor extremes = torch::tensor(
+      {static_cast<double>(fb_bytes_max), -static_cast<double>(fb_bytes_min)}, torch::kDouble);
+  group.all_reduce(sums);
+  group.all_reduce(extremes, dist::ReduceOp::kMax);
+  if (rank != 0) {
+    group.barrier();
+    return 0;
+  }
+
+  const double per = static_cast<double>(N) * std::max(a.steps, 1);
+  const double fb_per_rank_step = sums[0].item<double>() / per;
+  const double clip_per_rank_step = sums[1].item<double>() / per;
+  const double lo_per_rank_step = static_cast<double>(lo_bytes) / per;
+  const double scale = 4.0 * (N - 1) / N;  // fp32 bytes, (N-1)/N of them leave each rank
+  const int64_t P = config.parameter_count(), P_root = root_param_count(config);
+  const double theory_3p = 3.0 * P * scale;
+  const int root_gathers = a.reshard_root ? 2 : 1;
+  const double theory_schedule = (root_gathers * P_root + 2.0 * (P - P_root) + P) * scale;
+  // What the transport must count for this exact layout: shards are padded to ceil(rows / N) rows
+  // and each reduce-scatter carries one "had a grad" flag per parameter.
+  double exact = 0;
+  for (const auto& p : shards) {
+    const bool in_root = p.name.rfind("blocks.", 0) != 0;
+    const double shard = static_cast<double>(p.shard.numel());
+    exact += (in_root ? root_gathers : 2) * shard + (shard + 1);
+  }
+  exact *= 4.0 * (N - 1);
+  auto ratio = [](double x, double y) { return y > 0 ? json(x / y) : json(nullptr); };
+
+  json comm = {{"reshard_root", a.reshard_root},
+               {"bytes_sent_per_step", fb_per_rank_step},
+               {"bytes_sent_constant", extremes[0].item<double>() == -extremes[1].item<double>()},
+               {"clip_allreduce_bytes_per_step", clip_per_rank_step},
+               {"theoretical_3p_bytes", theory_3p},
+               {"theoretical_schedule_bytes", theory_schedule},
+               {"expected_padded_bytes", exact},
+               {"ratio_measured_to_3p", ratio(fb_per_rank_step, theory_3p)},
+               {"ratio_measured_to_schedule", ratio(fb_per_rank_step, theory_schedule)},
+               {"loopback_tx_bytes_per_rank_per_step", lo_per_rank_step},
+               {"ratio_loopback_to_measured",
+                ratio(lo_per_rank_step, fb_per_rank_step + clip_per_rank_step)}};
+  json j = {{"benchmark", "bench_fsdp"},
+            {"mode", "fsdp"},
+            {"world_size", N},
+            {"environment", run_environment()},
+            {"model", model_json(config)},
+            {"batch_global", a.batch},
+            {"batch_per_rank", local},
+            {"warmup_steps", a.warmup},
+            {"timed_steps", a.steps},
+            {"loss_first", losses.empty() ? 0.0 : losses.front()},
+            {"loss_last", losses.empty() ? 0.0 : losses.back()},
+            {"comm", comm}};
+  j.update(timing_json(times, a.batch * a.seq));
+  write_json(a, j);
+  std::printf(
+      "fsdp  N=%d threads=%d B=%lld  median step %.4f s  %.0f tok/s  sent/rank/step %.3f MB "
+      "(x%.4f of 3P, x%.4f of schedule)  clip %.0f B  lo %.3f MB\n",
+      N, at::get_num_threads(), static_cast<long long>(a.batch), j["median_step_s"].get<double>(),
+      j["tokens_per_s"].get<double>(), fb_per_rank_step / 1e6,
+      theory_3p > 0 ? fb_per_rank_step / theory_3p : 0.0,
+      theory_schedule > 0 ? fb_per_rank_step / theory_schedule : 0.0, clip_per_rank_step,
+      lo_per_rank_step / 1e6);
+  // Rank 0 hosts the store: the others must not find it gone while they finish.
+  group.barrier();
+  return 0;
+}
+
+int run_local(const Args& a) {
+  set_compute_threads(a.threads);
+  const auto config = model_config(a);
+  auto model = build_model(config);
+  auto optimizer = optim::make_adamw(optim::from_module(*model), optim::AdamWConfig{});
+  auto tokens = global_batch(a);
+  auto params = model->parameters();
+
+  std::vector<double> times, losses;
+  for (int step = 0; step < a.warmup + a.steps; ++step) {
+    const auto t0 = Clock::now();
+    // Dropping grads (set_to_none) as FSDP's zero_grad does, so neither side pays for zeroing.
+    for (auto& p : params) p.mutable_grad() = torch::Tensor();
+    auto loss = models::next_token_loss(model(tokens), tokens);
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(params, kMaxNorm);
+    optimizer->step();
+    const double elapsed = seconds_since(t0);
+    if (step < a.warmup) continue;
+    times.push_back(elapsed);
+    losses.push_back(loss.item<double>());
+  }
+  json j = {{"benchmark", "bench_fsdp"},
+            {"mode", "local"},
+            {"world_size", 1},
+            {"environment", run_environment()},
+            {"model", model_json(config)},
+            {"batch_global", a.batch},
+            {"batch_per_rank", a.batch},
+            {"warmup_steps", a.warmup},
+            {"timed_steps", a.steps},
+            {"loss_first", losses.empty() ? 0.0 : losses.front()},
+            {"loss_last", losses.empty() ? 0.0 : losses.back()}};
+  j.update(timing_json(times, a.batch * a.seq));
+  write_json(a, j);
+  std::printf("local threads=%d B=%lld  median step %.4f s  %.0f tok/s  blas %s\n",
+              at::get_num_threads(), static_cast<long long>(a.batch),
+              j["median_step_s"].get<double>(), j["tokens_per_s"].get<double>(),
+              blas_library().c_str());
+  return 0;
+}
+
+int run_matmul(const Args& a) {
+  set_compute_threads(a.threads);
+  torch::NoGradGuard no_grad;
+  const int64_t n = a.matmul_n;
+  auto x = torch::randn({n, n}), y = torch::randn({n, n}), out = torch::empty({n, n});
+  std::vector<double> times;
+  for (int rep = 0; rep < a.warmup + std::max(a.steps, 1); ++rep) {
+    const auto t0 = Clock::now();
+    torch::mm_out(out, x, y);
+    const double elapsed = seconds_since(t0);
+    if (rep >= a.warmup) times.push_back(elapsed);
+  }
+  const double med = median(times);
+  const double gflops = med > 0 ? 2.0 * n * n * n / med / 1e9 : 0.0;
+  json j = {{"benchmark", "bench_fsdp"},
+            {"mode", "matmul"},
+            {"environment", run_environment()},
+            {"n", n},
+            {"warmup_reps", a.warmup},
+            {"timed_reps", times.size()},
+            {"rep_s", times},
+            {"median_s", med},
+            {"gflops", gflops}};
+  write_json(a, j);
+  std::printf("matmul %lldx%lld fp32 threads=%d  median %.4f s  %.2f GFLOP/s  blas %s\n",
+              static_cast<long long>(n), static_cast<long long>(n), at::get_num_threads(), med,
+              gflops, blas_library().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ShardRL foundation benchmark: FSDP vs unsharded training step, BLAS probe"};
+  Args a;
+  app.add_option("--mode", a.mode, "fsdp (under shardrl launch), local (one process) or matmul")
+      ->check(CLI::IsMember({"fsdp", "local", "matmul"}));
+  app.add_option("--d-model", a.d_model)->check(CLI::PositiveNumber);
+  app.add_option("--layers", a.layers)->check(CLI::PositiveNumber);
+  app.add_option("--heads", a.heads)->check(CLI::PositiveNumber);
+  app.add_option("--vocab", a.vocab)->check(CLI::PositiveNumber);
+  app.add_option("--seq", a.seq, "Tokens per row")->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+  app.add_option("--batch", a.batch, "Rows per step: global in fsdp mode, this process's in local")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--steps", a.steps, "Timed steps (matmul: repetitions)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--warmup", a.warmup, "Untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--threads", a.threads, "Compute threads (0: keep OMP_NUM_THREADS)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--matmul-n", a.matmul_n, "Matrix size for --mode matmul")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--json-out", a.json_out, "Write the result here (fsdp: rank 0 writes)");
+  app.add_flag("--reshard-root,!--no-reshard-root", a.reshard_root,
+               "fsdp: free the root's parameters after forward so backward gathers them again");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (a.mode == "fsdp") return run_fsdp(a);
+    if (a.mode == "local") return run_local(a);
+    return run_matmul(a);
+  } catch (const std::exception& e) {
+    std::cerr << "bench_fsdp: " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,228 @@
+#!/usr/bin/python3
+"""PyTorch DDP baseline for bench_fsdp: the same transformer, optimizer and step in Python.
+
+Run it with Debian's torch (1.13, CPU) under the same launcher as the C++ ranks, so both get the
+same rendezvous and thread limits:
+
+    build/bin/shardrl launch -n 2 --threads 1 -- /usr/bin/python3 bench/ddp_baseline.py --batch 8
+
+Without RANK/WORLD_SIZE in the environment it runs as a single process with no process group.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+MAX_NORM = 1.0
+MODEL_SEED, DATA_SEED = 1234, 4321
+
+
+# Mirrors src/models/transformer.cpp module for module, so parameter names, shapes and the
+# computation (manual causal attention, exact GELU) are the same as the C++ model's.
+class Block(nn.Module):
+    def __init__(self, d_model, n_heads, mlp_ratio):
+        super().__init__()
+        assert d_model % n_heads == 0, "d_model must be divisible by n_heads"
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc1 = nn.Linear(d_model, mlp_ratio * d_model)
+        self.fc2 = nn.Linear(mlp_ratio * d_model, d_model)
+
+    def attention(self, x):
+        B, T, D = x.shape
+        hd = D // self.n_heads
+
+        def heads(t):
+            return t.view(B, T, self.n_heads, hd).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(hd)
+        future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, -1), v)
+        return self.proj(out.transpose(1, 2).reshape(B, T, D))
+
+    def forward(self, x):
+        x = x + self.attention(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab_size, max_seq_len, d_model, n_heads, n_layers, mlp_ratio=4):
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, tokens):
+        T = tokens.shape[1]
+        assert T <= self.max_seq_len, f"sequence length {T} exceeds max_seq_len {self.max_seq_len}"
+        positions = torch.arange(T, dtype=torch.long, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def next_token_loss(logits, tokens):
+    V = logits.shape[-1]
+    pred = logits[:, :-1].reshape(-1, V).float()
+    target = tokens[:, 1:].reshape(-1)
+    return F.cross_entropy(pred, target)
+
+
+# The two groups of shardrl::optim::make_adamw: 1-D params and names with bias/norm/ln_ get no
+# weight decay.
+def make_adamw(model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        exempt = p.dim() <= 1 or any(s in name for s in ("bias", "norm", "ln_"))
+        (no_decay if exempt else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=betas, eps=eps)
+
+
+def loopback_tx_bytes():
+    """Bytes sent on the loopback interface by every process of the machine."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if rest and name.strip() == "lo":
+                return int(rest.split()[8])  # 8 receive counters, then tx bytes
+    return 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="global batch, split over ranks")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: keep)")
+    ap.add_argument("--json-out", default="")
+    args = ap.parse_args()
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if distributed:
+        # Gloo would otherwise pick the interface the hostname resolves to; the C++ ranks use
+        # loopback for a loopback master, and the lo byte count below relies on that.
+        if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", init_method="env://")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    if args.batch % world:
+        raise SystemExit("--batch must be divisible by WORLD_SIZE")
+    local = args.batch // world
+
+    torch.manual_seed(MODEL_SEED)
+    model = Transformer(args.vocab, args.seq, args.d_model, args.heads, args.layers)
+    P = sum(p.numel() for p in model.parameters())
+    optimizer = make_adamw(model)
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(model)
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=gen)
+    tokens = tokens[rank * local:(rank + 1) * local].contiguous()
+
+    def barrier():
+        if distributed:
+            dist.barrier()
+
+    times, losses = [], []
+    lo_start = 0
+    for step in range(args.warmup + args.steps):
+        timed = step >= args.warmup
+        if timed and step == args.warmup and rank == 0:
+            lo_start = loopback_tx_bytes()
+        barrier()
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)  # as FSDP's zero_grad: grads dropped, not zeroed
+        loss = next_token_loss(model(tokens), tokens)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        barrier()
+        elapsed = time.perf_counter() - t0
+        if timed:
+            times.append(elapsed)
+            losses.append(loss.item())
+    lo_bytes = loopback_tx_bytes() - lo_start if rank == 0 else 0
+    if rank != 0:
+        barrier()
+        return
+
+    med = statistics.median(times) if times else 0.0
+    per = world * max(args.steps, 1)
+    lo_per = lo_bytes / per if distributed else 0.0
+    # Ring all-reduce of every fp32 gradient: 2 (N-1)/N of the bytes leave each rank.
+    theory = 2.0 * P * 4 * (world - 1) / world
+    result = {
+        "benchmark": "ddp_baseline",
+        "mode": "ddp" if distributed else "local",
+        "world_size": world,
+        "environment": {
+            "threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", ""),
+            "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", ""),
+            "torch_version": torch.__version__,
+        },
+        "model": {"d_model": args.d_model, "n_layers": args.layers, "n_heads": args.heads,
+                  "vocab_size": args.vocab, "seq_len": args.seq, "mlp_ratio": 4,
+                  "param_count": P},
+        "batch_global": args.batch,
+        "batch_per_rank": local,
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "loss_first": losses[0] if losses else 0.0,
+        "loss_last": losses[-1] if losses else 0.0,
+        "step_s": times,
+        "median_step_s": med,
+        "mean_step_s": statistics.fmean(times) if times else 0.0,
+        "min_step_s": min(times, default=0.0),
+        "max_step_s": max(times, default=0.0),
+        "tokens_per_s": args.batch * args.seq / med if med > 0 else 0.0,
+        "comm": {
+            "theoretical_allreduce_bytes": theory,
+            "loopback_tx_bytes_per_rank_per_step": lo_per,
+            "ratio_loopback_to_theoretical": lo_per / theory if theory > 0 else None,
+        },
+    }
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2, sort_keys=True)
+            f.write("\n")
+    print(f"ddp   N={world} threads={torch.get_num_threads()} B={args.batch}  median step "
+          f"{med:.4f} s  {result['tokens_per_s']:.0f} tok/s  lo {lo_per / 1e6:.3f} MB"
+          f" (x{(lo_per / theory) if theory else 0:.4f} of 2P all-reduce)", flush=True)
+    # Rank 0 hosts the store: the others must not find it gone while they finish.
+    barrier()
+
+
+if __name__ == "__main__":
+    main()
