@@ -37,6 +37,9 @@ struct Args {
   int64_t matmul_n = 1024;
   std::string mode = "fsdp", json_out;
   bool reshard_root = false;
+  bool reshard_after_forward = true;
+  int prefetch = 1;
+  std::string param_dtype = "fp32";
 };
 
 constexpr double kMaxNorm = 1.0;
@@ -174,7 +177,12 @@ int run_fsdp(const Args& a) {
 
   const auto config = model_config(a);
   auto model = build_model(config);
-  models::shard_transformer(model, mesh, fsdp::Options{});
+  fsdp::Options options;
+  options.reshard_after_forward = a.reshard_after_forward;
+  options.prefetch = a.prefetch;
+  options.mixed_precision.param_dtype = fsdp::parse_dtype(a.param_dtype, "--param-dtype");
+  options.mixed_precision.output_dtype = torch::kFloat;
+  models::shard_transformer(model, mesh, options);
   auto fsdp_model = model.fsdp();
   const auto shards = fsdp_model.sharded_parameters();
   // The theoretical figures use the config's formulas; they must describe the model that runs.
@@ -192,7 +200,7 @@ int run_fsdp(const Args& a) {
   auto tokens = global_batch(a).narrow(0, rank * local, local).contiguous();
   auto& group = world->group();
 
-  std::vector<double> times;
+  std::vector<double> times, waits;  // waits: time blocked on FSDP collectives in forward+backward
   std::vector<double> losses;
   uint64_t fb_bytes_total = 0, clip_bytes_total = 0;
   uint64_t fb_bytes_min = UINT64_MAX, fb_bytes_max = 0;
@@ -212,12 +220,14 @@ int run_fsdp(const Args& a) {
     auto loss = models::next_token_loss(logits, tokens);
     loss.backward();
     const uint64_t fb_bytes = fsdp_model.bytes_sent();
+    const double waited = mesh.shard_group().wait_seconds();
     optim::clip_and_step(fsdp_model, *optimizer, kMaxNorm);
     const uint64_t clip_bytes = fsdp_model.bytes_sent() - fb_bytes;
     group.barrier();
     const double elapsed = seconds_since(t0);
     if (!timed) continue;
     times.push_back(elapsed);
+    waits.push_back(waited);
     losses.push_back(loss.item<double>());
     fb_bytes_total += fb_bytes;
     clip_bytes_total += clip_bytes;
@@ -281,14 +291,16 @@ int run_fsdp(const Args& a) {
             {"timed_steps", a.steps},
             {"loss_first", losses.empty() ? 0.0 : losses.front()},
             {"loss_last", losses.empty() ? 0.0 : losses.back()},
-            {"comm", comm}};
+            {"comm", comm},
+            {"exposed_comm_s", waits},
+            {"median_exposed_comm_s", median(waits)}};
   j.update(timing_json(times, a.batch * a.seq));
   write_json(a, j);
   std::printf(
-      "fsdp  N=%d threads=%d B=%lld  median step %.4f s  %.0f tok/s  sent/rank/step %.3f MB "
+      "fsdp  N=%d threads=%d B=%lld  median step %.4f s (blocked on comm %.4f s)  %.0f tok/s  sent/rank/step %.3f MB "
       "(x%.4f of 3P, x%.4f of schedule)  clip %.0f B  lo %.3f MB\n",
       N, at::get_num_threads(), static_cast<long long>(a.batch), j["median_step_s"].get<double>(),
-      j["tokens_per_s"].get<double>(), fb_per_rank_step / 1e6,
+      median(waits), j["tokens_per_s"].get<double>(), fb_per_rank_step / 1e6,
       theory_3p > 0 ? fb_per_rank_step / theory_3p : 0.0,
       theory_schedule > 0 ? fb_per_rank_step / theory_schedule : 0.0, clip_per_rank_step,
       lo_per_rank_step / 1e6);
@@ -391,6 +403,10 @@ int main(int argc, char** argv) {
   app.add_option("--matmul-n", a.matmul_n, "Matrix size for --mode matmul")
       ->check(CLI::PositiveNumber);
   app.add_option("--json-out", a.json_out, "Write the result here (fsdp: rank 0 writes)");
+  app.add_option("--prefetch", a.prefetch, "fsdp: units all-gathered ahead");
+  app.add_option("--param-dtype", a.param_dtype, "fsdp: mixed_precision.param_dtype");
+  app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", a.reshard_after_forward,
+               "fsdp: free block params after forward (default) or keep them until backward");
   app.add_flag("--reshard-root,!--no-reshard-root", a.reshard_root,
                "fsdp: free the root's parameters after forward so backward gathers them again");
   CLI11_PARSE(app, argc, argv);

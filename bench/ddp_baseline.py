@@ -122,6 +122,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: keep)")
     ap.add_argument("--json-out", default="")
+    ap.add_argument("--autocast-bf16", action="store_true",
+                    help="torch.autocast('cpu', bfloat16) around forward: PyTorch's bf16 mixed precision")
     args = ap.parse_args()
 
     if args.threads > 0:
@@ -163,7 +165,9 @@ def main():
         barrier()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)  # as FSDP's zero_grad: grads dropped, not zeroed
-        loss = next_token_loss(model(tokens), tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast_bf16):
+            logits = model(tokens)
+        loss = next_token_loss(logits, tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()

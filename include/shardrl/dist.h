@@ -86,7 +86,12 @@ class ProcessGroup {
 
   // Payload bytes this rank handed to the transport, for traffic accounting.
   uint64_t bytes_sent() const { return bytes_sent_; }
-  void reset_bytes_sent() { bytes_sent_ = 0; }
+  // Seconds this rank spent blocked waiting for collectives: communication not hidden by compute.
+  double wait_seconds() const { return wait_seconds_; }
+  void reset_bytes_sent() {
+    bytes_sent_ = 0;
+    wait_seconds_ = 0;
+  }
 
   // Wraps a transport failure: finds which ranks still answer through the store and names the
   // ones that do not. Never returns.
@@ -101,6 +106,7 @@ class ProcessGroup {
 
   std::unique_ptr<Impl> impl_;
   uint64_t bytes_sent_ = 0;
+  double wait_seconds_ = 0;
 };
 
 // The job: this process's place in it, the store, and the global process group.

@@ -62,6 +62,7 @@ void Pending::wait() {
   if (!group_) return;
   ProcessGroup* group = group_;
   group_ = nullptr;  // a failed wait must not be waited on again
+  const auto start = std::chrono::steady_clock::now();
   for (auto& work : works_) {
     try {
       work->wait(group->timeout());
@@ -70,6 +71,8 @@ void Pending::wait() {
     }
   }
   works_.clear();
+  group->wait_seconds_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (finish_) finish_();
 }
 
