@@ -13,6 +13,7 @@ namespace {
 
 struct Run {
   std::vector<double> losses, grad_norms, bytes;
+  std::vector<bool> skipped;
   std::map<std::string, torch::Tensor> params;
   std::vector<nlohmann::json> memory;
 };
@@ -28,6 +29,7 @@ Run train_reference(const Scenario& s) {
     auto tokens = global_batch(s, step, model->config().vocab_size);
     optimizer->zero_grad();
     auto loss = models::next_token_loss(model(tokens), tokens);
+    if (step == s.nan_step) loss = loss * std::numeric_limits<float>::quiet_NaN();
     loss.backward();
     std::vector<torch::Tensor> with_grad;
     for (auto& p : model->parameters()) {
@@ -35,7 +37,7 @@ Run train_reference(const Scenario& s) {
     }
     run.grad_norms.push_back(torch::nn::utils::clip_grad_norm_(
         with_grad, s.max_norm > 0 ? s.max_norm : std::numeric_limits<double>::infinity()));
-    optimizer->step();
+    if (step != s.nan_step) optimizer->step();
     run.losses.push_back(loss.item<double>());
   }
   for (const auto& item : model->named_parameters())
@@ -51,6 +53,7 @@ std::vector<std::string> scenario_args(const Scenario& s) {
       "--max-norm", std::to_string(s.max_norm), "--seed",  std::to_string(s.seed)};
   if (s.unused_params) args.push_back("--unused-params");
   if (!s.freeze.empty()) args.insert(args.end(), {"--freeze", s.freeze});
+  if (s.nan_step >= 0) args.insert(args.end(), {"--nan-step", std::to_string(s.nan_step)});
   return args;
 }
 
@@ -65,9 +68,16 @@ Run train_sharded(int nproc, const Scenario& s, const std::vector<std::string>& 
   Run run;
   if (result.exit_code != 0) return run;
   auto summary = nlohmann::json::parse(std::ifstream(dir + "/losses.json"));
-  run.losses = summary["loss"].get<std::vector<double>>();
-  run.grad_norms = summary["grad_norm"].get<std::vector<double>>();
+  // JSON has no NaN: the worker's NaN losses and norms arrive as null.
+  auto numbers = [](const nlohmann::json& values) {
+    std::vector<double> out;
+    for (const auto& v : values) out.push_back(v.is_null() ? std::nan("") : v.get<double>());
+    return out;
+  };
+  run.losses = numbers(summary["loss"]);
+  run.grad_norms = numbers(summary["grad_norm"]);
   run.bytes = summary["bytes_sent"].get<std::vector<double>>();
+  run.skipped = summary["skipped"].get<std::vector<bool>>();
   std::vector<torch::Tensor> tensors;
   torch::load(tensors, dir + "/params.pt");
   std::ifstream names(dir + "/names.txt");
@@ -87,6 +97,10 @@ double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
 void expect_matches(const Run& sharded, const Run& reference, double tolerance) {
   ASSERT_EQ(sharded.losses.size(), reference.losses.size());
   for (size_t i = 0; i < reference.losses.size(); ++i) {
+    if (std::isnan(reference.losses[i])) {
+      EXPECT_TRUE(std::isnan(sharded.losses[i])) << "loss at step " << i;
+      continue;
+    }
     EXPECT_NEAR(sharded.losses[i], reference.losses[i], tolerance * std::abs(reference.losses[i]))
         << "loss at step " << i;
   }
@@ -140,6 +154,27 @@ TEST(FSDP, HybridShardingOnTwoByTwoMeshMatches) {
 TEST(FSDP, KeepingParamsUnshardedAfterForwardMatches) {
   const Scenario s = base_scenario();
   expect_matches(train_sharded(2, s, {"--keep-unsharded"}), train_reference(s), 1e-5);
+}
+
+TEST(FSDP, PrefetchDepthDoesNotChangeResults) {
+  const Scenario s = base_scenario();
+  const auto reference = train_reference(s);
+  for (const std::string depth : {"0", "2"}) {
+    expect_matches(train_sharded(2, s, {"--prefetch", depth}), reference, 1e-5);
+  }
+}
+
+TEST(FSDP, NonFiniteGradNormSkipsTheStep) {
+  Scenario s = base_scenario();
+  s.steps = 4;
+  s.nan_step = 1;
+  s.max_norm = 1.0;
+  auto sharded = train_sharded(2, s);
+  ASSERT_EQ(sharded.skipped.size(), 4u);
+  EXPECT_EQ(sharded.skipped, (std::vector<bool>{false, true, false, false}));
+  EXPECT_TRUE(std::isnan(sharded.grad_norms[1]));
+  // The skipped step changed nothing: the rest matches a reference that never stepped there.
+  expect_matches(sharded, train_reference(s), 1e-5);
 }
 
 TEST(FSDP, ClippingUsesTheUnshardedNorm) {

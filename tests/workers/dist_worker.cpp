@@ -19,7 +19,8 @@ namespace {
 
 int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
           const std::string& param_dtype, const std::string& reduce_dtype, bool no_sync,
-          int die_rank, int die_step, int hang_rank, int timeout_ms, bool reshard_after_forward) {
+          int die_rank, int die_step, int hang_rank, int timeout_ms, bool reshard_after_forward,
+          int prefetch) {
   dist::InitOptions init;
   init.timeout = std::chrono::milliseconds(timeout_ms);
   auto world = dist::World::init_from_env(init);
@@ -32,6 +33,7 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
       fsdp::parse_dtype(reduce_dtype, "mixed_precision.reduce_dtype");
   options.mixed_precision.output_dtype = torch::kFloat;
   options.reshard_after_forward = reshard_after_forward;
+  options.prefetch = prefetch;
 
   auto model = testing::build_model(s);
   const int64_t vocab = model->config().vocab_size;
@@ -45,7 +47,7 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
   const int dp_rank = mesh.data_parallel_rank();
   const int64_t local = s.batch / dp, micro_rows = local / s.micro;
   nlohmann::json losses = nlohmann::json::array(), norms = nlohmann::json::array(),
-                 bytes = nlohmann::json::array();
+                 bytes = nlohmann::json::array(), skipped = nlohmann::json::array();
   for (int64_t step = 0; step < s.steps; ++step) {
     if (world->rank() == die_rank && step == die_step) std::raise(SIGKILL);
     // Alive but stuck outside any collective: the others must time out, not hang.
@@ -59,6 +61,7 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
       fsdp_model.set_requires_gradient_sync(!no_sync || m == s.micro - 1);
       auto tokens = batch.narrow(0, m * micro_rows, micro_rows);
       auto loss = models::next_token_loss(model(tokens), tokens) / static_cast<double>(s.micro);
+      if (step == s.nan_step) loss = loss * std::numeric_limits<float>::quiet_NaN();
       loss.backward();
       loss_sum += loss.detach();
     }
@@ -66,6 +69,7 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
     auto result = optim::clip_and_step(fsdp_model, *optimizer, s.max_norm);
     world->group().all_reduce(loss_sum);
     losses.push_back(loss_sum.item<double>() / world->size());
+    skipped.push_back(result.skipped);
     norms.push_back(result.grad_norm);
   }
 
@@ -85,7 +89,8 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
     }
     torch::save(tensors, out + "/params.pt");
     std::ofstream(out + "/losses.json")
-        << nlohmann::json{{"loss", losses}, {"grad_norm", norms}, {"bytes_sent", bytes}}.dump();
+        << nlohmann::json{{"loss", losses}, {"grad_norm", norms}, {"bytes_sent", bytes},
+                                                      {"skipped", skipped}}.dump();
   }
   std::ofstream(out + "/memory_" + std::to_string(world->rank()) + ".json") << memory.dump();
   world->group().barrier();
@@ -98,7 +103,7 @@ int main(int argc, char** argv) {
   CLI::App app{"ShardRL multi-rank test worker"};
   testing::Scenario s;
   std::string out = ".", param_dtype = "fp32", reduce_dtype = "fp32";
-  int fsdp_size = -1, die_rank = -1, die_step = -1, hang_rank = -1, timeout_ms = 60000;
+  int fsdp_size = -1, die_rank = -1, die_step = -1, hang_rank = -1, timeout_ms = 60000, prefetch = 1;
   bool no_sync = false, keep_unsharded = false;
   auto* train_cmd = app.add_subcommand("train", "FSDP training of the test transformer");
   train_cmd->add_option("--steps", s.steps);
@@ -120,12 +125,14 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--die-rank", die_rank);
   train_cmd->add_option("--die-step", die_step, "Step at which --die-rank or --hang-rank acts");
   train_cmd->add_option("--hang-rank", hang_rank);
+  train_cmd->add_option("--prefetch", prefetch);
+  train_cmd->add_option("--nan-step", s.nan_step);
   train_cmd->add_option("--timeout-ms", timeout_ms);
   app.require_subcommand(1);
   CLI11_PARSE(app, argc, argv);
   try {
     return train(s, out, fsdp_size, param_dtype, reduce_dtype, no_sync, die_rank, die_step,
-                 hang_rank, timeout_ms, !keep_unsharded);
+                 hang_rank, timeout_ms, !keep_unsharded, prefetch);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;

@@ -21,6 +21,7 @@ struct Scenario {
   uint64_t seed = 1234;
   bool unused_params = false;  // add params that never get a grad (root and a block)
   std::string freeze;          // params whose name contains this are frozen
+  int64_t nan_step = -1;       // this step's loss is NaN: its optimizer step must be skipped
 };
 
 inline models::TransformerConfig model_config(const Scenario& s) {
