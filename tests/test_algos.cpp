@@ -12,9 +12,12 @@
 #include <vector>
 
 #include "shardrl/algos.h"
+#include "test_util.h"
 
 namespace shardrl::algos {
 namespace {
+
+using shardrl::testing::expect_invalid_argument_naming;
 
 using torch::indexing::Slice;
 
@@ -33,18 +36,6 @@ void ExpectNear(const torch::Tensor& t, const std::vector<double>& expected, dou
 void ExpectScalar(const torch::Tensor& t, double expected, double tol = 1e-5) {
   ASSERT_EQ(t.numel(), 1);
   EXPECT_NEAR(t.item<double>(), expected, tol);
-}
-
-void ExpectInvalidArgumentNaming(const std::function<void()>& fn, const std::string& field,
-                                 const std::string& value = "") {
-  try {
-    fn();
-    ADD_FAILURE() << "expected std::invalid_argument naming " << field;
-  } catch (const std::invalid_argument& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find(field), std::string::npos) << msg;
-    EXPECT_NE(msg.find(value), std::string::npos) << msg;
-  }
 }
 
 at::Generator Gen(uint64_t seed) {
@@ -73,7 +64,7 @@ TEST(FlowMatchScheduler, ShiftedSigmasAndTimesteps) {
 
   const auto unshifted = FlowMatchScheduler::create(5, 1.0, 1.0, 0.2);
   ExpectNear(unshifted.sigmas, {1.0, 0.8, 0.6, 0.4, 0.2, 0.0}, 1e-6);
-  ExpectInvalidArgumentNaming([] { FlowMatchScheduler::create(0); }, "num_steps");
+  expect_invalid_argument_naming([] { FlowMatchScheduler::create(0); }, "num_steps");
 }
 
 TEST(SdeStep, ReferenceVector) {
@@ -115,7 +106,8 @@ TEST(SdeStep, SchedulerStepZeroUsesSigmaOneSubstitute) {
   EXPECT_TRUE(torch::allclose(r3.log_prob[0], r.log_prob[0]));
   const auto r4 = sde_step_with_logprob(sched, v, x, 3, opt);
   EXPECT_TRUE(torch::allclose(r3.log_prob[1], r4.log_prob[1]));
-  ExpectInvalidArgumentNaming([&] { sde_step_with_logprob(sched, v, x, 10, opt); }, "step_index");
+  expect_invalid_argument_naming([&] { sde_step_with_logprob(sched, v, x, 10, opt); },
+                                 "step_index");
 }
 
 TEST(SdeStep, SamplingUsesGeneratorNoise) {
@@ -164,8 +156,8 @@ TEST(FlowMatching, InterpolateAndTargets) {
   ExpectNear(flow_interpolate(x0, eps, torch::tensor(1.0f)), {0, 0, 1, 1});
   ExpectNear(diffusion_target(x0, eps, "flow_matching"), {-1, -2, -2, -3});
   ExpectNear(diffusion_target(x0, eps, "epsilon"), {0, 0, 1, 1});
-  ExpectInvalidArgumentNaming([&] { diffusion_target(x0, eps, "v_prediction"); }, "prediction_type",
-                              "v_prediction");
+  expect_invalid_argument_naming([&] { diffusion_target(x0, eps, "v_prediction"); },
+                                 "prediction_type", "v_prediction");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -204,7 +196,7 @@ TEST(DiffusionAdvantages, SingletonGroupGetsZero) {
       EXPECT_LT(a[0].item<float>(), 0.0f);
     }
   }
-  ExpectInvalidArgumentNaming(
+  expect_invalid_argument_naming(
       [&] {
         diffusion_group_advantages(rewards, std::vector<int64_t>{0, 0});
       },
@@ -239,8 +231,8 @@ TEST(GradAccum, Divisors) {
   EXPECT_EQ(grad_accum_divisor("nft", 2, 3), 6);
   EXPECT_EQ(grad_accum_divisor("dpo", 4, 10), 4);
   EXPECT_EQ(grad_accum_divisor("dpo", 4), 4);
-  ExpectInvalidArgumentNaming([] { grad_accum_divisor("sft", 1, 1); }, "algorithm", "sft");
-  ExpectInvalidArgumentNaming([] { grad_accum_divisor("nft", 0, 1); }, "num_micro_batches");
+  expect_invalid_argument_naming([] { grad_accum_divisor("sft", 1, 1); }, "algorithm", "sft");
+  expect_invalid_argument_naming([] { grad_accum_divisor("nft", 0, 1); }, "num_micro_batches");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -316,7 +308,7 @@ TEST(FlowGrpoLoss, KlTermToReference) {
 
   FlowGrpoLossInputs no_ref = in;
   no_ref.ref_prev_sample_mean = torch::Tensor();
-  ExpectInvalidArgumentNaming([&] { flow_grpo_loss(no_ref, c); }, "ref_prev_sample_mean");
+  expect_invalid_argument_naming([&] { flow_grpo_loss(no_ref, c); }, "ref_prev_sample_mean");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -332,7 +324,7 @@ TEST(NftRewardProb, ReferenceVectors) {
   ExpectNear(nft_reward_prob(a, "negative_only"), {0, 0, .5, .5, .5});
   ExpectNear(nft_reward_prob(Vec({-1, 2.5}), "continuous"), {0.4, 0.75});
   ExpectNear(nft_reward_prob(Vec({1}), "one_only", 1.0), {1.0});
-  ExpectInvalidArgumentNaming([&] { nft_reward_prob(a, "ternary"); }, "adv_mode", "ternary");
+  expect_invalid_argument_naming([&] { nft_reward_prob(a, "ternary"); }, "adv_mode", "ternary");
 }
 
 TEST(NftTrainTimesteps, PermutationPrefixPerRow) {
@@ -349,8 +341,8 @@ TEST(NftTrainTimesteps, PermutationPrefixPerRow) {
   EXPECT_EQ(nft_select_train_timesteps(rollout, 0.01).indices.size(1), 1);  // max(1, int(0.1))
   const auto all = nft_select_train_timesteps(rollout, 1.0, Gen(12));
   EXPECT_TRUE(torch::equal(std::get<0>(all.indices.sort(1)), torch::arange(10).expand({3, 10})));
-  ExpectInvalidArgumentNaming([&] { nft_select_train_timesteps(rollout, 0.0); },
-                              "timestep_fraction");
+  expect_invalid_argument_naming([&] { nft_select_train_timesteps(rollout, 0.0); },
+                                 "timestep_fraction");
 }
 
 TEST(NftLoss, HandComputedExample) {
@@ -388,7 +380,7 @@ TEST(NftLoss, HandComputedExample) {
   ExpectScalar(nft_loss(in, c).loss, out.loss.item<double>() / 6.0, 1e-4);
   NftLossInputs no_ref = in;
   no_ref.v_ref = torch::Tensor();
-  ExpectInvalidArgumentNaming([&] { nft_loss(no_ref, c); }, "v_ref");
+  expect_invalid_argument_naming([&] { nft_loss(no_ref, c); }, "v_ref");
 }
 
 TEST(NftLoss, WeightFloorOnExactPrediction) {
@@ -418,7 +410,7 @@ TEST(EmaDecay, Schedules) {
   EXPECT_DOUBLE_EQ(ema_decay("delayed_linear_to_0_999", 300), 0.999);
   const auto s = ema_decay_schedule("delayed_linear_to_0_999");
   EXPECT_EQ(s.flat_steps, 75);
-  ExpectInvalidArgumentNaming([] { ema_decay("cosine", 1); }, "decay_schedule", "cosine");
+  expect_invalid_argument_naming([] { ema_decay("cosine", 1); }, "decay_schedule", "cosine");
 }
 
 TEST(EmaDecay, UpdateInPlace) {
@@ -435,8 +427,8 @@ TEST(EmaDecay, UpdateInPlace) {
   ema_update(old_layer->parameters(), cur_layer->parameters(), 0.0);  // copy clears the NaN
   EXPECT_TRUE(torch::equal(old_layer->bias, cur_layer->bias));
   EXPECT_TRUE(torch::equal(old_layer->weight, cur_layer->weight));
-  ExpectInvalidArgumentNaming([&] { ema_update(old_layer->parameters(), {}, 0.5); }, "source");
-  ExpectInvalidArgumentNaming(
+  expect_invalid_argument_naming([&] { ema_update(old_layer->parameters(), {}, 0.5); }, "source");
+  expect_invalid_argument_naming(
       [&] { ema_update(old_layer->parameters(), cur_layer->parameters(), 1.5); }, "decay");
 }
 
@@ -465,12 +457,12 @@ TEST(DpoPairs, TiesKeepBatchOrderAndBadInputThrows) {
   EXPECT_EQ(dpo_make_pairs(std::vector<double>{0.5, 0.5}, std::vector<int64_t>{4, 4}).indices,
             (std::vector<int64_t>{0, 1}));
   EXPECT_EQ(dpo_make_pairs(std::vector<double>{1.0}, std::vector<int64_t>{4}).num_pairs(), 0);
-  ExpectInvalidArgumentNaming(
+  expect_invalid_argument_naming(
       [] {
         dpo_make_pairs(std::vector<double>{1.0, 2.0}, std::vector<int64_t>{1});
       },
       "uids");
-  ExpectInvalidArgumentNaming(
+  expect_invalid_argument_naming(
       [] {
         dpo_make_pairs(std::vector<double>{1.0, NAN}, std::vector<int64_t>{1, 1});
       },
@@ -521,7 +513,7 @@ TEST(DpoLoss, HandComputedPairs) {
   ExpectScalar(one.chosen_reward, 0.75);
   ExpectScalar(one.rejected_reward, -0.75);
   ExpectScalar(one.loss, l_pos / 2.0);
-  ExpectInvalidArgumentNaming(
+  expect_invalid_argument_naming(
       [&] {
         diffusion_dpo_loss(model.slice(0, 0, 3), ref.slice(0, 0, 3), torch::zeros({3, 2}));
       },
@@ -568,12 +560,12 @@ TEST(PolicyLoss, AggregationModes) {
   ExpectScalar(compute_policy_loss(pc.old_logp, pc.logp, pc.adv, pc.mask, c).pg_loss,
                (-2.3 / 2.0 + 5.8 / 3.0) / 2.0);
   c.loss_agg_mode = "seq-mean";
-  ExpectInvalidArgumentNaming(
+  expect_invalid_argument_naming(
       [&] { compute_policy_loss(pc.old_logp, pc.logp, pc.adv, pc.mask, c); }, "loss_agg_mode",
       "seq-mean");
   c.loss_agg_mode = "token-mean";
   c.clip_ratio_c = 1.0;
-  ExpectInvalidArgumentNaming(
+  expect_invalid_argument_naming(
       [&] { compute_policy_loss(pc.old_logp, pc.logp, pc.adv, pc.mask, c); }, "clip_ratio_c");
 }
 
@@ -611,7 +603,7 @@ TEST(KlPenalty, EstimatorsAndClamps) {
   ExpectNear(kl_penalty(logp, ref, "k3"), k3);
   ExpectNear(kl_penalty(logp, ref, "low_var_kl"), k3);
   ExpectNear(kl_penalty(Vec({0.3f}), Vec({0.3f}), "k3"), {0.0});
-  ExpectInvalidArgumentNaming([&] { kl_penalty(logp, ref, "full"); }, "kl_penalty", "full");
+  expect_invalid_argument_naming([&] { kl_penalty(logp, ref, "full"); }, "kl_penalty", "full");
 }
 
 }  // namespace

@@ -10,21 +10,12 @@
 #include <vector>
 
 #include "shardrl/lr_schedule.h"
+#include "test_util.h"
 
 namespace shardrl::optim {
 namespace {
 
-void ExpectInvalidArgumentNaming(const std::function<void()>& fn, const std::string& field,
-                                 const std::string& value) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected std::invalid_argument naming " << field;
-  } catch (const std::invalid_argument& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find(field), std::string::npos) << msg;
-    EXPECT_NE(msg.find(value), std::string::npos) << msg;
-  }
-}
+using shardrl::testing::expect_invalid_argument_naming;
 
 LRScheduleConfig CosineConfig() {
   LRScheduleConfig c;
@@ -86,14 +77,14 @@ TEST(LrSchedule, WarmupFromRatioWhenStepsNotPositive) {
 TEST(LrSchedule, RejectsBadConfig) {
   LRScheduleConfig config;
   config.warmup_style = "linear";
-  ExpectInvalidArgumentNaming([&] { lr_multiplier(config, 0); }, "warmup_style", "linear");
+  expect_invalid_argument_naming([&] { lr_multiplier(config, 0); }, "warmup_style", "linear");
   auto cosine = CosineConfig();
   cosine.total_training_steps = 0;
-  ExpectInvalidArgumentNaming([&] { lr_multiplier(cosine, 0); }, "total_training_steps", "0");
+  expect_invalid_argument_naming([&] { lr_multiplier(cosine, 0); }, "total_training_steps", "0");
   cosine = CosineConfig();
   cosine.min_lr_ratio = 1.5;
-  ExpectInvalidArgumentNaming([&] { lr_multiplier(cosine, 0); }, "min_lr_ratio", "1.5");
-  ExpectInvalidArgumentNaming([&] { lr_multiplier(CosineConfig(), -1); }, "step", "-1");
+  expect_invalid_argument_naming([&] { lr_multiplier(cosine, 0); }, "min_lr_ratio", "1.5");
+  expect_invalid_argument_naming([&] { lr_multiplier(CosineConfig(), -1); }, "step", "-1");
 }
 
 TEST(LrScheduler, DrivesEveryParamGroupOfAdamW) {
@@ -147,7 +138,7 @@ TEST(LrScheduler, ConstructorRejectsUnknownStyle) {
   torch::optim::AdamW opt({p}, torch::optim::AdamWOptions(1e-3));
   LRScheduleConfig config;
   config.warmup_style = "wsd";
-  ExpectInvalidArgumentNaming([&] { LRScheduler s(opt, config); }, "warmup_style", "wsd");
+  expect_invalid_argument_naming([&] { LRScheduler s(opt, config); }, "warmup_style", "wsd");
 }
 
 }  // namespace

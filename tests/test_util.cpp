@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include <gtest/gtest.h>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -14,6 +16,18 @@
 #include <stdexcept>
 
 namespace shardrl::testing {
+
+void expect_invalid_argument_naming(const std::function<void()>& fn, const std::string& field,
+                                    const std::string& value) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected std::invalid_argument naming " << field;
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(field), std::string::npos) << msg;
+    EXPECT_NE(msg.find(value), std::string::npos) << msg;
+  }
+}
 
 std::string bin(const std::string& name) {
   return std::string(SHARDRL_BIN_DIR) + "/" + name;
@@ -92,10 +106,10 @@ ProcessResult run_process(const std::vector<std::string>& argv,
 }
 
 ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,
-                             double timeout_s) {
-  std::vector<std::string> argv = {
-      bin("shardrl"), "launch", "-n", std::to_string(nproc), "--threads", "1",
-      "--grace",      "20",     "--", bin("dist_worker")};
+                             double timeout_s, const std::string& worker) {
+  std::vector<std::string> argv = {bin("shardrl"), "launch",   "-n",      std::to_string(nproc),
+                                   "--threads",    "1",        "--grace", "20",
+                                   "--",           bin(worker)};
   argv.insert(argv.end(), worker_args.begin(), worker_args.end());
   return run_process(argv, {}, timeout_s);
 }

@@ -1,6 +1,7 @@
 // Shared by the tests: running real processes and reading what they wrote.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -18,9 +19,14 @@ ProcessResult run_process(const std::vector<std::string>& argv,
                           const std::map<std::string, std::string>& env = {},
                           double timeout_s = 300);
 
-// `shardrl launch -n N -- dist_worker args...`
+// `shardrl launch -n N -- <worker> args...`
 ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,
-                             double timeout_s = 300);
+                             double timeout_s = 300, const std::string& worker = "dist_worker");
+
+// Fails the current test unless fn throws std::invalid_argument whose message names field and
+// value.
+void expect_invalid_argument_naming(const std::function<void()>& fn, const std::string& field,
+                                    const std::string& value = "");
 
 std::string bin(const std::string& name);
 std::string make_temp_dir(const std::string& tag);
