@@ -115,6 +115,16 @@ RootContext& root_of(const std::shared_ptr<UnitState>& unit) {
   return *unit->root;
 }
 
+// Parameter names as the unsharded model spells them, keyed by the (stable) parameter tensor.
+std::unordered_map<const c10::TensorImpl*, std::string> qualified_names(
+    const torch::nn::Module& m) {
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  for (const auto& item : m.named_parameters(/*recurse=*/true)) {
+    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  return names;
+}
+
 // Units scoped by this handle: the whole model for the root, the unit alone otherwise.
 std::vector<UnitState*> scoped_units(const std::shared_ptr<UnitState>& unit) {
   RootContext& root = root_of(unit);
@@ -256,10 +266,7 @@ std::vector<torch::Tensor> after_forward(UnitState& unit, std::vector<torch::Ten
 }  // namespace detail
 
 std::vector<ShardedParameter> FSDPModule::sharded_parameters() const {
-  std::unordered_map<const c10::TensorImpl*, std::string> names;
-  for (const auto& item : state_->module->named_parameters(true)) {
-    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
-  }
+  const auto names = qualified_names(*state_->module);
   const int rank = state_->mesh.shard_group().rank();
   std::vector<ShardedParameter> out;
   for (UnitState* unit : scoped_units(state_)) {
@@ -315,10 +322,7 @@ void FSDPModule::zero_grad() {
 }
 
 std::map<std::string, torch::Tensor> FSDPModule::full_parameters() const {
-  std::unordered_map<const c10::TensorImpl*, std::string> names;
-  for (const auto& item : state_->module->named_parameters(true)) {
-    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
-  }
+  const auto names = qualified_names(*state_->module);
   torch::NoGradGuard no_grad;
   auto& group = state_->mesh.shard_group();
   std::map<std::string, torch::Tensor> out;

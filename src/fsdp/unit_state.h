@@ -35,8 +35,8 @@ class UnitState {
 
   // Collective steps. Every rank calls them in the same order.
   void start_gather();
+  // Waits for the all-gather (starting it if nobody prefetched it) and fills the params.
   void finish_gather();
-  void unshard() { start_gather(), finish_gather(); }
   void reshard();
   // Reduce-scatters the unsharded grads (or keeps them under no_sync) and frees them.
   void reduce_grads();
@@ -57,7 +57,6 @@ class UnitState {
   std::unique_ptr<RootContext> owned_root;
   bool is_root = false;
   bool post_backward_done = false;
-  bool reduced_this_backward = false;
 
  private:
   torch::Tensor gather_output_;
