@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/string_utils.h>
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef USE_C10D_NCCL
@@ -74,8 +75,16 @@ inline void alloc_storage(const at::Tensor& t) {
   impl->set_nbytes(nbytes);
 }
 
-inline bool storage_allocated(const at::Tensor& t) {
-  return t.storage().unsafeGetStorageImpl()->nbytes() > 0;
+// Optimizer::state() is keyed by the parameter's TensorImpl address: printed as a string in 1.x,
+// the pointer itself in 2.x. Checkpoints restore optimizer state through this key.
+#if TORCH_VERSION_MAJOR >= 2
+inline void* optimizer_state_key(const at::Tensor& param) {
+  return param.unsafeGetTensorImpl();
 }
+#else
+inline std::string optimizer_state_key(const at::Tensor& param) {
+  return c10::guts::to_string(param.unsafeGetTensorImpl());
+}
+#endif
 
 }  // namespace shardrl::compat

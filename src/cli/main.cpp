@@ -1,9 +1,50 @@
 // The `shardrl` command line.
 #include <CLI/CLI.hpp>
 
+#include <fmt/format.h>
+
 #include <iostream>
 
+#include "shardrl/checkpoint.h"
+#include "shardrl/fsdp.h"
 #include "shardrl/launcher.h"
+
+namespace {
+
+// `shardrl inspect CKPT`: what a checkpoint holds and whether its files are intact.
+int inspect(const std::string& dir) {
+  namespace ckpt = shardrl::checkpoint;
+  const auto index = ckpt::read_index(dir);
+  std::cout << fmt::format("checkpoint {}\nstep {}\nworld size {} (shard {} x replicate {})\n", dir,
+                           index["step"].get<int64_t>(), index["world_size"].get<int>(),
+                           index.value("shard_size", 0), index.value("replicate_size", 0));
+  if (!index["scheduler"].is_null())
+    std::cout << fmt::format("lr scheduler step {}\n", index["scheduler"]["last_step"].dump());
+  int64_t params = 0;
+  std::cout << "tensors:\n";
+  for (const auto& [name, entry] : index["model"].items()) {
+    int64_t numel = 1;
+    for (const auto& d : entry["shape"]) numel *= d.get<int64_t>();
+    params += numel;
+    std::cout << fmt::format("  {} {} {} ({} shards)\n", name, entry["dtype"].get<std::string>(),
+                             entry["shape"].dump(), entry["shards"].size());
+  }
+  std::cout << fmt::format("{} tensors, {} parameters, {} with optimizer state\n",
+                           index["model"].size(), params, index["optimizer"]["state"].size());
+  bool all_ok = true;
+  int64_t bytes = 0;
+  std::cout << "files:\n";
+  for (const auto& f : ckpt::verify(dir)) {
+    all_ok &= f.ok;
+    bytes += std::max<int64_t>(f.bytes, 0);
+    std::cout << fmt::format("  {} {} bytes: {}\n", f.file, f.expected_bytes,
+                             f.ok ? "ok" : f.problem);
+  }
+  std::cout << fmt::format("{} bytes in files; checksums {}\n", bytes, all_ok ? "ok" : "FAILED");
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ShardRL: fully sharded data-parallel training and RL post-training in C++"};
@@ -26,9 +67,33 @@ int main(int argc, char** argv) {
   launch_cmd->add_option("command", launch.command, "Command to run on every rank (after --)")
       ->required();
 
+  std::string ckpt_dir, export_dir, export_dtype = "bf16";
+  int64_t max_shard_bytes = int64_t{5} << 30;
+  auto* export_cmd = app.add_subcommand(
+      "export", "Write a sharded checkpoint as Hugging Face-style safetensors shards");
+  export_cmd->add_option("checkpoint", ckpt_dir, "Checkpoint directory (global_step_N)")
+      ->required();
+  export_cmd->add_option("out", export_dir, "Output directory")->required();
+  export_cmd->add_option("--dtype", export_dtype, "bf16 or fp32 (also fp16)");
+  export_cmd->add_option("--max-shard-size", max_shard_bytes, "Bytes per output file at most")
+      ->check(CLI::PositiveNumber);
+  auto* inspect_cmd = app.add_subcommand(
+      "inspect", "Print a checkpoint's step, world size, tensors and checksum status");
+  inspect_cmd->add_option("checkpoint", ckpt_dir, "Checkpoint directory (global_step_N)")
+      ->required();
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand(launch_cmd)) return shardrl::dist::launch(launch);
+    if (app.got_subcommand(inspect_cmd)) return inspect(ckpt_dir);
+    if (app.got_subcommand(export_cmd)) {
+      shardrl::checkpoint::ExportOptions options;
+      options.dtype = shardrl::fsdp::parse_dtype(export_dtype, "--dtype");
+      options.max_shard_bytes = max_shard_bytes;
+      for (const auto& file : shardrl::checkpoint::export_hf(ckpt_dir, export_dir, options))
+        std::cout << file << "\n";
+      return 0;
+    }
   } catch (const std::exception& e) {
     std::cerr << "shardrl: " << e.what() << "\n";
     return 2;

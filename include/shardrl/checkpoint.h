@@ -1,0 +1,208 @@
+// Sharded checkpoints that reload at any world size, safetensors I/O, consolidated export and
+// streaming weight sync.
+//
+// A checkpoint is a directory `<root>/global_step_N` holding, per data-parallel rank r,
+// `model_rank{r}.safetensors` (the valid rows of each fp32 master shard) and
+// `optim_rank{r}.safetensors` (AdamW moments of those rows and the rank's RNG state), plus one
+// `index.json` written by rank 0: each tensor's global shape and dtype, where every shard of it
+// lives (file, first row, rows, byte offset, length), a crc32 and size per file, the world size,
+// the optimizer steps, the LR-scheduler step and the caller's extra JSON (e.g. the model config).
+//
+//   checkpoint::SaveOptions keep;  keep.max_ckpt_to_keep = 3;
+//   checkpoint::save(root, step, model.fsdp(), *optimizer, &scheduler, {{"config", cfg}}, keep);
+//   if (auto dir = checkpoint::find_latest(root))
+//     step = checkpoint::load(*dir, model.fsdp(), *optimizer, &scheduler).step;
+//
+// Saving writes into `<root>/.tmp-step-N`, fsyncs, renames it to `global_step_N` and then
+// replaces the `latest` pointer, so a crash at any point leaves the previous checkpoint loadable.
+// All ranks must see the same filesystem.
+#pragma once
+
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shardrl/fsdp.h"
+#include "shardrl/lr_schedule.h"
+
+namespace shardrl::checkpoint {
+
+// ---- safetensors -------------------------------------------------------------------------------
+
+// "F32", "BF16", "F16", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL".
+std::string dtype_name(torch::ScalarType dtype);
+// Errors name `where` (a file, a field).
+torch::ScalarType dtype_from_name(const std::string& name, const std::string& where);
+
+struct TensorInfo {
+  std::string name;
+  torch::ScalarType dtype = torch::kFloat;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // absolute byte offset of the data in the file (set by writer and reader)
+  int64_t nbytes() const;
+};
+
+struct FileSummary {
+  std::string path;
+  int64_t bytes = 0;
+  uint32_t crc32 = 0;  // zlib crc32 of the whole file
+};
+
+// Streams a safetensors file: the header is written from the declared tensors up front, then the
+// data of one tensor at a time, so nothing but the tensor being written is held.
+class SafetensorsWriter {
+ public:
+  // Called after every write of data with the file and the bytes written so far.
+  using Progress = std::function<void(const std::string& path, int64_t bytes)>;
+
+  SafetensorsWriter(std::string path, std::vector<TensorInfo> tensors,
+                    const std::map<std::string, std::string>& metadata = {},
+                    Progress progress = nullptr);
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  // The next declared tensor; any dtype/shape mismatch with the declaration throws.
+  void write(const std::string& name, const torch::Tensor& tensor);
+  // fsyncs and closes; every declared tensor must have been written.
+  FileSummary close();
+  // With offsets filled in.
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+
+ private:
+  void write_bytes(const void* data, int64_t n);
+
+  std::string path_;
+  std::vector<TensorInfo> tensors_;
+  Progress progress_;
+  int fd_ = -1;
+  size_t next_ = 0;
+  int64_t written_ = 0;
+  uint32_t crc_ = 0;
+};
+
+// Reads tensors (or row ranges of them) with a seek and a read each; only the header is parsed
+// on open.
+class SafetensorsReader {
+ public:
+  explicit SafetensorsReader(std::string path);
+  ~SafetensorsReader();
+  SafetensorsReader(const SafetensorsReader&) = delete;
+  SafetensorsReader& operator=(const SafetensorsReader&) = delete;
+
+  const std::string& path() const { return path_; }
+  bool contains(const std::string& name) const { return index_.count(name) > 0; }
+  const TensorInfo& info(const std::string& name) const;
+  // In file order.
+  std::vector<std::string> names() const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  torch::Tensor read(const std::string& name) const;
+  // Rows [first, first + rows) of dim 0 (a 0-d tensor has one row), into a fresh tensor.
+  torch::Tensor read_rows(const std::string& name, int64_t first, int64_t rows) const;
+  // Same, into `out` (contiguous, the file's dtype, rows * row size elements).
+  void read_rows_into(const std::string& name, int64_t first, int64_t rows,
+                      const torch::Tensor& out) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int64_t file_size_ = 0;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, size_t> index_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// zlib crc32 of a whole file, read in blocks.
+uint32_t file_crc32(const std::string& path);
+
+// ---- sharded checkpoints -----------------------------------------------------------------------
+
+struct SaveOptions {
+  int max_ckpt_to_keep = 0;  // <= 0: keep all
+  double max_mem_gb = 0.0;   // total bytes (GiB) of global_step_* under root; <= 0: unlimited
+  // Called as each rank's files are written (bytes so far); for progress reporting and tests.
+  SafetensorsWriter::Progress progress;
+};
+
+// Collective over every rank of model.mesh(). Writes `<root>/global_step_<step>`, updates
+// `<root>/latest`, then rotates. Returns the checkpoint directory.
+std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
+                 torch::optim::Optimizer& optimizer, const optim::LRScheduler* scheduler,
+                 const nlohmann::json& extra = nlohmann::json::object(),
+                 const SaveOptions& options = {});
+
+struct LoadResult {
+  int64_t step = 0;
+  int saved_world_size = 0;
+  nlohmann::json extra;
+};
+
+// Collective. Loads a checkpoint saved at any world size: each rank reads only the rows it holds
+// now, from whichever files contain them, after checking each file's size and crc32 (a missing,
+// truncated or damaged file throws std::runtime_error naming it). Restores the AdamW state
+// (optimizer may be null to load weights only), the scheduler's step (may be null) and the RNG.
+LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::Optimizer* optimizer,
+                optim::LRScheduler* scheduler);
+
+// The directory `latest` points to, or the highest global_step_* when the pointer is absent;
+// nullopt when root holds no checkpoint.
+std::optional<std::string> find_latest(const std::string& root);
+
+// Deletes the oldest global_step_* under root until both limits hold, never `keep`.
+void rotate(const std::string& root, const SaveOptions& options, const std::string& keep);
+
+// Bytes of the regular files under `dir`.
+int64_t directory_bytes(const std::string& dir);
+
+// The parsed index.json of a checkpoint directory (errors name the file).
+nlohmann::json read_index(const std::string& dir);
+
+struct FileStatus {
+  std::string file;
+  int64_t expected_bytes = 0;
+  int64_t bytes = -1;  // -1: missing
+  bool ok = false;
+  std::string problem;  // empty when ok
+};
+// Checks every file the index names (size and crc32).
+std::vector<FileStatus> verify(const std::string& dir);
+
+// One whole tensor of a checkpoint, assembled from its shards in its saved dtype. `section` is
+// "model" or "optimizer" (optimizer names are "<param>.exp_avg", "<param>.exp_avg_sq").
+torch::Tensor read_full_tensor(const std::string& dir, const std::string& section,
+                               const std::string& name);
+
+// ---- export and weight sync --------------------------------------------------------------------
+
+struct ExportOptions {
+  torch::ScalarType dtype = torch::kBFloat16;
+  int64_t max_shard_bytes = int64_t{5} << 30;  // a tensor larger than this gets a file alone
+  std::string prefix;                          // prepended to every tensor name
+};
+
+// Writes Hugging Face-style `model-0000k-of-0000n.safetensors`, `model.safetensors.index.json`
+// and `config.json` (the checkpoint's extra["config"], or {} without one) from a sharded
+// checkpoint, reading one tensor at a time. Returns the files written.
+std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::string& out_dir,
+                                   const ExportOptions& options = {});
+
+// Collective. Initialises the shards from Hugging Face-style safetensors (a directory with
+// model.safetensors.index.json or model.safetensors, tensors named prefix + parameter name): the
+// first rank of each shard group reads one tensor at a time and broadcasts it; every rank keeps its
+// rows. At most one full tensor is held per rank. Optimizer and RNG are left alone.
+void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::string& prefix = "");
+
+// Collective over model.mesh()'s shard group. Calls `callback(prefix + name, full tensor)` for
+// every parameter, gathered one at a time in `dtype`; the tensor is released after the callback
+// returns, and the shards, grads and optimizer are left untouched.
+void for_each_full_parameter(
+    const fsdp::FSDPModule& model, torch::ScalarType dtype, const std::string& prefix,
+    const std::function<void(const std::string& name, const torch::Tensor& tensor)>& callback);
+
+}  // namespace shardrl::checkpoint

@@ -1,0 +1,525 @@
+// Sharded save and resharding load.
+#include <ATen/core/Generator.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "checkpoint/io.h"
+#include "checkpoint/reader.h"
+#include "compat.h"
+
+namespace shardrl::checkpoint {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr const char* kFormat = "shardrl-sharded-checkpoint";
+constexpr const char* kLatest = "latest";
+constexpr const char* kStepPrefix = "global_step_";
+constexpr const char* kTmpPrefix = ".tmp-step-";
+constexpr const char* kRngTensor = "rng.cpu";
+constexpr std::array<const char*, 3> kMoments = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+
+std::string model_file(int rank) {
+  return fmt::format("model_rank{}.safetensors", rank);
+}
+std::string optim_file(int rank) {
+  return fmt::format("optim_rank{}.safetensors", rank);
+}
+
+// Shards are stored as [valid_rows, rest of the global shape]; a 0-d parameter is one row.
+std::vector<int64_t> rows_shape(const std::vector<int64_t>& global_shape, int64_t rows) {
+  std::vector<int64_t> shape = global_shape.empty() ? std::vector<int64_t>{1} : global_shape;
+  shape[0] = rows;
+  return shape;
+}
+
+std::vector<std::string> all_gather_strings(dist::ProcessGroup& group, const std::string& mine,
+                                            torch::Device device) {
+  const int n = group.size();
+  const torch::Tensor length =
+      torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong).to(device);
+  torch::Tensor lengths = torch::empty({n}, torch::dtype(torch::kLong).device(device));
+  group.all_gather(length, lengths);
+  lengths = lengths.cpu();
+  const int64_t longest = lengths.max().item<int64_t>();
+  torch::Tensor bytes = torch::zeros({longest}, torch::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  torch::Tensor all = torch::empty({n * longest}, torch::dtype(torch::kByte).device(device));
+  group.all_gather(bytes.to(device), all);
+  all = all.cpu();
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r) {
+    const char* p = reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest;
+    out.emplace_back(p, static_cast<size_t>(lengths[r].item<int64_t>()));
+  }
+  return out;
+}
+
+// Every data-parallel rank's JSON, in data_parallel_rank() order (replica-major).
+std::vector<json> all_gather_json(const dist::DeviceMesh& mesh, const json& mine) {
+  json shard_group = json::array();
+  for (const auto& s : all_gather_strings(mesh.shard_group(), mine.dump(), mesh.device()))
+    shard_group.push_back(json::parse(s));
+  std::vector<json> out;
+  if (dist::ProcessGroup* replicas = mesh.replicate_group()) {
+    for (const auto& s : all_gather_strings(*replicas, shard_group.dump(), mesh.device())) {
+      for (auto& j : json::parse(s)) out.push_back(std::move(j));
+    }
+  } else {
+    for (auto& j : shard_group) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+// True on every rank when `ok` is true on every rank, so one rank's I/O error fails the
+// collective everywhere at once instead of leaving the others to time out.
+bool all_ok(const dist::DeviceMesh& mesh, bool ok) {
+  torch::Tensor failed =
+      torch::full({1}, ok ? 0 : 1, torch::dtype(torch::kInt).device(mesh.device()));
+  mesh.shard_group().all_reduce(failed, dist::ReduceOp::kMax);
+  if (dist::ProcessGroup* replicas = mesh.replicate_group())
+    replicas->all_reduce(failed, dist::ReduceOp::kMax);
+  return failed.item<int>() == 0;
+}
+
+// Runs fn; every rank throws if it threw on any rank (the failing rank with its own message).
+template <class Fn>
+void collectively(const dist::DeviceMesh& mesh, const std::string& what, Fn&& fn) {
+  std::string error;
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (all_ok(mesh, error.empty())) return;
+  if (!error.empty()) throw std::runtime_error(error);
+  throw std::runtime_error(fmt::format("{}: failed on another rank (see its log)", what));
+}
+
+torch::optim::AdamW& as_adamw(torch::optim::Optimizer& optimizer, const std::string& what) {
+  auto* adamw = dynamic_cast<torch::optim::AdamW*>(&optimizer);
+  if (!adamw) {
+    throw std::invalid_argument(
+        fmt::format("{}: only torch::optim::AdamW state is supported", what));
+  }
+  return *adamw;
+}
+
+at::Generator cpu_generator() {
+  return at::detail::getDefaultCPUGenerator();
+}
+
+std::optional<int64_t> step_of(const std::string& dir_name) {
+  const std::string prefix = kStepPrefix;
+  if (dir_name.rfind(prefix, 0) != 0 || dir_name.size() == prefix.size()) return std::nullopt;
+  const std::string digits = dir_name.substr(prefix.size());
+  if (!std::all_of(digits.begin(), digits.end(), ::isdigit)) return std::nullopt;
+  return std::stoll(digits);
+}
+
+// global_step_* directories under root, oldest first.
+std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const std::string& root) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    if (!entry.is_directory()) continue;
+    if (auto step = step_of(entry.path().filename().string()))
+      out.emplace_back(*step, entry.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Writes this rank's files and returns its part of the index.
+json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, torch::optim::AdamW& optimizer,
+                      const SaveOptions& options) {
+  const auto& mesh = model.mesh();
+  const int rank = mesh.data_parallel_rank();
+  // Replicas hold the same shards: only the first replica writes them.
+  const bool writes_shards =
+      mesh.replicate_group() == nullptr || mesh.replicate_group()->rank() == 0;
+  const auto params = model.sharded_parameters();
+  json meta = {{"rank", rank},
+               {"files", json::object()},
+               {"model", json::object()},
+               {"optimizer", json::object()},
+               {"optimizer_step", json::object()}};
+  auto shard_entry = [](const std::string& file, const TensorInfo& info, int64_t row_offset,
+                        int64_t rows) {
+    return json{{"file", file}, {"tensor", info.name},        {"row_offset", row_offset},
+                {"rows", rows}, {"byte_offset", info.offset}, {"length", info.nbytes()}};
+  };
+  auto record_file = [&](const std::string& file, const FileSummary& summary) {
+    meta["files"][file] = {{"bytes", summary.bytes}, {"crc32", summary.crc32}};
+  };
+  const std::map<std::string, std::string> file_metadata = {{"format", "pt"}};
+
+  if (writes_shards) {
+    std::vector<TensorInfo> infos;
+    std::vector<const fsdp::ShardedParameter*> written;
+    for (const auto& p : params) {
+      if (p.valid_rows == 0) continue;
+      infos.push_back({p.name, torch::kFloat, rows_shape(p.global_shape, p.valid_rows)});
+      written.push_back(&p);
+    }
+    const std::string file = model_file(rank);
+    SafetensorsWriter writer((dir / file).string(), infos, file_metadata, options.progress);
+    for (size_t i = 0; i < written.size(); ++i) {
+      const auto& p = *written[i];
+      writer.write(p.name, p.shard.detach().narrow(0, 0, p.valid_rows));
+      meta["model"][p.name] = shard_entry(file, writer.tensors()[i], p.row_offset, p.valid_rows);
+    }
+    record_file(file, writer.close());
+  }
+
+  // Optimizer moments of the valid rows, then this rank's RNG state.
+  const std::string file = optim_file(rank);
+  std::vector<TensorInfo> infos;
+  struct MomentRows {
+    const fsdp::ShardedParameter* param;
+    const char* moment;
+    torch::Tensor data;
+  };
+  std::vector<MomentRows> pending;
+  for (const auto& p : params) {
+    auto it = optimizer.state().find(compat::optimizer_state_key(p.shard));
+    if (it == optimizer.state().end() || !writes_shards) continue;
+    const auto& state = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    meta["optimizer_step"][p.name] = state.step();
+    if (p.valid_rows == 0) continue;
+    const std::array<const torch::Tensor*, 3> moments = {&state.exp_avg(), &state.exp_avg_sq(),
+                                                         &state.max_exp_avg_sq()};
+    for (size_t m = 0; m < kMoments.size(); ++m) {
+      if (!moments[m]->defined()) continue;
+      infos.push_back(
+          {p.name + "." + kMoments[m], torch::kFloat, rows_shape(p.global_shape, p.valid_rows)});
+      pending.push_back({&p, kMoments[m], moments[m]->narrow(0, 0, p.valid_rows)});
+    }
+  }
+  torch::Tensor rng;
+  {
+    auto gen = cpu_generator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();
+  }
+  infos.push_back({kRngTensor, rng.scalar_type(), rng.sizes().vec()});
+  SafetensorsWriter writer((dir / file).string(), infos, file_metadata, options.progress);
+  for (size_t i = 0; i < pending.size(); ++i) {
+    const auto& item = pending[i];
+    writer.write(infos[i].name, item.data);
+    meta["optimizer"][item.param->name][item.moment] =
+        shard_entry(file, writer.tensors()[i], item.param->row_offset, item.param->valid_rows);
+  }
+  writer.write(kRngTensor, rng);
+  record_file(file, writer.close());
+  return meta;
+}
+
+json build_index(int64_t step, const fsdp::FSDPModule& model, const optim::LRScheduler* scheduler,
+                 const json& extra, const std::vector<json>& ranks) {
+  const auto& mesh = model.mesh();
+  json index = {{"format", kFormat},
+                {"version", 1},
+                {"step", step},
+                {"world_size", mesh.data_parallel_size()},
+                {"shard_size", mesh.shard_size()},
+                {"replicate_size", mesh.replicate_size()},
+                {"files", json::object()},
+                {"model", json::object()},
+                {"optimizer", {{"type", "adamw"}, {"state", json::object()}}},
+                {"scheduler", scheduler ? json{{"last_step", scheduler->last_step()}} : json()},
+                {"rng", json::array()},
+                {"extra", extra}};
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& p : model.sharded_parameters()) {
+    shapes[p.name] = p.global_shape;
+    index["model"][p.name] = {
+        {"dtype", "F32"}, {"shape", p.global_shape}, {"shards", json::array()}};
+  }
+  json& state = index["optimizer"]["state"];
+  for (const json& meta : ranks) {
+    const int rank = meta.at("rank").get<int>();
+    for (const auto& [file, summary] : meta.at("files").items()) index["files"][file] = summary;
+    for (const auto& [name, shard] : meta.at("model").items())
+      index["model"][name]["shards"].push_back(shard);
+    for (const auto& [name, step_count] : meta.at("optimizer_step").items()) {
+      if (state.contains(name) && state[name]["step"] != step_count) {
+        throw std::runtime_error(fmt::format(
+            "checkpoint save: optimizer step of '{}' differs across ranks ({} on rank {}, {} "
+            "before)",
+            name, step_count.dump(), rank, state[name]["step"].dump()));
+      }
+      state[name]["step"] = step_count;
+    }
+    for (const auto& [name, moments] : meta.at("optimizer").items()) {
+      for (const auto& [moment, shard] : moments.items()) {
+        json& entry = state[name][moment];
+        if (entry.is_null()) {
+          entry = {{"dtype", "F32"}, {"shape", shapes.at(name)}, {"shards", json::array()}};
+        }
+        entry["shards"].push_back(shard);
+      }
+    }
+    index["rng"].push_back({{"file", optim_file(rank)}, {"tensor", kRngTensor}});
+  }
+  return index;
+}
+
+// Moves the finished temporary directory into place and points `latest` at it.
+void publish(const fs::path& root, const fs::path& tmp, const fs::path& final_dir) {
+  fsync_path(tmp.string());
+  if (fs::exists(final_dir)) {
+    // Re-saving a step: the old copy stays whole until the new one is in place.
+    const fs::path old = root / (std::string(kTmpPrefix) + "old-" + final_dir.filename().string());
+    fs::remove_all(old);
+    fs::rename(final_dir, old);
+    fs::rename(tmp, final_dir);
+    fsync_path(root.string());
+    fs::remove_all(old);
+  } else {
+    fs::rename(tmp, final_dir);
+  }
+  fsync_path(root.string());
+  const fs::path pointer_tmp = root / (std::string(kTmpPrefix) + kLatest);
+  write_file_durably(pointer_tmp.string(), final_dir.filename().string() + "\n");
+  fs::rename(pointer_tmp, root / kLatest);
+  fsync_path(root.string());
+}
+
+}  // namespace
+
+std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
+                 torch::optim::Optimizer& optimizer, const optim::LRScheduler* scheduler,
+                 const json& extra, const SaveOptions& options) {
+  const auto& mesh = model.mesh();
+  const bool leader = mesh.data_parallel_rank() == 0;
+  auto& adamw = as_adamw(optimizer, "checkpoint save");
+  const fs::path root_path(root);
+  const fs::path tmp = root_path / fmt::format("{}{}", kTmpPrefix, step);
+  const fs::path final_dir = root_path / fmt::format("{}{}", kStepPrefix, step);
+  const std::string what = fmt::format("checkpoint save to {}", final_dir.string());
+
+  collectively(mesh, what, [&] {
+    if (!leader) return;
+    fs::create_directories(root_path);
+    // Leftovers of saves that died midway; only one save runs at a time.
+    for (const auto& entry : fs::directory_iterator(root_path)) {
+      if (entry.path().filename().string().rfind(kTmpPrefix, 0) == 0) fs::remove_all(entry.path());
+    }
+    fs::create_directory(tmp);
+  });
+  json mine;
+  collectively(mesh, what, [&] { mine = write_rank_files(tmp, model, adamw, options); });
+  const auto ranks = all_gather_json(mesh, mine);
+  collectively(mesh, what, [&] {
+    if (!leader) return;
+    const json index = build_index(step, model, scheduler, extra, ranks);
+    write_file_durably((tmp / kIndexFile).string(), index.dump(1));
+    publish(root_path, tmp, final_dir);
+    rotate(root, options, final_dir.string());
+  });
+  return final_dir.string();
+}
+
+LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::Optimizer* optimizer,
+                optim::LRScheduler* scheduler) {
+  const auto& mesh = model.mesh();
+  LoadResult result;
+  collectively(mesh, fmt::format("checkpoint load from {}", dir), [&] {
+    CheckpointReader reader(dir);
+    const json& index = reader.index();
+    torch::NoGradGuard no_grad;
+    const auto params = model.sharded_parameters();
+    for (const auto& p : params) {
+      const json& entry = reader.model_entry(p.name);
+      const auto shape = entry.at("shape").get<std::vector<int64_t>>();
+      if (shape != p.global_shape) {
+        throw std::runtime_error(fmt::format("checkpoint {}: '{}' has shape {}, the model {}", dir,
+                                             p.name, entry.at("shape").dump(),
+                                             c10::str(c10::IntArrayRef(p.global_shape))));
+      }
+    }
+    // Read everything before changing anything, so a damaged file leaves the model as it was.
+    std::vector<torch::Tensor> shards;
+    for (const auto& p : params) {
+      torch::Tensor shard = torch::zeros_like(p.shard.detach());
+      reader.read_rows(reader.model_entry(p.name), p.name, p.row_offset, p.valid_rows,
+                       shard.narrow(0, 0, p.valid_rows));
+      shards.push_back(shard);
+    }
+    using StateKey = decltype(compat::optimizer_state_key(torch::Tensor()));
+    std::vector<std::pair<StateKey, std::unique_ptr<torch::optim::AdamWParamState>>> states;
+    if (optimizer) {
+      auto& adamw = as_adamw(*optimizer, "checkpoint load");
+      const json& saved = index.at("optimizer").at("state");
+      for (const auto& p : params) {
+        if (!saved.contains(p.name)) continue;
+        auto state = std::make_unique<torch::optim::AdamWParamState>();
+        state->step(saved[p.name].at("step").get<int64_t>());
+        for (const char* moment : kMoments) {
+          if (!saved[p.name].contains(moment)) continue;
+          // Zero padding rows, as a fresh AdamW state would have.
+          torch::Tensor t = torch::zeros_like(p.shard.detach());
+          reader.read_rows(saved[p.name][moment], p.name + "." + moment, p.row_offset, p.valid_rows,
+                           t.narrow(0, 0, p.valid_rows));
+          if (std::string(moment) == "exp_avg") state->exp_avg(t);
+          if (std::string(moment) == "exp_avg_sq") state->exp_avg_sq(t);
+          if (std::string(moment) == "max_exp_avg_sq") state->max_exp_avg_sq(t);
+        }
+        states.emplace_back(compat::optimizer_state_key(p.shard), std::move(state));
+      }
+      // Params this checkpoint has no state for start fresh, as they would have been.
+      for (const auto& p : params) adamw.state().erase(compat::optimizer_state_key(p.shard));
+    }
+    const int rank = mesh.data_parallel_rank();
+    torch::Tensor rng;
+    if (rank < static_cast<int>(index.at("rng").size())) {
+      const json& where = index["rng"][rank];
+      rng = reader.file(where.at("file").get<std::string>())
+                .read(where.at("tensor").get<std::string>());
+    } else {
+      spdlog::info("checkpoint {}: saved at {} ranks, rank {} keeps its RNG state", dir,
+                   index["rng"].size(), rank);
+    }
+
+    for (size_t i = 0; i < params.size(); ++i) params[i].shard.detach().copy_(shards[i]);
+    if (optimizer) {
+      for (auto& [key, state] : states) optimizer->state()[key] = std::move(state);
+    }
+    if (scheduler && !index.at("scheduler").is_null())
+      scheduler->set_last_step(index["scheduler"].at("last_step").get<int64_t>());
+    if (rng.defined()) {
+      auto gen = cpu_generator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng);
+    }
+    result.step = index.at("step").get<int64_t>();
+    result.saved_world_size = index.at("world_size").get<int>();
+    result.extra = index.value("extra", json::object());
+  });
+  return result;
+}
+
+void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::string& prefix) {
+  const auto& mesh = model.mesh();
+  auto& group = mesh.shard_group();
+  // One reader per shard group: every replica's group has its own first rank.
+  const bool reads = group.rank() == 0;
+  const auto params = model.sharded_parameters();
+  std::map<std::string, std::string> file_of;  // tensor -> file
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> files;
+  collectively(mesh, fmt::format("load_hf from {}", hf_dir), [&] {
+    if (!reads) return;
+    const fs::path index_path = fs::path(hf_dir) / "model.safetensors.index.json";
+    if (fs::exists(index_path)) {
+      json index;
+      try {
+        index = json::parse(std::ifstream(index_path));
+        for (const auto& [name, file] : index.at("weight_map").items())
+          file_of[name] = file.get<std::string>();
+      } catch (const json::exception& e) {
+        throw std::runtime_error(fmt::format("{} is damaged: {}", index_path.string(), e.what()));
+      }
+    } else {
+      const std::string single = "model.safetensors";
+      auto reader = std::make_unique<SafetensorsReader>((fs::path(hf_dir) / single).string());
+      for (const auto& name : reader->names()) file_of[name] = single;
+      files.emplace(single, std::move(reader));
+    }
+    for (const auto& p : params) {
+      const std::string name = prefix + p.name;
+      auto it = file_of.find(name);
+      if (it == file_of.end()) {
+        throw std::runtime_error(
+            fmt::format("{}: no tensor '{}' for parameter '{}'", hf_dir, name, p.name));
+      }
+      auto& reader = files[it->second];
+      if (!reader) {
+        reader = std::make_unique<SafetensorsReader>((fs::path(hf_dir) / it->second).string());
+      }
+      if (reader->info(name).shape != p.global_shape) {
+        throw std::runtime_error(fmt::format("{}: '{}' has shape {}, the model {}", reader->path(),
+                                             name,
+                                             c10::str(c10::IntArrayRef(reader->info(name).shape)),
+                                             c10::str(c10::IntArrayRef(p.global_shape))));
+      }
+    }
+  });
+  torch::NoGradGuard no_grad;
+  for (const auto& p : params) {
+    // The one full tensor this rank holds, released before the next.
+    torch::Tensor full =
+        torch::empty(p.global_shape, torch::dtype(torch::kFloat).device(mesh.device()));
+    if (reads) {
+      const std::string name = prefix + p.name;
+      full.copy_(files.at(file_of.at(name))->read(name));
+    }
+    group.broadcast(full, 0);
+    const int64_t rows = p.global_shape.empty() ? 1 : p.global_shape[0];
+    torch::Tensor shard = p.shard.detach().view({p.shard.size(0), -1});
+    shard.narrow(0, 0, p.valid_rows)
+        .copy_(full.reshape({rows, -1}).narrow(0, p.row_offset, p.valid_rows));
+    shard.narrow(0, p.valid_rows, shard.size(0) - p.valid_rows).zero_();
+  }
+}
+
+std::optional<std::string> find_latest(const std::string& root) {
+  std::ifstream pointer(fs::path(root) / kLatest);
+  std::string name;
+  if (pointer && std::getline(pointer, name) && step_of(name) &&
+      fs::exists(fs::path(root) / name / kIndexFile)) {
+    return (fs::path(root) / name).string();
+  }
+  auto all = list_checkpoints(root);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (fs::exists(it->second / kIndexFile)) return it->second.string();
+  }
+  return std::nullopt;
+}
+
+int64_t directory_bytes(const std::string& dir) {
+  int64_t total = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::recursive_directory_iterator(dir, ec)) {
+    if (entry.is_regular_file()) total += static_cast<int64_t>(entry.file_size());
+  }
+  return total;
+}
+
+void rotate(const std::string& root, const SaveOptions& options, const std::string& keep) {
+  auto all = list_checkpoints(root);
+  const fs::path kept = fs::weakly_canonical(keep);
+  std::vector<std::pair<fs::path, int64_t>> candidates;  // oldest first, never `keep`
+  int64_t total = 0;
+  for (const auto& [step, path] : all) {
+    const int64_t bytes = directory_bytes(path.string());
+    total += bytes;
+    if (fs::weakly_canonical(path) != kept) candidates.emplace_back(path, bytes);
+  }
+  size_t count = all.size();
+  const double limit = options.max_mem_gb * double(int64_t{1} << 30);
+  for (const auto& [path, bytes] : candidates) {
+    const bool too_many =
+        options.max_ckpt_to_keep > 0 && count > static_cast<size_t>(options.max_ckpt_to_keep);
+    const bool too_big = options.max_mem_gb > 0 && static_cast<double>(total) > limit;
+    if (!too_many && !too_big) break;
+    spdlog::info("checkpoint rotation: removing {} ({} bytes)", path.string(), bytes);
+    fs::remove_all(path);
+    --count;
+    total -= bytes;
+  }
+  if (options.max_mem_gb > 0 && static_cast<double>(total) > limit) {
+    spdlog::warn("checkpoint rotation: {} alone takes {} bytes, over max_mem_gb = {}", keep, total,
+                 options.max_mem_gb);
+  }
+}
+
+}  // namespace shardrl::checkpoint

@@ -1,0 +1,145 @@
+#include "checkpoint/reader.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace shardrl::checkpoint {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+std::string check_file(const std::string& path, int64_t expected_bytes, uint32_t expected_crc) {
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  if (ec) return fmt::format("checkpoint file {} is missing ({})", path, ec.message());
+  if (static_cast<int64_t>(size) != expected_bytes) {
+    return fmt::format("checkpoint file {} is truncated or resized: {} bytes, the index says {}",
+                       path, size, expected_bytes);
+  }
+  const uint32_t crc = file_crc32(path);
+  if (crc != expected_crc) {
+    return fmt::format("checkpoint file {} is damaged: crc32 {:08x}, the index says {:08x}", path,
+                       crc, expected_crc);
+  }
+  return "";
+}
+
+json read_index(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kIndexFile).string();
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(fmt::format("checkpoint index {} is missing", path));
+  json index;
+  try {
+    index = json::parse(in);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(fmt::format("checkpoint index {} is damaged: {}", path, e.what()));
+  }
+  for (const char* field : {"step", "world_size", "files", "model", "optimizer", "rng"}) {
+    if (!index.contains(field)) {
+      throw std::runtime_error(fmt::format("checkpoint index {} has no '{}'", path, field));
+    }
+  }
+  return index;
+}
+
+std::vector<FileStatus> verify(const std::string& dir) {
+  const json index = read_index(dir);
+  std::vector<FileStatus> out;
+  for (const auto& [name, meta] : index.at("files").items()) {
+    FileStatus s;
+    s.file = name;
+    s.expected_bytes = meta.at("bytes").get<int64_t>();
+    const std::string path = (fs::path(dir) / name).string();
+    std::error_code ec;
+    const auto size = fs::file_size(path, ec);
+    s.bytes = ec ? -1 : static_cast<int64_t>(size);
+    s.problem = check_file(path, s.expected_bytes, meta.at("crc32").get<uint32_t>());
+    s.ok = s.problem.empty();
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
+  index_ = read_index(dir_);
+}
+
+const json& CheckpointReader::model_entry(const std::string& name) const {
+  const json& model = index_.at("model");
+  auto it = model.find(name);
+  if (it == model.end()) {
+    throw std::runtime_error(fmt::format("checkpoint {} has no tensor '{}'", dir_, name));
+  }
+  return *it;
+}
+
+const SafetensorsReader& CheckpointReader::file(const std::string& name) {
+  auto it = open_.find(name);
+  if (it != open_.end()) return *it->second;
+  const std::string path = (fs::path(dir_) / name).string();
+  const json& files = index_.at("files");
+  if (!files.contains(name)) {
+    throw std::runtime_error(
+        fmt::format("checkpoint {}: {} is not listed in its {}", dir_, name, kIndexFile));
+  }
+  const std::string problem = check_file(path, files[name].at("bytes").get<int64_t>(),
+                                         files[name].at("crc32").get<uint32_t>());
+  if (!problem.empty()) throw std::runtime_error(problem);
+  return *open_.emplace(name, std::make_unique<SafetensorsReader>(path)).first->second;
+}
+
+void CheckpointReader::read_rows(const json& entry, const std::string& what, int64_t first,
+                                 int64_t rows, const torch::Tensor& out) {
+  int64_t covered = 0;
+  for (const auto& shard : entry.at("shards")) {
+    const int64_t begin = shard.at("row_offset").get<int64_t>();
+    const int64_t end = begin + shard.at("rows").get<int64_t>();
+    const int64_t lo = std::max(first, begin), hi = std::min(first + rows, end);
+    if (lo >= hi) continue;
+    const SafetensorsReader& reader = file(shard.at("file").get<std::string>());
+    const std::string tensor = shard.at("tensor").get<std::string>();
+    torch::Tensor dst = out.narrow(0, lo - first, hi - lo);
+    if (reader.info(tensor).dtype == out.scalar_type()) {
+      reader.read_rows_into(tensor, lo - begin, hi - lo, dst);
+    } else {
+      dst.copy_(reader.read_rows(tensor, lo - begin, hi - lo).view(dst.sizes()));
+    }
+    covered += hi - lo;
+  }
+  if (covered != rows) {
+    throw std::runtime_error(
+        fmt::format("checkpoint {}: rows [{}, {}) of '{}' are in no shard file", dir_, first,
+                    first + rows, what));
+  }
+}
+
+torch::Tensor CheckpointReader::read_full(const json& entry, const std::string& what) {
+  const auto shape = entry.at("shape").get<std::vector<int64_t>>();
+  torch::Tensor out = torch::empty(
+      shape, torch::dtype(dtype_from_name(entry.at("dtype").get<std::string>(), what)));
+  // Scalars are stored as one row.
+  torch::Tensor rows = shape.empty() ? out.view({1}) : out;
+  read_rows(entry, what, 0, rows.size(0), rows);
+  return out;
+}
+
+torch::Tensor read_full_tensor(const std::string& dir, const std::string& section,
+                               const std::string& name) {
+  CheckpointReader reader(dir);
+  if (section == "model") return reader.read_full(reader.model_entry(name), name);
+  if (section != "optimizer") {
+    throw std::invalid_argument(fmt::format("read_full_tensor: unknown section '{}'", section));
+  }
+  const auto dot = name.rfind('.');
+  const json& state = reader.index().at("optimizer").at("state");
+  const std::string param = name.substr(0, dot == std::string::npos ? 0 : dot);
+  const std::string moment = dot == std::string::npos ? "" : name.substr(dot + 1);
+  if (!state.contains(param) || !state[param].contains(moment)) {
+    throw std::runtime_error(fmt::format("checkpoint {} has no optimizer tensor '{}'", dir, name));
+  }
+  return reader.read_full(state[param][moment], name);
+}
+
+}  // namespace shardrl::checkpoint
