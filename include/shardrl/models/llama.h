@@ -1,0 +1,167 @@
+// A LLaMA / Qwen2-style causal decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query
+// attention, tied or untied embeddings and a KV cache for sampling.
+//
+// Parameter names and config.json fields are those of Hugging Face transformers' Llama
+// (`model.layers.0.self_attn.q_proj.weight`, `num_key_value_heads`, ...), so weights move between
+// ShardRL and transformers as safetensors without renaming. Every projection is a LoraLinear, so
+// lora::apply_lora() can target them by their HF names ("q_proj", "v_proj", ...). Each decoder
+// layer is an fsdp::Unit; shard_llama() shards them and then the root (embeddings, norm, head).
+#pragma once
+
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "shardrl/fsdp.h"
+#include "shardrl/models/lora.h"
+#include "shardrl/models/weights.h"
+
+namespace shardrl::models {
+
+struct LlamaConfig {
+  int64_t vocab_size = 32000;
+  int64_t hidden_size = 4096;
+  int64_t intermediate_size = 11008;
+  int64_t num_hidden_layers = 32;
+  int64_t num_attention_heads = 32;
+  int64_t num_key_value_heads = 32;  // < num_attention_heads: grouped-query attention
+  int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // q/k/v/o biases; Qwen2 has q/k/v biases ("model_type": "qwen2")
+  std::string model_type = "llama";
+
+  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  // Errors name the field at fault.
+  void validate() const;
+  nlohmann::json to_json() const;
+  // Reads HF field names; absent optional fields take HF's defaults, absent required ones and
+  // wrong types are errors naming the field.
+  static LlamaConfig from_json(const nlohmann::json& j);
+  static LlamaConfig load(const std::string& config_json_path);
+  void save(const std::string& config_json_path) const;
+};
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// Keys and values of every layer seen so far; one per sequence batch being sampled.
+struct KVCache {
+  std::vector<torch::Tensor> keys, values;  // per layer: [B, kv_heads, past, head_dim]
+  int64_t length() const { return keys.empty() || !keys[0].defined() ? 0 : keys[0].size(2); }
+};
+
+class LlamaAttentionImpl : public torch::nn::Module {
+ public:
+  explicit LlamaAttentionImpl(const LlamaConfig& config);
+  // x [B, T, D]; cos/sin [T, head_dim] for the absolute positions of x. With a cache, attends to
+  // the cached keys too and appends this step's keys and values to `layer` of it.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        KVCache* cache, size_t layer);
+  lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+};
+TORCH_MODULE(LlamaAttention);
+
+class LlamaMLPImpl : public torch::nn::Module {
+ public:
+  explicit LlamaMLPImpl(const LlamaConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);  // down(silu(gate(x)) * up(x))
+  lora::LoraLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(LlamaMLP);
+
+class LlamaDecoderLayerImpl : public torch::nn::Module {
+ public:
+  LlamaDecoderLayerImpl(const LlamaConfig& config, size_t index);
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, KVCache* cache);
+  // Recompute this layer's activations in backward instead of keeping them (not with a cache,
+  // which sampling uses without grad anyway).
+  bool checkpoint_activations = false;
+  LlamaAttention self_attn{nullptr};
+  LlamaMLP mlp{nullptr};
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+
+ private:
+  torch::Tensor compute(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        KVCache* cache);
+  size_t index_;
+};
+
+// HF's LlamaModel: registered as "model" so the names carry its prefix.
+class LlamaModelImpl : public torch::nn::Module {
+ public:
+  explicit LlamaModelImpl(const LlamaConfig& config);
+  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache);  // -> hidden states
+  torch::nn::Embedding embed_tokens{nullptr};
+  std::vector<fsdp::Unit<LlamaDecoderLayerImpl>> layers;
+  RMSNorm norm{nullptr};
+
+ private:
+  LlamaConfig config_;
+};
+TORCH_MODULE(LlamaModel);
+
+class LlamaForCausalLMImpl : public torch::nn::Module {
+ public:
+  explicit LlamaForCausalLMImpl(const LlamaConfig& config);
+  // tokens [B, T] int64 -> logits [B, T, vocab]. With a cache, positions continue after it and
+  // the cache grows by T.
+  torch::Tensor forward(torch::Tensor tokens, KVCache* cache = nullptr);
+  const LlamaConfig& config() const { return config_; }
+  // Activation checkpointing per decoder layer (see activation_checkpoint.h).
+  void set_activation_checkpointing(bool enabled);
+
+  LlamaModel model{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // null when tie_word_embeddings
+
+ private:
+  LlamaConfig config_;
+};
+using LlamaForCausalLM = fsdp::Unit<LlamaForCausalLMImpl>;
+
+// Shards every decoder layer as a unit, then the root (embeddings, final norm, head).
+void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh,
+                 const fsdp::Options& options);
+
+struct SamplingOptions {
+  int64_t max_new_tokens = 16;
+  double temperature = 0.0;   // 0: greedy
+  int64_t eos_token_id = -1;  // stop a row once it emits this (-1: never)
+  std::optional<at::Generator> generator;
+};
+
+// Continues every row of prompt [B, T] with the KV cache; returns [B, T + new] (rows that ended
+// early are padded with eos). Runs without grad.
+torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
+                       const SamplingOptions& options);
+
+// Checks `config` against the tensor shapes of an HF checkpoint (name -> shape): a field that
+// disagrees with the weights is an error naming the field and the tensor.
+void check_config_against_weights(const LlamaConfig& config,
+                                  const std::map<std::string, std::vector<int64_t>>& shapes);
+
+// Loads a safetensors file into the model's base weights (adapter params are left alone): the
+// config is checked against the weights first, then load_weights() checks every tensor. Call
+// before sharding.
+void load_llama_weights(LlamaForCausalLMImpl& model, const std::string& safetensors_path);
+
+// Writes `dir`/model.safetensors (the base weights of `params`, adapter tensors left out, in
+// `dtype`) and `dir`/config.json: a directory transformers' from_pretrained reads.
+void save_llama(const std::map<std::string, torch::Tensor>& params, const LlamaConfig& config,
+                const std::string& dir, torch::ScalarType dtype = torch::kFloat);
+
+}  // namespace shardrl::models

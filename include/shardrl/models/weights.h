@@ -1,0 +1,27 @@
+// Model weights as Hugging Face-style safetensors files: the base params of a module (LoRA adapter
+// tensors are left out; they export separately with PEFT names), by their qualified names.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace shardrl::models {
+
+// The module's params by qualified name (tied params appear under each name).
+std::map<std::string, torch::Tensor> state_dict(torch::nn::Module& model);
+
+// Writes the base tensors of `params` to one safetensors file, in `dtype`.
+void save_weights(const std::map<std::string, torch::Tensor>& params, const std::string& path,
+                  torch::ScalarType dtype = torch::kFloat);
+
+// Name -> shape of every tensor in a safetensors file.
+std::map<std::string, std::vector<int64_t>> weight_shapes(const std::string& path);
+
+// Copies a safetensors file into the module's base params. A missing or unexpected tensor or a
+// wrong shape is an error naming the file and the tensor. Call before sharding.
+void load_weights(torch::nn::Module& model, const std::string& path);
+
+}  // namespace shardrl::models

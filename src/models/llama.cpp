@@ -1,0 +1,385 @@
+#include "shardrl/models/llama.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+
+#include "models/json_fields.h"
+#include "shardrl/models/activation_checkpoint.h"
+
+namespace shardrl::models {
+namespace {
+
+namespace F = torch::nn::functional;
+
+// HF's rotate_half: the second half of the head dims, negated, then the first half.
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// cos and sin [T, head_dim] of positions [first, first + T), computed in fp32 as HF does.
+std::pair<torch::Tensor, torch::Tensor> rotary(const LlamaConfig& c, int64_t first, int64_t T,
+                                               torch::Device device) {
+  const int64_t hd = c.head_dim();
+  auto f32 = torch::dtype(torch::kFloat).device(device);
+  auto inv_freq =
+      1.0 /
+      torch::pow(
+          c.rope_theta,
+          torch::arange(0, hd, 2, torch::dtype(torch::kLong).device(device)).to(torch::kFloat) /
+              static_cast<double>(hd));
+  auto positions = torch::arange(first, first + T, f32);
+  auto freqs = torch::outer(positions, inv_freq);
+  auto emb = torch::cat({freqs, freqs}, -1);
+  return {emb.cos(), emb.sin()};
+}
+
+}  // namespace
+
+void LlamaConfig::validate() const {
+  auto positive = [](int64_t v, const char* field) {
+    if (v <= 0)
+      throw std::invalid_argument(fmt::format("config: {} must be positive, got {}", field, v));
+  };
+  positive(vocab_size, "vocab_size");
+  positive(hidden_size, "hidden_size");
+  positive(intermediate_size, "intermediate_size");
+  positive(num_hidden_layers, "num_hidden_layers");
+  positive(num_attention_heads, "num_attention_heads");
+  positive(num_key_value_heads, "num_key_value_heads");
+  positive(max_position_embeddings, "max_position_embeddings");
+  if (hidden_size % num_attention_heads != 0 || head_dim() % 2 != 0) {
+    throw std::invalid_argument(fmt::format(
+        "config: hidden_size {} must split into num_attention_heads {} heads of even size",
+        hidden_size, num_attention_heads));
+  }
+  if (num_attention_heads % num_key_value_heads != 0) {
+    throw std::invalid_argument(
+        fmt::format("config: num_key_value_heads {} must divide num_attention_heads {}",
+                    num_key_value_heads, num_attention_heads));
+  }
+  if (!(rms_norm_eps > 0)) throw std::invalid_argument("config: rms_norm_eps must be positive");
+  if (!(rope_theta > 0)) throw std::invalid_argument("config: rope_theta must be positive");
+}
+
+nlohmann::json LlamaConfig::to_json() const {
+  const bool qwen = model_type == "qwen2";
+  nlohmann::json j = {{"architectures", {qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+                      {"model_type", model_type},
+                      {"vocab_size", vocab_size},
+                      {"hidden_size", hidden_size},
+                      {"intermediate_size", intermediate_size},
+                      {"num_hidden_layers", num_hidden_layers},
+                      {"num_attention_heads", num_attention_heads},
+                      {"num_key_value_heads", num_key_value_heads},
+                      {"max_position_embeddings", max_position_embeddings},
+                      {"rms_norm_eps", rms_norm_eps},
+                      {"rope_theta", rope_theta},
+                      {"tie_word_embeddings", tie_word_embeddings},
+                      {"hidden_act", "silu"},
+                      {"torch_dtype", "float32"}};
+  if (!qwen) j["attention_bias"] = attention_bias;
+  return j;
+}
+
+LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
+  LlamaConfig c;
+  detail::read_field(j, "model_type", c.model_type, false);
+  if (c.model_type != "llama" && c.model_type != "qwen2") {
+    throw std::invalid_argument(fmt::format(
+        "config.json: field model_type is '{}' (expected llama or qwen2)", c.model_type));
+  }
+  // Qwen2 always has q/k/v biases and no attention_bias field.
+  c.attention_bias = c.model_type == "qwen2";
+  detail::read_field(j, "vocab_size", c.vocab_size, true);
+  detail::read_field(j, "hidden_size", c.hidden_size, true);
+  detail::read_field(j, "intermediate_size", c.intermediate_size, true);
+  detail::read_field(j, "num_hidden_layers", c.num_hidden_layers, true);
+  detail::read_field(j, "num_attention_heads", c.num_attention_heads, true);
+  c.num_key_value_heads = c.num_attention_heads;  // HF's default: plain multi-head attention
+  detail::read_field(j, "num_key_value_heads", c.num_key_value_heads, false);
+  detail::read_field(j, "max_position_embeddings", c.max_position_embeddings, false);
+  detail::read_field(j, "rms_norm_eps", c.rms_norm_eps, false);
+  detail::read_field(j, "rope_theta", c.rope_theta, false);
+  detail::read_field(j, "tie_word_embeddings", c.tie_word_embeddings, false);
+  if (c.model_type == "llama") detail::read_field(j, "attention_bias", c.attention_bias, false);
+  std::string act = "silu";
+  detail::read_field(j, "hidden_act", act, false);
+  if (act != "silu") {
+    throw std::invalid_argument(
+        fmt::format("config.json: field hidden_act is '{}' (only silu is supported)", act));
+  }
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    throw std::invalid_argument("config.json: field rope_scaling is not supported");
+  }
+  c.validate();
+  return c;
+}
+
+LlamaConfig LlamaConfig::load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(fmt::format("{}: not valid JSON ({})", path, e.what()));
+  }
+  return from_json(j);
+}
+
+void LlamaConfig::save(const std::string& path) const {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error("cannot write " + path);
+  out << to_json().dump(2) << "\n";
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  // In fp32 whatever the compute dtype, then back: what HF does, so bf16 runs agree with it.
+  auto h = x.to(torch::kFloat);
+  h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return weight * h.to(x.scalar_type());
+}
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
+    : heads_(c.num_attention_heads), kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim()) {
+  const int64_t d = c.hidden_size;
+  auto linear = [&](const char* name, int64_t in, int64_t out, bool bias) {
+    return register_module(name, lora::LoraLinear(torch::nn::LinearOptions(in, out).bias(bias)));
+  };
+  q_proj = linear("q_proj", d, heads_ * head_dim_, c.attention_bias);
+  k_proj = linear("k_proj", d, kv_heads_ * head_dim_, c.attention_bias);
+  v_proj = linear("v_proj", d, kv_heads_ * head_dim_, c.attention_bias);
+  // Qwen2 biases q/k/v but not o; Llama's attention_bias covers all four.
+  o_proj = linear("o_proj", heads_ * head_dim_, d, c.attention_bias && c.model_type != "qwen2");
+}
+
+torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                          const torch::Tensor& sin, KVCache* cache, size_t layer) {
+  const int64_t B = x.size(0), T = x.size(1);
+  auto split = [&](const torch::Tensor& t, int64_t heads) {
+    return t.view({B, T, heads, head_dim_}).transpose(1, 2);
+  };
+  auto q = split(q_proj(x), heads_), k = split(k_proj(x), kv_heads_),
+       v = split(v_proj(x), kv_heads_);
+  auto c = cos.to(q.scalar_type()), s = sin.to(q.scalar_type());
+  q = q * c + rotate_half(q) * s;
+  k = k * c + rotate_half(k) * s;
+  int64_t past = 0;
+  if (cache) {
+    if (cache->keys.size() <= layer) {
+      cache->keys.resize(layer + 1);
+      cache->values.resize(layer + 1);
+    }
+    auto& ck = cache->keys[layer];
+    auto& cv = cache->values[layer];
+    past = ck.defined() ? ck.size(2) : 0;
+    if (past > 0) {
+      k = torch::cat({ck, k}, 2);
+      v = torch::cat({cv, v}, 2);
+    }
+    ck = k.detach();
+    cv = v.detach();
+  }
+  // Grouped-query attention: each key/value head serves heads / kv_heads consecutive query heads.
+  const int64_t rep = heads_ / kv_heads_;
+  if (rep > 1) {
+    k = k.repeat_interleave(rep, 1);
+    v = v.repeat_interleave(rep, 1);
+  }
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+  auto future =
+      torch::ones({T, past + T}, torch::dtype(torch::kBool).device(x.device())).triu(past + 1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  auto probs = torch::softmax(scores.to(torch::kFloat), -1).to(q.scalar_type());
+  auto out = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, heads_ * head_dim_});
+  return o_proj(out);
+}
+
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c) {
+  auto linear = [&](const char* name, int64_t in, int64_t out) {
+    return register_module(name, lora::LoraLinear(torch::nn::LinearOptions(in, out).bias(false)));
+  };
+  gate_proj = linear("gate_proj", c.hidden_size, c.intermediate_size);
+  up_proj = linear("up_proj", c.hidden_size, c.intermediate_size);
+  down_proj = linear("down_proj", c.intermediate_size, c.hidden_size);
+}
+
+torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
+  return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+}
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, size_t index) : index_(index) {
+  self_attn = register_module("self_attn", LlamaAttention(c));
+  mlp = register_module("mlp", LlamaMLP(c));
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+torch::Tensor LlamaDecoderLayerImpl::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                             KVCache* cache) {
+  if (!checkpoint_activations || cache) return compute(x, cos, sin, cache);
+  return checkpointed(
+      [this](const std::vector<torch::Tensor>& in) {
+        return compute(in[0], in[1], in[2], nullptr);
+      },
+      {x, cos, sin});
+}
+
+torch::Tensor LlamaDecoderLayerImpl::compute(const torch::Tensor& x_in, const torch::Tensor& cos,
+                                             const torch::Tensor& sin, KVCache* cache) {
+  torch::Tensor x = x_in;
+  x = x + self_attn(input_layernorm(x), cos, sin, cache, index_);
+  return x + mlp(post_attention_layernorm(x));
+}
+
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config_(c) {
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  auto list = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    layers.emplace_back(c, static_cast<size_t>(i));
+    list->push_back(layers.back().ptr());
+  }
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
+  const int64_t past = cache ? cache->length() : 0, T = tokens.size(1);
+  TORCH_CHECK(past + T <= config_.max_position_embeddings, "sequence length ", past + T,
+              " exceeds max_position_embeddings ", config_.max_position_embeddings);
+  auto [cos, sin] = rotary(config_, past, T, tokens.device());
+  auto x = embed_tokens(tokens);
+  for (auto& layer : layers) x = layer(x, cos, sin, cache);
+  return norm(x);
+}
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
+  c.validate();
+  model = register_module("model", LlamaModel(c));
+  if (!c.tie_word_embeddings) {
+    lm_head = register_module(
+        "lm_head",
+        torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
+  }
+}
+
+torch::Tensor LlamaForCausalLMImpl::forward(torch::Tensor tokens, KVCache* cache) {
+  auto h = model(tokens, cache);
+  return lm_head ? lm_head(h) : F::linear(h, model->embed_tokens->weight);
+}
+
+void LlamaForCausalLMImpl::set_activation_checkpointing(bool enabled) {
+  for (auto& layer : model->layers) layer->checkpoint_activations = enabled;
+}
+
+void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh,
+                 const fsdp::Options& options) {
+  for (auto& layer : model->model->layers) fsdp::fully_shard(layer, mesh, options);
+  fsdp::fully_shard(model, mesh, options);
+}
+
+torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
+                       const SamplingOptions& options) {
+  torch::NoGradGuard no_grad;
+  KVCache cache;
+  auto tokens = prompt;
+  auto next_input = prompt;
+  c10::optional<at::Generator> generator;
+  if (options.generator) generator = *options.generator;
+  auto done = torch::zeros({prompt.size(0)}, torch::dtype(torch::kBool).device(prompt.device()));
+  for (int64_t i = 0; i < options.max_new_tokens; ++i) {
+    auto logits = model(next_input, &cache).select(1, -1).to(torch::kFloat);
+    torch::Tensor next;
+    if (options.temperature <= 0) {
+      next = logits.argmax(-1);
+    } else {
+      auto probs = torch::softmax(logits / options.temperature, -1);
+      next = torch::multinomial(probs, 1, false, generator).squeeze(1);
+    }
+    if (options.eos_token_id >= 0) {
+      next = torch::where(done, torch::full_like(next, options.eos_token_id), next);
+      done = done | (next == options.eos_token_id);
+    }
+    tokens = torch::cat({tokens, next.unsqueeze(1)}, 1);
+    next_input = next.unsqueeze(1);
+    if (options.eos_token_id >= 0 && done.all().item<bool>()) break;
+  }
+  return tokens;
+}
+
+void check_config_against_weights(const LlamaConfig& c,
+                                  const std::map<std::string, std::vector<int64_t>>& shapes) {
+  auto disagree = [](const char* field, int64_t value, const std::string& tensor,
+                     const std::vector<int64_t>& shape) {
+    throw std::invalid_argument(
+        fmt::format("config field {} = {} disagrees with tensor {} of shape {}", field, value,
+                    tensor, fmt::format("[{}]", fmt::join(shape, ", "))));
+  };
+  auto check_dim = [&](const std::string& tensor, size_t dim, int64_t expected, const char* field,
+                       int64_t value) {
+    auto it = shapes.find(tensor);
+    if (it == shapes.end() || it->second.size() <= dim) return;  // reported as a missing tensor
+    if (it->second[dim] != expected) disagree(field, value, tensor, it->second);
+  };
+  const std::string embed = "model.embed_tokens.weight";
+  check_dim(embed, 0, c.vocab_size, "vocab_size", c.vocab_size);
+  check_dim(embed, 1, c.hidden_size, "hidden_size", c.hidden_size);
+  const std::string l0 = "model.layers.0.";
+  check_dim(l0 + "self_attn.k_proj.weight", 0, c.num_key_value_heads * c.head_dim(),
+            "num_key_value_heads", c.num_key_value_heads);
+  check_dim(l0 + "self_attn.q_proj.weight", 0, c.num_attention_heads * c.head_dim(),
+            "num_attention_heads", c.num_attention_heads);
+  check_dim(l0 + "mlp.gate_proj.weight", 0, c.intermediate_size, "intermediate_size",
+            c.intermediate_size);
+  const bool has_q_bias = shapes.count(l0 + "self_attn.q_proj.bias") > 0;
+  if (shapes.count(l0 + "self_attn.q_proj.weight") && has_q_bias != c.attention_bias) {
+    throw std::invalid_argument(fmt::format(
+        "config field attention_bias = {} disagrees with the weights: tensor {} is {}",
+        c.attention_bias, l0 + "self_attn.q_proj.bias", has_q_bias ? "present" : "absent"));
+  }
+  static const std::regex layer_re(R"(model\.layers\.(\d+)\..*)");
+  int64_t layers = 0;
+  std::string deepest;
+  for (const auto& [name, shape] : shapes) {
+    std::smatch m;
+    if (!std::regex_match(name, m, layer_re)) continue;
+    const int64_t n = std::stoll(m[1].str()) + 1;
+    if (n > layers) layers = n, deepest = name;
+  }
+  if (layers != c.num_hidden_layers && layers > 0) {
+    throw std::invalid_argument(
+        fmt::format("config field num_hidden_layers = {} disagrees with the weights: they hold {} "
+                    "layers (deepest tensor {})",
+                    c.num_hidden_layers, layers, deepest));
+  }
+  if (c.tie_word_embeddings && shapes.count("lm_head.weight")) {
+    throw std::invalid_argument(
+        "config field tie_word_embeddings = true disagrees with the weights: they hold tensor "
+        "lm_head.weight");
+  }
+}
+
+void load_llama_weights(LlamaForCausalLMImpl& model, const std::string& path) {
+  check_config_against_weights(model.config(), weight_shapes(path));
+  load_weights(model, path);
+}
+
+void save_llama(const std::map<std::string, torch::Tensor>& params, const LlamaConfig& config,
+                const std::string& dir, torch::ScalarType dtype) {
+  std::filesystem::create_directories(dir);
+  save_weights(params, dir + "/model.safetensors", dtype);
+  config.save(dir + "/config.json");
+}
+
+}  // namespace shardrl::models

@@ -1,0 +1,306 @@
+#include "shardrl/models/lora.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <regex>
+#include <unordered_set>
+
+namespace shardrl::models::lora {
+namespace {
+
+const std::string kA = ".lora_A.", kB = ".lora_B.";
+constexpr size_t kMarkerSize = 7;  // "lora_A."
+
+// Where "lora_A." or "lora_B." starts as a component of `name`, or npos.
+size_t marker_at(const std::string& name) {
+  for (const char* marker : {"lora_A.", "lora_B."}) {
+    for (size_t at = name.find(marker); at != std::string::npos; at = name.find(marker, at + 1)) {
+      if (at == 0 || name[at - 1] == '.') return at;
+    }
+  }
+  return std::string::npos;
+}
+
+// "x.lora_A.<adapter>.weight" -> the adapter, or "" when `name` is no adapter tensor.
+std::string adapter_of(const std::string& name) {
+  const size_t at = marker_at(name);
+  if (at == std::string::npos) return "";
+  const size_t begin = at + kMarkerSize, end = name.find('.', begin);
+  return end == std::string::npos ? "" : name.substr(begin, end - begin);
+}
+
+bool targets(const LoraConfig& config, const std::string& name) {
+  for (const auto& t : config.target_modules) {
+    if (name == t ||
+        (name.size() > t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0 &&
+         name[name.size() - t.size() - 1] == '.')) {
+      return true;
+    }
+  }
+  return !config.target_regex.empty() && std::regex_match(name, std::regex(config.target_regex));
+}
+
+// For every adapter tensor of `dst`, the tensor of `src` at the same place.
+std::vector<std::pair<torch::Tensor, torch::Tensor>> pair_adapters(const NamedTensors& tensors,
+                                                                   const std::string& dst,
+                                                                   const std::string& src) {
+  TORCH_CHECK(dst != src, "adapter '", dst, "' paired with itself");
+  std::map<std::string, torch::Tensor> by_name(tensors.begin(), tensors.end());
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> pairs;
+  for (const auto& [name, tensor] : tensors) {
+    if (adapter_of(name) != dst) continue;
+    std::string other = name;
+    other.replace(marker_at(other) + kMarkerSize, dst.size(), src);
+    auto it = by_name.find(other);
+    TORCH_CHECK(it != by_name.end(), "adapter tensor ", name, " has no counterpart ", other);
+    TORCH_CHECK(it->second.sizes() == tensor.sizes(), "adapter tensor ", other, " has shape ",
+                it->second.sizes(), " but ", name, " has ", tensor.sizes());
+    pairs.emplace_back(tensor, it->second);
+  }
+  TORCH_CHECK(!pairs.empty(), "no tensors of adapter '", dst, "' found");
+  return pairs;
+}
+
+}  // namespace
+
+bool is_adapter_tensor(const std::string& name) {
+  return marker_at(name) != std::string::npos;
+}
+
+torch::Tensor LoraLinearImpl::forward(const torch::Tensor& input) {
+  torch::Tensor out = torch::nn::functional::linear(input, weight, bias);
+  if (active_.empty() || disabled_ || merged_ == active_) {
+    TORCH_CHECK(!(disabled_ && !merged_.empty()), "LoraLinear: adapter '", merged_,
+                "' is merged into the base weight; unmerge it before disabling adapters");
+    return out;
+  }
+  TORCH_CHECK(merged_.empty(), "LoraLinear: adapter '", merged_, "' is merged but adapter '",
+              active_, "' is active; unmerge first");
+  const Adapter& ad = adapter(active_);
+  torch::Tensor x = input.to(ad.a.scalar_type());
+  if (ad.config.dropout > 0) x = torch::dropout(x, ad.config.dropout, is_training());
+  torch::Tensor delta = torch::nn::functional::linear(torch::nn::functional::linear(x, ad.a), ad.b);
+  return out + (delta * ad.config.scaling()).to(out.scalar_type());
+}
+
+void LoraLinearImpl::add_adapter(const std::string& name, const LoraConfig& config,
+                                 bool trainable) {
+  TORCH_CHECK(!name.empty() && name.find('.') == std::string::npos, "LoRA adapter name '", name,
+              "' must be non-empty and contain no '.'");
+  TORCH_CHECK(!has_adapter(name), "LoRA adapter '", name, "' already exists");
+  TORCH_CHECK(config.r > 0, "LoraConfig.r must be positive, got ", config.r);
+  TORCH_CHECK(config.dropout >= 0 && config.dropout < 1, "LoraConfig.dropout must be in [0, 1)");
+  if (!a_holder_) {
+    a_holder_ = register_module("lora_A", std::make_shared<torch::nn::Module>()).get();
+    b_holder_ = register_module("lora_B", std::make_shared<torch::nn::Module>()).get();
+  }
+  const int64_t in = options.in_features(), out = options.out_features();
+  auto opts = torch::TensorOptions().dtype(torch::kFloat).device(weight.device());
+  Adapter ad;
+  ad.config = config;
+  {
+    torch::NoGradGuard no_grad;
+    ad.a = torch::empty({config.r, in}, opts);
+    torch::nn::init::kaiming_uniform_(ad.a, std::sqrt(5.0));
+    ad.b = torch::zeros({out, config.r}, opts);
+  }
+  auto holder_a = a_holder_->register_module(name, std::make_shared<torch::nn::Module>());
+  auto holder_b = b_holder_->register_module(name, std::make_shared<torch::nn::Module>());
+  ad.a = holder_a->register_parameter("weight", ad.a, trainable);
+  ad.b = holder_b->register_parameter("weight", ad.b, trainable);
+  adapters_.emplace(name, std::move(ad));
+  weight.set_requires_grad(false);
+  if (bias.defined()) bias.set_requires_grad(false);
+  if (active_.empty()) active_ = name;
+}
+
+std::vector<std::string> LoraLinearImpl::adapter_names() const {
+  std::vector<std::string> names;
+  for (const auto& item : adapters_) names.push_back(item.first);
+  return names;
+}
+
+void LoraLinearImpl::set_active_adapter(const std::string& name) {
+  adapter(name);  // checks it exists
+  active_ = name;
+}
+
+const LoraConfig& LoraLinearImpl::adapter_config(const std::string& name) const {
+  return adapter(name).config;
+}
+
+const LoraLinearImpl::Adapter& LoraLinearImpl::adapter(const std::string& name) const {
+  auto it = adapters_.find(name);
+  TORCH_CHECK(it != adapters_.end(), "LoraLinear has no adapter '", name, "'");
+  return it->second;
+}
+
+void LoraLinearImpl::merge(const std::string& name) {
+  TORCH_CHECK(merged_.empty(), "LoraLinear: adapter '", merged_, "' is already merged");
+  const Adapter& ad = adapter(name);
+  torch::NoGradGuard no_grad;
+  weight.add_(delta_weight(ad.a, ad.b, ad.config.scaling()).to(weight.scalar_type()));
+  merged_ = name;
+}
+
+void LoraLinearImpl::unmerge() {
+  if (merged_.empty()) return;
+  const Adapter& ad = adapter(merged_);
+  torch::NoGradGuard no_grad;
+  weight.sub_(delta_weight(ad.a, ad.b, ad.config.scaling()).to(weight.scalar_type()));
+  merged_.clear();
+}
+
+torch::Tensor delta_weight(const torch::Tensor& a, const torch::Tensor& b, double scaling) {
+  return torch::matmul(b, a) * scaling;
+}
+
+std::vector<std::pair<std::string, LoraLinearImpl*>> lora_linears(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, LoraLinearImpl*>> out;
+  for (const auto& item : model.named_modules()) {
+    if (auto* layer = dynamic_cast<LoraLinearImpl*>(item.value().get()))
+      out.emplace_back(item.key(), layer);
+  }
+  return out;
+}
+
+std::vector<std::string> apply_lora(torch::nn::Module& model, const LoraConfig& config,
+                                    const std::string& name, bool trainable) {
+  std::vector<std::string> targeted;
+  for (auto& [module_name, layer] : lora_linears(model)) {
+    if (!targets(config, module_name)) continue;
+    layer->add_adapter(name, config, trainable);
+    targeted.push_back(module_name);
+  }
+  if (targeted.empty()) {
+    std::string wanted;
+    for (const auto& t : config.target_modules) wanted += (wanted.empty() ? "" : ", ") + t;
+    if (!config.target_regex.empty())
+      wanted += (wanted.empty() ? "regex " : ", regex ") + config.target_regex;
+    TORCH_CHECK(false, "LoraConfig.target_modules: no LoraLinear matches [", wanted, "]");
+  }
+  // Only adapters train, as PEFT does; frozen adapters (an EMA target) stay frozen.
+  for (auto& item : model.named_parameters()) {
+    const bool adapter = is_adapter_tensor(item.key());
+    if (!adapter) item.value().set_requires_grad(false);
+  }
+  return targeted;
+}
+
+void set_active_adapter(torch::nn::Module& model, const std::string& name) {
+  bool found = false;
+  for (auto& [module_name, layer] : lora_linears(model)) {
+    if (!layer->has_adapter(name)) continue;
+    layer->set_active_adapter(name);
+    found = true;
+  }
+  TORCH_CHECK(found, "set_active_adapter: no LoraLinear has adapter '", name, "'");
+}
+
+UseAdapter::UseAdapter(torch::nn::Module& model, const std::string& name) {
+  for (auto& [module_name, layer] : lora_linears(model)) {
+    saved_.push_back({layer, layer->active_adapter(), layer->adapters_disabled()});
+  }
+  set_active_adapter(model, name);  // changes nothing when it throws
+  for (auto& s : saved_) s.layer->set_adapters_disabled(false);
+}
+
+UseAdapter::~UseAdapter() {
+  for (auto& s : saved_) {
+    if (!s.active.empty()) s.layer->set_active_adapter(s.active);
+    s.layer->set_adapters_disabled(s.disabled);
+  }
+  saved_.clear();
+}
+
+DisableAdapters::DisableAdapters(torch::nn::Module& model) {
+  for (auto& [module_name, layer] : lora_linears(model)) {
+    saved_.push_back({layer, layer->active_adapter(), layer->adapters_disabled()});
+    layer->set_adapters_disabled(true);
+  }
+}
+
+DisableAdapters::~DisableAdapters() {
+  for (auto& s : saved_) s.layer->set_adapters_disabled(s.disabled);
+}
+
+NamedTensors named_tensors(torch::nn::Module& model) {
+  NamedTensors out;
+  for (auto& item : model.named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+NamedTensors named_tensors(const std::vector<fsdp::ShardedParameter>& shards) {
+  NamedTensors out;
+  for (const auto& p : shards) out.emplace_back(p.name, p.shard);
+  return out;
+}
+
+void copy_adapter(const NamedTensors& tensors, const std::string& dst, const std::string& src) {
+  torch::NoGradGuard no_grad;
+  for (auto& [d, s] : pair_adapters(tensors, dst, src)) d.copy_(s);
+}
+
+void ema_update(const NamedTensors& tensors, const std::string& dst, const std::string& src,
+                double decay) {
+  TORCH_CHECK(decay >= 0 && decay <= 1, "ema_update: decay must be in [0, 1], got ", decay);
+  torch::NoGradGuard no_grad;
+  for (auto& [d, s] : pair_adapters(tensors, dst, src)) d.mul_(decay).add_(s, 1.0 - decay);
+}
+
+std::map<std::string, torch::Tensor> merged_state_dict(
+    const std::map<std::string, torch::Tensor>& params, const std::string& name,
+    const LoraConfig& config) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [key, tensor] : params) {
+    if (!is_adapter_tensor(key)) out[key] = tensor.detach().clone();
+  }
+  const std::string suffix = kA + name + ".weight";
+  for (const auto& [key, a] : params) {
+    if (key.size() <= suffix.size() ||
+        key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    const std::string module = key.substr(0, key.size() - suffix.size());
+    auto b = params.find(module + kB + name + ".weight");
+    auto w = out.find(module + ".weight");
+    TORCH_CHECK(b != params.end(), "merged_state_dict: ", key, " has no lora_B counterpart");
+    TORCH_CHECK(w != out.end(), "merged_state_dict: ", key, " has no base weight ", module,
+                ".weight");
+    torch::NoGradGuard no_grad;
+    w->second.add_(delta_weight(a, b->second, config.scaling()).to(w->second.scalar_type()));
+  }
+  return out;
+}
+
+std::map<std::string, torch::Tensor> peft_state_dict(
+    const std::map<std::string, torch::Tensor>& params, const std::string& name) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [key, tensor] : params) {
+    if (adapter_of(key) != name) continue;
+    // PEFT saves without the adapter name: "...q_proj.lora_A.weight".
+    std::string peft = key;
+    peft.erase(marker_at(peft) + kMarkerSize, name.size() + 1);
+    out["base_model.model." + peft] = tensor.detach().clone();
+  }
+  TORCH_CHECK(!out.empty(), "peft_state_dict: no tensors of adapter '", name, "'");
+  return out;
+}
+
+std::string peft_adapter_config(const LoraConfig& config, const std::string& base_model) {
+  nlohmann::json j = {{"peft_type", "LORA"},
+                      {"r", config.r},
+                      {"lora_alpha", config.alpha},
+                      {"lora_dropout", config.dropout},
+                      {"target_modules", config.target_modules},
+                      {"bias", "none"},
+                      {"fan_in_fan_out", false},
+                      {"inference_mode", true},
+                      {"base_model_name_or_path", base_model}};
+  if (!config.target_regex.empty()) j["target_modules"] = config.target_regex;
+  return j.dump(2);
+}
+
+}  // namespace shardrl::models::lora

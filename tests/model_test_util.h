@@ -1,0 +1,50 @@
+// Shared by the model tests: starting a model worker on N ranks and reading back what it wrote.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace shardrl::testing {
+
+// `shardrl launch -n N -- <worker> args...`, one compute thread per rank.
+inline ProcessResult launch_worker(const std::string& worker, int nproc,
+                                   const std::vector<std::string>& args, double timeout_s = 300) {
+  std::vector<std::string> argv = {bin("shardrl"), "launch",   "-n",      std::to_string(nproc),
+                                   "--threads",    "1",        "--grace", "20",
+                                   "--",           bin(worker)};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, {}, timeout_s);
+}
+
+// The params a worker saved as names.txt + params.pt.
+inline std::map<std::string, torch::Tensor> load_worker_params(const std::string& dir) {
+  std::vector<torch::Tensor> tensors;
+  torch::load(tensors, dir + "/params.pt");
+  std::ifstream names(dir + "/names.txt");
+  std::map<std::string, torch::Tensor> params;
+  std::string name;
+  for (size_t i = 0; std::getline(names, name); ++i) params[name] = tensors.at(i);
+  return params;
+}
+
+inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  return ((a - b).norm() / b.norm().clamp_min(1e-12)).item<double>();
+}
+
+// Debian's python3-torch: the independent reference the model tests compare against.
+inline ProcessResult run_python_reference(const std::string& script,
+                                          const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {"/usr/bin/python3",
+                                   std::string(SHARDRL_SOURCE_DIR) + "/tests/python/" + script};
+  argv.insert(argv.end(), args.begin(), args.end());
+  // No __pycache__ in the source tree.
+  return run_process(argv, {{"OMP_NUM_THREADS", "1"}, {"PYTHONDONTWRITEBYTECODE", "1"}}, 300);
+}
+
+}  // namespace shardrl::testing

@@ -1,0 +1,326 @@
+// The LLaMA / Qwen2 decoder: HF config and names, an independent Python reference, the KV cache,
+// weights files with faults.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "model_test_util.h"
+#include "shardrl/checkpoint.h"
+#include "shardrl/models/llama.h"
+#include "shardrl/models/transformer.h"
+#include "shardrl/optim.h"
+#include "workers/llama_scenario.h"
+
+namespace shardrl::testing {
+namespace {
+
+using models::LlamaConfig;
+using models::LlamaForCausalLM;
+
+LlamaConfig tiny_config(bool qwen = false) {
+  LlamaConfig c;
+  c.vocab_size = 61;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 64;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = qwen ? 1e6 : 1e4;
+  c.tie_word_embeddings = qwen;
+  c.attention_bias = qwen;
+  c.model_type = qwen ? "qwen2" : "llama";
+  return c;
+}
+
+// Random weights everywhere, norms included, so no term of the architecture hides.
+LlamaForCausalLM random_model(const LlamaConfig& c, uint64_t seed = 3) {
+  torch::manual_seed(seed);
+  LlamaForCausalLM model(c);
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->parameters())
+    p.normal_(0, p.dim() == 1 ? 0.5 : 0.2).add_(p.dim() == 1 ? 1 : 0);
+  return model;
+}
+
+torch::Tensor tokens_for(const LlamaConfig& c, int64_t rows, int64_t T) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  return torch::randint(c.vocab_size, {rows, T}, gen, torch::kLong);
+}
+
+std::string expect_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an error";
+  return "";
+}
+
+TEST(Llama, ParameterNamesAreHuggingFaces) {
+  LlamaForCausalLM model(tiny_config());
+  auto names = models::state_dict(*model);
+  for (const std::string name :
+       {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
+        "model.norm.weight", "lm_head.weight"}) {
+    EXPECT_TRUE(names.count(name)) << name;
+  }
+  EXPECT_EQ(names.size(), 3u + 2 * 9);
+  EXPECT_EQ(names.at("model.layers.0.self_attn.k_proj.weight").sizes(),
+            (std::vector<int64_t>{16, 32}));
+  LlamaForCausalLM qwen(tiny_config(true));
+  auto qwen_names = models::state_dict(*qwen);
+  EXPECT_FALSE(qwen_names.count("lm_head.weight"));  // tied
+  EXPECT_TRUE(qwen_names.count("model.layers.0.self_attn.q_proj.bias"));
+  EXPECT_FALSE(qwen_names.count("model.layers.0.self_attn.o_proj.bias"));
+}
+
+TEST(Llama, ConfigJsonRoundTripsWithHfFieldsAndNamesBadFields) {
+  auto c = tiny_config();
+  auto j = c.to_json();
+  EXPECT_EQ(j["num_key_value_heads"], 2);
+  EXPECT_EQ(j["tie_word_embeddings"], false);
+  EXPECT_EQ(j["architectures"][0], "LlamaForCausalLM");
+  auto back = LlamaConfig::from_json(j);
+  EXPECT_EQ(back.to_json(), j);
+
+  auto missing = j;
+  missing.erase("hidden_size");
+  EXPECT_NE(expect_error([&] { LlamaConfig::from_json(missing); }).find("hidden_size"),
+            std::string::npos);
+  auto wrong_type = j;
+  wrong_type["rope_theta"] = "big";
+  EXPECT_NE(expect_error([&] { LlamaConfig::from_json(wrong_type); }).find("rope_theta"),
+            std::string::npos);
+  auto bad_gqa = j;
+  bad_gqa["num_key_value_heads"] = 3;
+  EXPECT_NE(expect_error([&] { LlamaConfig::from_json(bad_gqa); }).find("num_key_value_heads"),
+            std::string::npos);
+  auto no_kv = j;
+  no_kv.erase("num_key_value_heads");  // HF's default: as many as the attention heads
+  EXPECT_EQ(LlamaConfig::from_json(no_kv).num_key_value_heads, 4);
+}
+
+class LlamaReference : public ::testing::TestWithParam<bool> {};
+
+TEST_P(LlamaReference, LogitsMatchIndependentPythonReference) {
+  const auto c = tiny_config(GetParam());
+  auto model = random_model(c);
+  const std::string dir = make_temp_dir("llama");
+  models::save_llama(models::state_dict(*model), c, dir);
+  auto tokens = tokens_for(c, 2, 9);
+  std::string csv;
+  auto flat = tokens.reshape(-1);
+  for (int64_t i = 0; i < flat.numel(); ++i)
+    csv += (i ? "," : "") + std::to_string(flat[i].item<int64_t>());
+  auto result = run_python_reference("llama_reference.py", {dir, csv, "2", dir + "/logits.bin"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+
+  auto logits = model(tokens).detach();
+  std::ifstream in(dir + "/logits.bin", std::ios::binary);
+  auto expected = torch::empty_like(logits);
+  in.read(reinterpret_cast<char*>(expected.data_ptr<float>()), expected.numel() * 4);
+  ASSERT_TRUE(in) << "reference logits file too short";
+  EXPECT_GT(expected.abs().max().item<double>(), 0.5);  // not trivially small
+  EXPECT_LE((logits - expected).abs().max().item<double>(), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(LlamaAndQwen2, LlamaReference, ::testing::Values(false, true));
+
+TEST(Llama, KvCacheGivesTheFullForwardsLogits) {
+  const auto c = tiny_config();
+  auto model = random_model(c);
+  torch::NoGradGuard no_grad;
+  auto tokens = tokens_for(c, 3, 10);
+  auto full = model(tokens);
+  models::KVCache cache;
+  auto first = model(tokens.narrow(1, 0, 6), &cache);
+  EXPECT_EQ(cache.length(), 6);
+  std::vector<torch::Tensor> parts = {first};
+  for (int64_t t = 6; t < 10; ++t) parts.push_back(model(tokens.narrow(1, t, 1), &cache));
+  EXPECT_EQ(cache.length(), 10);
+  EXPECT_LE((torch::cat(parts, 1) - full).abs().max().item<double>(), 1e-5);
+
+  models::SamplingOptions greedy;
+  greedy.max_new_tokens = 5;
+  auto out = models::generate(model, tokens.narrow(1, 0, 4), greedy);
+  ASSERT_EQ(out.sizes(), (std::vector<int64_t>{3, 9}));
+  // Greedy with the cache equals re-running the whole prefix each time.
+  for (int64_t t = 4; t < 9; ++t) {
+    auto expected = model(out.narrow(1, 0, t)).select(1, -1).argmax(-1);
+    EXPECT_TRUE(torch::equal(out.select(1, t), expected)) << "position " << t;
+  }
+}
+
+TEST(Llama, SavedWeightsLoadBack) {
+  const auto c = tiny_config(true);
+  auto model = random_model(c);
+  const std::string dir = make_temp_dir("llama-load");
+  models::save_llama(models::state_dict(*model), c, dir);
+  auto loaded_config = LlamaConfig::load(dir + "/config.json");
+  LlamaForCausalLM fresh(loaded_config);
+  models::load_llama_weights(*fresh, dir + "/model.safetensors");
+  auto tokens = tokens_for(c, 2, 5);
+  EXPECT_TRUE(torch::equal(fresh(tokens), model(tokens)));
+}
+
+// Writes `params` as a weights file and returns the error loading it into a tiny model gives.
+std::string load_error(std::map<std::string, torch::Tensor> params,
+                       const LlamaConfig& config = tiny_config()) {
+  const std::string dir = make_temp_dir("llama-bad");
+  models::save_llama(params, tiny_config(), dir);
+  LlamaForCausalLM model(config);
+  return expect_error([&] { models::load_llama_weights(*model, dir + "/model.safetensors"); });
+}
+
+TEST(Llama, BadWeightsFilesAreErrorsNamingTheTensorOrField) {
+  auto good = models::state_dict(*random_model(tiny_config()));
+  auto missing = good;
+  missing.erase("model.layers.1.mlp.up_proj.weight");
+  EXPECT_NE(load_error(missing).find("missing tensor model.layers.1.mlp.up_proj.weight"),
+            std::string::npos);
+
+  auto extra = good;
+  extra["model.layers.0.self_attn.rotary.inv_freq"] = torch::ones({4});
+  EXPECT_NE(load_error(extra).find("unexpected tensor model.layers.0.self_attn.rotary.inv_freq"),
+            std::string::npos);
+
+  auto wrong_shape = good;
+  wrong_shape["model.norm.weight"] = torch::ones({31});
+  auto error = load_error(wrong_shape);
+  EXPECT_NE(error.find("model.norm.weight"), std::string::npos) << error;
+  EXPECT_NE(error.find("[31]"), std::string::npos) << error;
+
+  struct Case {
+    const char* field;
+    std::function<void(LlamaConfig&)> change;
+  };
+  for (const auto& [field, change] : std::vector<Case>{
+           {"vocab_size", [](LlamaConfig& c) { c.vocab_size = 64; }},
+           {"hidden_size", [](LlamaConfig& c) { c.hidden_size = 16; }},
+           {"num_key_value_heads", [](LlamaConfig& c) { c.num_key_value_heads = 4; }},
+           {"intermediate_size", [](LlamaConfig& c) { c.intermediate_size = 40; }},
+           {"num_hidden_layers", [](LlamaConfig& c) { c.num_hidden_layers = 3; }},
+           {"attention_bias", [](LlamaConfig& c) { c.attention_bias = true; }},
+           {"tie_word_embeddings", [](LlamaConfig& c) { c.tie_word_embeddings = true; }}}) {
+    auto config = tiny_config();
+    change(config);
+    error = load_error(good, config);
+    EXPECT_NE(error.find("config field " + std::string(field)), std::string::npos)
+        << field << ": " << error;
+  }
+}
+
+TEST(Llama, LoraTargetsHfProjectionNames) {
+  LlamaForCausalLM model(tiny_config());
+  models::lora::LoraConfig lora;
+  lora.target_modules = {"q_proj", "v_proj"};
+  auto targeted = models::lora::apply_lora(*model, lora, "default");
+  EXPECT_EQ(targeted.size(), 4u);
+  auto names = models::state_dict(*model);
+  EXPECT_TRUE(names.count("model.layers.1.self_attn.v_proj.lora_B.default.weight"));
+  // Adapters stay out of the base export.
+  const std::string dir = make_temp_dir("llama-lora");
+  models::save_llama(names, tiny_config(), dir);
+  checkpoint::SafetensorsReader reader(dir + "/model.safetensors");
+  EXPECT_EQ(reader.names().size(), 3u + 2 * 9);
+}
+
+TEST(Llama, ActivationCheckpointingKeepsLossAndGradients) {
+  const LlamaScenario s;
+  auto plain = build_llama(s), recomputed = build_llama(s);
+  recomputed->set_activation_checkpointing(true);
+  auto tokens = llama_batch(s, 0);
+  auto loss = models::next_token_loss(plain(tokens), tokens);
+  auto loss_ckpt = models::next_token_loss(recomputed(tokens), tokens);
+  EXPECT_EQ(loss.item<double>(), loss_ckpt.item<double>());
+  loss.backward();
+  loss_ckpt.backward();
+  auto want = models::state_dict(*plain), got = models::state_dict(*recomputed);
+  for (const auto& [name, p] : want) {
+    ASSERT_TRUE(got.at(name).grad().defined()) << name;
+    EXPECT_TRUE(torch::allclose(got.at(name).grad(), p.grad(), 1e-5, 1e-7)) << name;
+  }
+}
+
+struct LlamaRun {
+  std::vector<double> losses, bytes;
+  std::map<std::string, torch::Tensor> params;
+};
+
+LlamaRun train_llama_sharded(const LlamaScenario& s) {
+  const std::string dir = make_temp_dir("llama-train");
+  std::vector<std::string> args = {"--out", dir, "--steps", std::to_string(s.steps)};
+  if (s.lora) args.push_back("--lora");
+  if (s.checkpoint) args.push_back("--checkpoint");
+  auto result = launch_worker("llama_worker", 2, args);
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  LlamaRun run;
+  if (result.exit_code != 0) return run;
+  auto summary = nlohmann::json::parse(std::ifstream(dir + "/losses.json"));
+  run.losses = summary["loss"].get<std::vector<double>>();
+  run.bytes = summary["bytes_sent"].get<std::vector<double>>();
+  run.params = load_worker_params(dir);
+  return run;
+}
+
+LlamaRun train_llama_reference(const LlamaScenario& s) {
+  auto model = build_llama(s);
+  optim::AdamWConfig adam;
+  adam.lr = s.lr;
+  auto optimizer = optim::make_adamw(optim::from_module(*model), adam);
+  LlamaRun run;
+  for (int64_t step = 0; step < s.steps; ++step) {
+    auto tokens = llama_batch(s, step);
+    optimizer->zero_grad();
+    auto loss = models::next_token_loss(model(tokens), tokens);
+    loss.backward();
+    optimizer->step();
+    run.losses.push_back(loss.item<double>());
+  }
+  for (auto& [name, p] : models::state_dict(*model)) run.params[name] = p.detach();
+  return run;
+}
+
+void expect_same_training(const LlamaRun& sharded, const LlamaRun& reference) {
+  ASSERT_EQ(sharded.losses.size(), reference.losses.size());
+  for (size_t i = 0; i < reference.losses.size(); ++i) {
+    EXPECT_NEAR(sharded.losses[i], reference.losses[i], 1e-5 * reference.losses[i]) << i;
+  }
+  ASSERT_EQ(sharded.params.size(), reference.params.size());
+  for (const auto& [name, expected] : reference.params) {
+    ASSERT_TRUE(sharded.params.count(name)) << name;
+    EXPECT_LE(relative_error(sharded.params.at(name), expected), 1e-5) << name;
+  }
+}
+
+TEST(Llama, ShardedTrainingOnTwoRanksMatchesUnsharded) {
+  LlamaScenario s;
+  auto full = train_llama_sharded(s);
+  expect_same_training(full, train_llama_reference(s));
+  s.lora = true;
+  auto lora = train_llama_sharded(s);
+  expect_same_training(lora, train_llama_reference(s));
+  // The frozen base sends no gradients: LoRA's backward traffic is a small part of full's.
+  ASSERT_EQ(lora.bytes.size(), full.bytes.size());
+  for (size_t i = 0; i < full.bytes.size(); ++i) EXPECT_LT(lora.bytes[i], full.bytes[i]);
+}
+
+TEST(Llama, ShardedTrainingWithActivationCheckpointingMatchesUnsharded) {
+  LlamaScenario s;
+  s.checkpoint = true;
+  auto sharded = train_llama_sharded(s);
+  s.checkpoint = false;
+  expect_same_training(sharded, train_llama_reference(s));
+}
+
+}  // namespace
+}  // namespace shardrl::testing

@@ -1,0 +1,74 @@
+// One rank of the LLaMA parity test: next-token training of the LLaMA scenario with FSDP; writes
+// the per-step losses and, at the end, the gathered parameters.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <iostream>
+
+#include "shardrl/dist.h"
+#include "shardrl/models/transformer.h"
+#include "shardrl/optim.h"
+#include "workers/llama_scenario.h"
+
+using namespace shardrl;
+
+namespace {
+
+int train(const testing::LlamaScenario& s, const std::string& out) {
+  auto world = dist::World::init_from_env();
+  auto mesh = dist::DeviceMesh::create(*world);
+  auto model = testing::build_llama(s);
+  models::shard_llama(model, mesh, fsdp::Options{});
+  auto fsdp_model = model.fsdp();
+  optim::AdamWConfig adam;
+  adam.lr = s.lr;
+  auto optimizer = optim::make_adamw(optim::from_sharded(fsdp_model.sharded_parameters()), adam);
+  const int64_t local = s.batch / world->size(), first = world->rank() * local;
+  nlohmann::json losses = nlohmann::json::array(), bytes = nlohmann::json::array();
+  for (int64_t step = 0; step < s.steps; ++step) {
+    auto tokens = testing::llama_batch(s, step).narrow(0, first, local);
+    fsdp_model.zero_grad();
+    fsdp_model.reset_bytes_sent();
+    auto loss = models::next_token_loss(model(tokens), tokens);
+    loss.backward();
+    bytes.push_back(fsdp_model.bytes_sent());
+    optim::clip_and_step(fsdp_model, *optimizer, 0.0);
+    auto total = loss.detach().clone();
+    world->group().all_reduce(total);
+    losses.push_back(total.item<double>() / world->size());
+  }
+  auto full = fsdp_model.full_parameters();
+  if (world->rank() == 0) {
+    std::vector<torch::Tensor> tensors;
+    std::ofstream names(out + "/names.txt");
+    for (const auto& [name, tensor] : full) {
+      names << name << "\n";
+      tensors.push_back(tensor);
+    }
+    torch::save(tensors, out + "/params.pt");
+    std::ofstream(out + "/losses.json")
+        << nlohmann::json{{"loss", losses}, {"bytes_sent", bytes}}.dump();
+  }
+  world->group().barrier();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ShardRL LLaMA multi-rank test worker"};
+  testing::LlamaScenario s;
+  std::string out = ".";
+  app.add_option("--steps", s.steps);
+  app.add_option("--out", out);
+  app.add_flag("--lora", s.lora);
+  app.add_flag("--checkpoint", s.checkpoint);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return train(s, out);
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+}

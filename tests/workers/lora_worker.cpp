@@ -1,0 +1,86 @@
+// One rank of the LoRA sharding tests: trains the LoRA scenario with FSDP and writes, per step,
+// the bytes the backward sent (reduce-scatters only: params stay gathered after forward, so the
+// backward gathers nothing), which shards got grads, and at the end the gathered params.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <iostream>
+
+#include "shardrl/dist.h"
+#include "shardrl/optim.h"
+#include "workers/lora_scenario.h"
+
+using namespace shardrl;
+
+namespace {
+
+int train(const testing::LoraScenario& s, const std::string& out) {
+  auto world = dist::World::init_from_env();
+  auto mesh = dist::DeviceMesh::create(*world);
+  fsdp::Options options;
+  options.reshard_after_forward = false;
+  auto net = testing::build_lora_net(s);
+  for (auto& b : net->blocks) fsdp::fully_shard(b, mesh, options);
+  fsdp::fully_shard(net, mesh, options);
+  auto model = net.fsdp();
+  optim::AdamWConfig adam;
+  adam.lr = s.lr;
+  auto optimizer = optim::make_adamw(optim::from_sharded(model.sharded_parameters()), adam);
+
+  const int64_t local = s.batch / world->size();
+  nlohmann::json losses = nlohmann::json::array(), bytes = nlohmann::json::array(),
+                 with_grad = nlohmann::json::array();
+  for (int64_t step = 0; step < s.steps; ++step) {
+    auto [x, y] = testing::lora_batch(s, step);
+    x = x.narrow(0, world->rank() * local, local);
+    y = y.narrow(0, world->rank() * local, local);
+    model.zero_grad();
+    auto loss = torch::mse_loss(net(x), y);
+    model.reset_bytes_sent();
+    loss.backward();
+    bytes.push_back(model.bytes_sent());
+    nlohmann::json names = nlohmann::json::array();
+    for (const auto& p : model.sharded_parameters()) {
+      if (p.shard.grad().defined()) names.push_back(p.name);
+    }
+    with_grad.push_back(names);
+    optim::clip_and_step(model, *optimizer, 0.0);
+    models::lora::ema_update(models::lora::named_tensors(model.sharded_parameters()), "old",
+                             "default", s.ema_decay);
+    auto total = loss.detach().clone();
+    world->group().all_reduce(total);
+    losses.push_back(total.item<double>() / world->size());
+  }
+  auto full = model.full_parameters();
+  if (world->rank() == 0) {
+    std::vector<torch::Tensor> tensors;
+    std::ofstream names(out + "/names.txt");
+    for (const auto& [name, tensor] : full) {
+      names << name << "\n";
+      tensors.push_back(tensor);
+    }
+    torch::save(tensors, out + "/params.pt");
+  }
+  std::ofstream(out + "/run_" + std::to_string(world->rank()) + ".json")
+      << nlohmann::json{{"loss", losses}, {"bytes_sent", bytes}, {"with_grad", with_grad}}.dump();
+  world->group().barrier();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ShardRL LoRA multi-rank test worker"};
+  testing::LoraScenario s;
+  std::string out = ".";
+  app.add_option("--steps", s.steps);
+  app.add_option("--out", out);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return train(s, out);
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+}
