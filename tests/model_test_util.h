@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "test_util.h"
+#include "workers/param_files.h"
 
 namespace shardrl::testing {
 
@@ -20,17 +21,6 @@ inline ProcessResult launch_worker(const std::string& worker, int nproc,
                                    "--",           bin(worker)};
   argv.insert(argv.end(), args.begin(), args.end());
   return run_process(argv, {}, timeout_s);
-}
-
-// The params a worker saved as names.txt + params.pt.
-inline std::map<std::string, torch::Tensor> load_worker_params(const std::string& dir) {
-  std::vector<torch::Tensor> tensors;
-  torch::load(tensors, dir + "/params.pt");
-  std::ifstream names(dir + "/names.txt");
-  std::map<std::string, torch::Tensor> params;
-  std::string name;
-  for (size_t i = 0; std::getline(names, name); ++i) params[name] = tensors.at(i);
-  return params;
 }
 
 inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {

@@ -9,6 +9,7 @@
 
 #include "shardrl/checkpoint.h"
 #include "test_util.h"
+#include "workers/param_files.h"
 
 namespace shardrl::testing {
 namespace {
@@ -43,11 +44,7 @@ CkptRun run_train(int nproc, const std::string& root, const std::vector<std::str
   run.loss = summary["loss"].get<std::vector<double>>();
   run.lr = summary["lr"].get<std::vector<double>>();
   run.rng = summary["rng"].get<std::vector<double>>();
-  std::vector<torch::Tensor> tensors;
-  torch::load(tensors, out + "/params.pt");
-  std::ifstream names(out + "/names.txt");
-  std::string name;
-  for (size_t i = 0; std::getline(names, name); ++i) run.params[name] = tensors.at(i);
+  run.params = read_params(out);
   return run;
 }
 
@@ -337,12 +334,9 @@ TEST(Checkpoint, ExportReadsBackWithAnIndependentReader) {
           3, {"init", "--unused-params", "--seed", "99", "--hf", out, "--out", params}, 300,
           "ckpt_worker");
       ASSERT_EQ(init.exit_code, 0) << init.output;
-      std::vector<torch::Tensor> tensors;
-      torch::load(tensors, params + "/params.pt");
-      std::ifstream names(params + "/names.txt");
-      std::string name;
-      for (size_t i = 0; std::getline(names, name); ++i)
-        EXPECT_TRUE(torch::equal(tensors.at(i), trained.params.at(name))) << name;
+      for (const auto& [name, tensor] : read_params(params)) {
+        EXPECT_TRUE(torch::equal(tensor, trained.params.at(name))) << name;
+      }
     }
     const json config = json::parse(std::ifstream(out + "/config.json"));
     EXPECT_EQ(config["d_model"], 48);

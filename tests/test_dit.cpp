@@ -185,7 +185,7 @@ TEST_P(DiTSharded, TrainingOnTwoRanksMatchesUnsharded) {
   for (size_t i = 0; i < losses.size(); ++i) {
     EXPECT_NEAR(sharded_losses[i], losses[i], 1e-5 * losses[i]) << "step " << i;
   }
-  auto sharded = load_worker_params(dir);
+  auto sharded = read_params(dir);
   auto reference = models::state_dict(*model);
   ASSERT_EQ(sharded.size(), reference.size());
   const int64_t d = dit_test_config().hidden_size;

@@ -6,6 +6,7 @@
 
 #include "shardrl/optim.h"
 #include "test_util.h"
+#include "workers/param_files.h"
 #include "workers/scenario.h"
 
 namespace shardrl::testing {
@@ -78,11 +79,7 @@ Run train_sharded(int nproc, const Scenario& s, const std::vector<std::string>& 
   run.grad_norms = numbers(summary["grad_norm"]);
   run.bytes = summary["bytes_sent"].get<std::vector<double>>();
   run.skipped = summary["skipped"].get<std::vector<bool>>();
-  std::vector<torch::Tensor> tensors;
-  torch::load(tensors, dir + "/params.pt");
-  std::ifstream names(dir + "/names.txt");
-  std::string name;
-  for (size_t i = 0; std::getline(names, name); ++i) run.params[name] = tensors.at(i);
+  run.params = read_params(dir);
   for (int r = 0; r < nproc; ++r) {
     run.memory.push_back(
         nlohmann::json::parse(std::ifstream(dir + "/memory_" + std::to_string(r) + ".json")));

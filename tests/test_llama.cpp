@@ -268,7 +268,7 @@ LlamaRun train_llama_sharded(const LlamaScenario& s) {
   auto summary = nlohmann::json::parse(std::ifstream(dir + "/losses.json"));
   run.losses = summary["loss"].get<std::vector<double>>();
   run.bytes = summary["bytes_sent"].get<std::vector<double>>();
-  run.params = load_worker_params(dir);
+  run.params = read_params(dir);
   return run;
 }
 

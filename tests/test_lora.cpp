@@ -245,7 +245,7 @@ TEST(Lora, ShardedTrainingSendsOnlyAdapterGradientsAndMatchesUnsharded) {
   ASSERT_EQ(result.exit_code, 0) << result.output;
 
   auto reference = train_lora_reference(s);
-  auto sharded = load_worker_params(dir);
+  auto sharded = read_params(dir);
   ASSERT_EQ(sharded.size(), reference.size());
   for (const auto& [name, expected] : reference) {
     ASSERT_TRUE(sharded.count(name)) << name;

@@ -18,6 +18,7 @@
 #include "shardrl/fsdp.h"
 #include "shardrl/lr_schedule.h"
 #include "shardrl/optim.h"
+#include "workers/param_files.h"
 #include "workers/scenario.h"
 
 using namespace shardrl;
@@ -55,16 +56,6 @@ json config_json(const models::TransformerConfig& c) {
           {"n_heads", c.n_heads},
           {"n_layers", c.n_layers},
           {"mlp_ratio", c.mlp_ratio}};
-}
-
-void write_params(const std::map<std::string, torch::Tensor>& full, const std::string& out) {
-  std::vector<torch::Tensor> tensors;
-  std::ofstream names(out + "/names.txt");
-  for (const auto& [name, tensor] : full) {
-    names << name << "\n";
-    tensors.push_back(tensor);
-  }
-  torch::save(tensors, out + "/params.pt");
 }
 
 // A sharded model, its optimizer and scheduler, as every subcommand builds them.
@@ -139,7 +130,7 @@ int train(const Args& a) {
   }
   auto full = fsdp_model.full_parameters();
   if (rank == 0) {
-    write_params(full, a.out);
+    testing::write_params(full, a.out);
     std::ofstream(a.out + "/losses.json")
         << json{{"start", start}, {"loss", losses}, {"lr", lrs}, {"rng", probes}}.dump();
   }
@@ -201,7 +192,7 @@ int init_from_hf(const Args& a) {
   auto fsdp_model = t.model.fsdp();
   checkpoint::load_hf(a.hf_dir, fsdp_model);
   auto full = fsdp_model.full_parameters();
-  if (t.world->rank() == 0) write_params(full, a.out);
+  if (t.world->rank() == 0) testing::write_params(full, a.out);
   return 0;
 }
 

@@ -11,6 +11,7 @@
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
 #include "shardrl/optim.h"
+#include "workers/param_files.h"
 #include "workers/scenario.h"
 
 using namespace shardrl;
@@ -81,16 +82,12 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
                            {"optimizer_bytes", optim::optimizer_state_bytes(*optimizer)}};
   auto full = fsdp_model.full_parameters();
   if (world->rank() == 0) {
-    std::vector<torch::Tensor> tensors;
-    std::ofstream names(out + "/names.txt");
-    for (const auto& [name, tensor] : full) {
-      names << name << "\n";
-      tensors.push_back(tensor);
-    }
-    torch::save(tensors, out + "/params.pt");
-    std::ofstream(out + "/losses.json")
-        << nlohmann::json{{"loss", losses}, {"grad_norm", norms}, {"bytes_sent", bytes},
-                                                      {"skipped", skipped}}.dump();
+    testing::write_params(full, out);
+    std::ofstream(out + "/losses.json") << nlohmann::json{
+        {"loss", losses},
+        {"grad_norm", norms},
+        {"bytes_sent", bytes},
+        {"skipped", skipped}}.dump();
   }
   std::ofstream(out + "/memory_" + std::to_string(world->rank()) + ".json") << memory.dump();
   world->group().barrier();
@@ -103,7 +100,8 @@ int main(int argc, char** argv) {
   CLI::App app{"ShardRL multi-rank test worker"};
   testing::Scenario s;
   std::string out = ".", param_dtype = "fp32", reduce_dtype = "fp32";
-  int fsdp_size = -1, die_rank = -1, die_step = -1, hang_rank = -1, timeout_ms = 60000, prefetch = 1;
+  int fsdp_size = -1, die_rank = -1, die_step = -1, hang_rank = -1, timeout_ms = 60000,
+      prefetch = 1;
   bool no_sync = false, keep_unsharded = false;
   auto* train_cmd = app.add_subcommand("train", "FSDP training of the test transformer");
   train_cmd->add_option("--steps", s.steps);

@@ -9,6 +9,7 @@
 #include "shardrl/dist.h"
 #include "shardrl/optim.h"
 #include "workers/dit_scenario.h"
+#include "workers/param_files.h"
 
 using namespace shardrl;
 
@@ -40,13 +41,7 @@ int train(const testing::DiTScenario& s, const std::string& out, bool checkpoint
   }
   auto full = fsdp_model.full_parameters();
   if (world->rank() == 0) {
-    std::vector<torch::Tensor> tensors;
-    std::ofstream names(out + "/names.txt");
-    for (const auto& [name, tensor] : full) {
-      names << name << "\n";
-      tensors.push_back(tensor);
-    }
-    torch::save(tensors, out + "/params.pt");
+    testing::write_params(full, out);
     std::ofstream(out + "/losses.json") << nlohmann::json{{"loss", losses}}.dump();
   }
   world->group().barrier();

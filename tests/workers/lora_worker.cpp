@@ -10,6 +10,7 @@
 #include "shardrl/dist.h"
 #include "shardrl/optim.h"
 #include "workers/lora_scenario.h"
+#include "workers/param_files.h"
 
 using namespace shardrl;
 
@@ -54,13 +55,7 @@ int train(const testing::LoraScenario& s, const std::string& out) {
   }
   auto full = model.full_parameters();
   if (world->rank() == 0) {
-    std::vector<torch::Tensor> tensors;
-    std::ofstream names(out + "/names.txt");
-    for (const auto& [name, tensor] : full) {
-      names << name << "\n";
-      tensors.push_back(tensor);
-    }
-    torch::save(tensors, out + "/params.pt");
+    testing::write_params(full, out);
   }
   std::ofstream(out + "/run_" + std::to_string(world->rank()) + ".json")
       << nlohmann::json{{"loss", losses}, {"bytes_sent", bytes}, {"with_grad", with_grad}}.dump();
