@@ -34,9 +34,22 @@ std::string bin(const std::string& name) {
 }
 
 std::string make_temp_dir(const std::string& tag) {
+  // Removed when the test process exits (ctest runs each test in its own process), unless
+  // SHARDRL_KEEP_TEST_DIRS is set for a post-mortem.
+  static std::vector<std::string> made;
+  static const bool registered = [] {
+    std::atexit([] {
+      if (std::getenv("SHARDRL_KEEP_TEST_DIRS")) return;
+      std::error_code ignored;
+      for (const auto& dir : made) std::filesystem::remove_all(dir, ignored);
+    });
+    return true;
+  }();
+  (void)registered;
   std::string pattern =
       (std::filesystem::temp_directory_path() / ("shardrl-" + tag + "-XXXXXX")).string();
   if (!mkdtemp(pattern.data())) throw std::runtime_error("mkdtemp failed");
+  made.push_back(pattern);
   return pattern;
 }
 
