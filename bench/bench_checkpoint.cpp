@@ -165,16 +165,6 @@ models::TransformerConfig model_config(const Args& a) {
   return c;
 }
 
-json config_json(const models::TransformerConfig& c) {
-  return {{"model_type", "shardrl-transformer"},
-          {"vocab_size", c.vocab_size},
-          {"max_seq_len", c.max_seq_len},
-          {"d_model", c.d_model},
-          {"n_heads", c.n_heads},
-          {"n_layers", c.n_layers},
-          {"mlp_ratio", c.mlp_ratio}};
-}
-
 double gb(double bytes) {
   return bytes / 1e9;
 }
@@ -226,7 +216,7 @@ int run(const Args& a) {
   group.barrier();
   auto t0 = Clock::now();
   const std::string ckpt = checkpoint::save(a.dir, step, fsdp_model, *optimizer, nullptr,
-                                            {{"config", config_json(config)}});
+                                            {{"config", config.to_json()}});
   group.barrier();
   const double save_s = seconds_since(t0);
   const int64_t ckpt_bytes = checkpoint::directory_bytes(ckpt);
@@ -360,7 +350,7 @@ int run(const Args& a) {
             {"world_size", N},
             {"threads", at::get_num_threads()},
             {"dir", a.dir},
-            {"model", config_json(config)},
+            {"model", config.to_json()},
             {"param_count", config.parameter_count()},
             {"training_state_bytes", state_bytes},
             {"checkpoint_bytes", ckpt_bytes},

@@ -297,7 +297,8 @@ int run_fsdp(const Args& a) {
   j.update(timing_json(times, a.batch * a.seq));
   write_json(a, j);
   std::printf(
-      "fsdp  N=%d threads=%d B=%lld  median step %.4f s (blocked on comm %.4f s)  %.0f tok/s  sent/rank/step %.3f MB "
+      "fsdp  N=%d threads=%d B=%lld  median step %.4f s (blocked on comm %.4f s)  %.0f tok/s  "
+      "sent/rank/step %.3f MB "
       "(x%.4f of 3P, x%.4f of schedule)  clip %.0f B  lo %.3f MB\n",
       N, at::get_num_threads(), static_cast<long long>(a.batch), j["median_step_s"].get<double>(),
       median(waits), j["tokens_per_s"].get<double>(), fb_per_rank_step / 1e6,

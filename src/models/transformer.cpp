@@ -10,6 +10,16 @@ int64_t TransformerConfig::parameter_count() const {
   return vocab_size * d + max_seq_len * d + n_layers * block + 2 * d + d * vocab_size;
 }
 
+nlohmann::json TransformerConfig::to_json() const {
+  return {{"model_type", "shardrl-transformer"},
+          {"vocab_size", vocab_size},
+          {"max_seq_len", max_seq_len},
+          {"d_model", d_model},
+          {"n_heads", n_heads},
+          {"n_layers", n_layers},
+          {"mlp_ratio", mlp_ratio}};
+}
+
 BlockImpl::BlockImpl(const TransformerConfig& c) : n_heads_(c.n_heads) {
   TORCH_CHECK(c.d_model % c.n_heads == 0, "d_model must be divisible by n_heads");
   ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));

@@ -48,16 +48,6 @@ optim::LRScheduleConfig schedule() {
   return c;
 }
 
-json config_json(const models::TransformerConfig& c) {
-  return {{"model_type", "shardrl-transformer"},
-          {"vocab_size", c.vocab_size},
-          {"max_seq_len", c.max_seq_len},
-          {"d_model", c.d_model},
-          {"n_heads", c.n_heads},
-          {"n_layers", c.n_layers},
-          {"mlp_ratio", c.mlp_ratio}};
-}
-
 // A sharded model, its optimizer and scheduler, as every subcommand builds them.
 struct Trainer {
   std::shared_ptr<dist::World> world;
@@ -125,7 +115,7 @@ int train(const Args& a) {
     if (save_at.count(step + 1)) {
       saving = step + 1;
       checkpoint::save(a.root, step + 1, fsdp_model, *t.optimizer, t.scheduler.get(),
-                       {{"config", config_json(t.model->config())}}, save_options);
+                       {{"config", t.model->config().to_json()}}, save_options);
     }
   }
   auto full = fsdp_model.full_parameters();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include "shardrl/fsdp.h"
 
@@ -16,6 +17,8 @@ struct TransformerConfig {
   int64_t n_layers = 2;
   int64_t mlp_ratio = 4;
   int64_t parameter_count() const;
+  // The fields as config.json carries them in checkpoints and exports.
+  nlohmann::json to_json() const;
 };
 
 class BlockImpl : public torch::nn::Module {
