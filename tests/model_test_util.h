@@ -1,6 +1,7 @@
 // Shared by the model tests: starting a model worker on N ranks and reading back what it wrote.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <fstream>
@@ -8,23 +9,24 @@
 #include <string>
 #include <vector>
 
+#include "shardrl/models/weights.h"
 #include "test_util.h"
 #include "workers/param_files.h"
 
 namespace shardrl::testing {
 
-// `shardrl launch -n N -- <worker> args...`, one compute thread per rank.
-inline ProcessResult launch_worker(const std::string& worker, int nproc,
-                                   const std::vector<std::string>& args, double timeout_s = 300) {
-  std::vector<std::string> argv = {bin("shardrl"), "launch",   "-n",      std::to_string(nproc),
-                                   "--threads",    "1",        "--grace", "20",
-                                   "--",           bin(worker)};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_process(argv, {}, timeout_s);
-}
-
 inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
   return ((a - b).norm() / b.norm().clamp_min(1e-12)).item<double>();
+}
+
+// Activation checkpointing must not change the gradients: every param of `recomputed` has the
+// grad of the same-named param of `plain`.
+inline void expect_same_grads(torch::nn::Module& plain, torch::nn::Module& recomputed) {
+  auto want = models::state_dict(plain), got = models::state_dict(recomputed);
+  for (const auto& [name, p] : want) {
+    ASSERT_TRUE(got.at(name).grad().defined()) << name;
+    EXPECT_TRUE(torch::allclose(got.at(name).grad(), p.grad(), 1e-5, 1e-7)) << name;
+  }
 }
 
 // Debian's python3-torch: the independent reference the model tests compare against.

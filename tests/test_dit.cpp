@@ -128,11 +128,7 @@ TEST(DiT, ActivationCheckpointingKeepsLossAndGradients) {
   EXPECT_EQ(loss.item<double>(), loss_ckpt.item<double>());
   loss.backward();
   loss_ckpt.backward();
-  auto want = models::state_dict(*plain), got = models::state_dict(*recomputed);
-  for (const auto& [name, p] : want) {
-    ASSERT_TRUE(got.at(name).grad().defined()) << name;
-    EXPECT_TRUE(torch::allclose(got.at(name).grad(), p.grad(), 1e-5, 1e-7)) << name;
-  }
+  expect_same_grads(*plain, *recomputed);
 }
 
 TEST(DiT, CheckpointedBlockRunsAgainInBackwardOnly) {
@@ -163,7 +159,7 @@ TEST_P(DiTSharded, TrainingOnTwoRanksMatchesUnsharded) {
   const std::string dir = make_temp_dir("dit-train");
   std::vector<std::string> args = {"--out", dir, "--steps", std::to_string(s.steps)};
   if (GetParam()) args.push_back("--checkpoint");
-  auto result = launch_worker("dit_worker", 2, args);
+  auto result = launch_workers(2, args, 300, "dit_worker");
   ASSERT_EQ(result.exit_code, 0) << result.output;
 
   auto model = build_dit(s);

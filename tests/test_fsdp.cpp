@@ -4,6 +4,7 @@
 
 #include <fstream>
 
+#include "model_test_util.h"
 #include "shardrl/optim.h"
 #include "test_util.h"
 #include "workers/param_files.h"
@@ -85,10 +86,6 @@ Run train_sharded(int nproc, const Scenario& s, const std::vector<std::string>& 
         nlohmann::json::parse(std::ifstream(dir + "/memory_" + std::to_string(r) + ".json")));
   }
   return run;
-}
-
-double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
-  return ((a - b).norm() / b.norm().clamp_min(1e-12)).item<double>();
 }
 
 void expect_matches(const Run& sharded, const Run& reference, double tolerance) {

@@ -20,15 +20,7 @@ using models::LlamaConfig;
 using models::LlamaForCausalLM;
 
 LlamaConfig tiny_config(bool qwen = false) {
-  LlamaConfig c;
-  c.vocab_size = 61;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.max_position_embeddings = 64;
-  c.rms_norm_eps = 1e-5;
+  LlamaConfig c = llama_test_config();
   c.rope_theta = qwen ? 1e6 : 1e4;
   c.tie_word_embeddings = qwen;
   c.attention_bias = qwen;
@@ -244,11 +236,7 @@ TEST(Llama, ActivationCheckpointingKeepsLossAndGradients) {
   EXPECT_EQ(loss.item<double>(), loss_ckpt.item<double>());
   loss.backward();
   loss_ckpt.backward();
-  auto want = models::state_dict(*plain), got = models::state_dict(*recomputed);
-  for (const auto& [name, p] : want) {
-    ASSERT_TRUE(got.at(name).grad().defined()) << name;
-    EXPECT_TRUE(torch::allclose(got.at(name).grad(), p.grad(), 1e-5, 1e-7)) << name;
-  }
+  expect_same_grads(*plain, *recomputed);
 }
 
 struct LlamaRun {
@@ -261,7 +249,7 @@ LlamaRun train_llama_sharded(const LlamaScenario& s) {
   std::vector<std::string> args = {"--out", dir, "--steps", std::to_string(s.steps)};
   if (s.lora) args.push_back("--lora");
   if (s.checkpoint) args.push_back("--checkpoint");
-  auto result = launch_worker("llama_worker", 2, args);
+  auto result = launch_workers(2, args, 300, "llama_worker");
   EXPECT_EQ(result.exit_code, 0) << result.output;
   LlamaRun run;
   if (result.exit_code != 0) return run;

@@ -241,7 +241,8 @@ std::map<std::string, torch::Tensor> train_lora_reference(const LoraScenario& s)
 TEST(Lora, ShardedTrainingSendsOnlyAdapterGradientsAndMatchesUnsharded) {
   const LoraScenario s;
   const std::string dir = make_temp_dir("lora");
-  auto result = launch_worker("lora_worker", 2, {"--out", dir, "--steps", std::to_string(s.steps)});
+  auto result =
+      launch_workers(2, {"--out", dir, "--steps", std::to_string(s.steps)}, 300, "lora_worker");
   ASSERT_EQ(result.exit_code, 0) << result.output;
 
   auto reference = train_lora_reference(s);
