@@ -67,12 +67,25 @@ inline void free_storage(const at::Tensor& t) {
   impl->set_nbytes(0);
 }
 
-inline void alloc_storage(const at::Tensor& t) {
+// Gives t's storage `nbytes` fresh bytes (offload restores storages that other tensors view).
+inline void alloc_storage(const at::Tensor& t, size_t nbytes) {
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
   if (impl->nbytes() == nbytes) return;
   impl->set_data_ptr_noswap(c10::GetAllocator(t.device().type())->allocate(nbytes));
   impl->set_nbytes(nbytes);
+}
+
+inline void alloc_storage(const at::Tensor& t) {
+  alloc_storage(t, static_cast<size_t>(t.numel()) * t.element_size());
+}
+
+// The whole storage behind t as a flat byte tensor on t's device (empty once freed). Through the
+// StorageImpl's DataPtr, whose get() is a mutable pointer in every version (Storage::data() is
+// const from 2.1 on).
+inline at::Tensor storage_bytes(const at::Tensor& t) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  return at::from_blob(impl->data_ptr().get(), {static_cast<int64_t>(impl->nbytes())},
+                       at::TensorOptions().dtype(at::kByte).device(t.device()));
 }
 
 // Optimizer::state() is keyed by the parameter's TensorImpl address: printed as a string in 1.x,

@@ -19,6 +19,7 @@
 #include <torch/torch.h>
 
 #include <array>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -65,6 +66,18 @@ struct MemoryStats {
 
 class UnitState;
 
+// What a pass over the shards needs in compute memory while some of them are offloaded.
+enum class ShardUse {
+  kParams,  // the param shards (gathering full params, say)
+  kGrads,   // the grad shards (measuring, scaling or accumulating them)
+  kStep,    // params, grads and the optimizer state: an optimizer step
+};
+
+// The factor clip_grad_norm_ scales grads by for this total norm (>= 1: no clipping).
+inline double clip_coefficient(double total_norm, double max_norm) {
+  return max_norm / (total_norm + 1e-6);
+}
+
 // Operations on a sharded unit and every unit below it (the whole model when called on the root).
 class FSDPModule {
  public:
@@ -78,6 +91,15 @@ class FSDPModule {
   // Total norm over all shards of every rank, equal to the unsharded model's norm. Grads are
   // scaled only when the norm is finite and above max_norm; a non-finite norm is returned as is.
   double clip_grad_norm_(double max_norm);
+  // The total norm alone, without clipping.
+  double grad_norm();
+  // Runs fn over the shards with what `use` needs resident in compute memory: once with every
+  // shard, or, while an offload layer keeps state out of compute memory, once per unit with that
+  // unit's state brought in and sent back afterwards. Shards come in sharded_parameters() order.
+  void for_each_resident(ShardUse use,
+                         const std::function<void(std::vector<ShardedParameter>&)>& fn);
+  // The units this handle covers (root first), for layers that extend FSDP such as offload.
+  std::vector<UnitState*> units() const;
   void zero_grad();
   // Every parameter at full size, gathered one tensor at a time (fp32 masters).
   std::map<std::string, torch::Tensor> full_parameters() const;

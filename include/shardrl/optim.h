@@ -40,7 +40,45 @@ bool exempt_from_weight_decay(const NamedParameter& param, const AdamWConfig& co
 std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<NamedParameter>& params,
                                                 const AdamWConfig& config);
 
-// Bytes of optimizer state (moments, step counters) the optimizer holds.
+// Several optimizers over disjoint parameter sets behind one Optimizer: base vs LoRA params, or
+// expert vs non-expert ones, each with its own lr, weight decay or algorithm. step() steps them
+// all, zero_grad() clears every param's grad. The state stays in the sub-optimizers, so this
+// optimizer's own state() is empty: code that reaches optimizer state goes through
+// leaf_optimizers(). param_groups() mirror the sub-optimizers' groups in order, and an lr set
+// there (as LRScheduler does) is passed down at every step.
+class GroupedOptimizer : public torch::optim::Optimizer {
+ public:
+  explicit GroupedOptimizer(std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers);
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  // The state is the sub-optimizers': save and load each of them instead.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  size_t size() const { return optimizers_.size(); }
+  torch::optim::Optimizer& optimizer(size_t index);
+
+ private:
+  std::vector<std::unique_ptr<torch::optim::Optimizer>> optimizers_;
+};
+
+// The optimizers that hold state: a grouped optimizer's sub-optimizers, or the optimizer itself.
+std::vector<torch::optim::Optimizer*> leaf_optimizers(torch::optim::Optimizer& optimizer);
+std::vector<const torch::optim::Optimizer*> leaf_optimizers(
+    const torch::optim::Optimizer& optimizer);
+
+// `param`'s state in `optimizer` (a leaf optimizer), or null before its first step.
+torch::optim::OptimizerParamState* find_state(torch::optim::Optimizer& optimizer,
+                                              const torch::Tensor& param);
+// The tensors of one parameter's state (Adam, AdamW, SGD, RMSprop, Adagrad); an unknown state
+// type is an error that names it.
+std::vector<torch::Tensor> state_tensors(const torch::optim::OptimizerParamState& state);
+
+// Steps only `params`, leaving every other parameter and its state alone. The update of each
+// stepped param is bit for bit what a full step makes (every supported optimizer is per-param).
+void step_only(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& params);
+
+// Bytes of optimizer state (moments, step counters) the optimizer holds in memory.
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
 
 struct StepResult {
@@ -49,7 +87,9 @@ struct StepResult {
 };
 
 // Clips to max_norm over all shards (max_norm <= 0: measure only), then steps unless the norm is
-// not finite, in which case the step is skipped, grads are dropped and a warning is logged.
+// not finite, in which case the step is skipped, grads are dropped and a warning is logged. The
+// norm covers every sub-optimizer of a grouped optimizer. While state is offloaded, each unit's
+// params, grads and optimizer state come in for its part of the step and go back after it.
 StepResult clip_and_step(fsdp::FSDPModule& model, torch::optim::Optimizer& optimizer,
                          double max_norm);
 

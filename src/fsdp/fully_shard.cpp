@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -291,25 +292,60 @@ void FSDPModule::set_reshard_after_forward(bool reshard) {
   for (UnitState* unit : scoped_units(state_)) unit->options.reshard_after_forward = reshard;
 }
 
-double FSDPModule::clip_grad_norm_(double max_norm) {
+double FSDPModule::grad_norm() {
   torch::NoGradGuard no_grad;
-  auto shards = sharded_parameters();
   torch::Tensor sum_sq =
       torch::zeros({1}, torch::dtype(torch::kDouble).device(state_->mesh.device()));
-  for (const auto& p : shards) {
-    if (p.shard.grad().defined()) sum_sq += p.shard.grad().to(torch::kDouble).pow(2).sum();
-  }
+  for_each_resident(ShardUse::kGrads, [&](std::vector<ShardedParameter>& shards) {
+    for (const auto& p : shards) {
+      if (p.shard.grad().defined()) sum_sq += p.shard.grad().to(torch::kDouble).pow(2).sum();
+    }
+  });
   // Shards are disjoint across the shard group and identical across replicas.
   state_->mesh.shard_group().all_reduce(sum_sq);
-  const double total = std::sqrt(sum_sq.item<double>());
+  return std::sqrt(sum_sq.item<double>());
+}
+
+double FSDPModule::clip_grad_norm_(double max_norm) {
+  const double total = grad_norm();
   if (!std::isfinite(total)) return total;
-  const double coef = max_norm / (total + 1e-6);
+  const double coef = clip_coefficient(total, max_norm);
   if (coef < 1.0) {
-    for (const auto& p : shards) {
-      if (p.shard.grad().defined()) p.shard.mutable_grad().mul_(coef);
-    }
+    torch::NoGradGuard no_grad;
+    for_each_resident(ShardUse::kGrads, [&](std::vector<ShardedParameter>& shards) {
+      for (const auto& p : shards) {
+        if (p.shard.grad().defined()) p.shard.mutable_grad().mul_(coef);
+      }
+    });
   }
   return total;
+}
+
+void FSDPModule::for_each_resident(ShardUse use,
+                                   const std::function<void(std::vector<ShardedParameter>&)>& fn) {
+  auto units = scoped_units(state_);
+  const bool offloading = std::any_of(units.begin(), units.end(),
+                                      [](const UnitState* u) { return u->residency != nullptr; });
+  if (!offloading) {
+    auto shards = sharded_parameters();
+    fn(shards);
+    return;
+  }
+  auto all = sharded_parameters();
+  size_t next = 0;
+  for (UnitState* unit : units) {
+    std::vector<ShardedParameter> shards(all.begin() + next,
+                                         all.begin() + next + unit->params.size());
+    next += unit->params.size();
+    if (shards.empty()) continue;
+    if (unit->residency) unit->residency->acquire(*unit, use);
+    fn(shards);
+    if (unit->residency) unit->residency->release(*unit, use);
+  }
+}
+
+std::vector<UnitState*> FSDPModule::units() const {
+  return scoped_units(state_);
 }
 
 void FSDPModule::zero_grad() {
@@ -327,6 +363,8 @@ std::map<std::string, torch::Tensor> FSDPModule::full_parameters() const {
   auto& group = state_->mesh.shard_group();
   std::map<std::string, torch::Tensor> out;
   for (UnitState* unit : scoped_units(state_)) {
+    // Offloaded shards come in one unit at a time; the gathered copies are new tensors.
+    if (unit->residency) unit->residency->acquire(*unit, ShardUse::kParams);
     for (const auto& slot : unit->params) {
       torch::Tensor gathered =
           torch::empty({group.size() * slot.shard_numel()}, slot.shard.options());
@@ -336,6 +374,7 @@ std::map<std::string, torch::Tensor> FSDPModule::full_parameters() const {
               .narrow(0, 0, slot.rows)
               .reshape(slot.shape);
     }
+    if (unit->residency) unit->residency->release(*unit, ShardUse::kParams);
   }
   return out;
 }

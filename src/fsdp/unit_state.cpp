@@ -14,7 +14,8 @@ void UnitState::start_gather() {
   const auto dtype = options.mixed_precision.param_dtype;
   const int world = mesh.shard_size();
   torch::NoGradGuard no_grad;
-  torch::Tensor input = dtype == torch::kFloat ? flat_shard : flat_shard.to(dtype);
+  torch::Tensor shard = residency ? residency->gather_input(*this) : flat_shard;
+  torch::Tensor input = dtype == torch::kFloat ? shard : shard.to(dtype);
   gather_output_ = torch::empty({world * flat_shard.numel()}, input.options());
   gather_pending_ = mesh.shard_group().all_gather_async(input, gather_output_);
   stage = Stage::kGathering;
@@ -100,7 +101,7 @@ void UnitState::reduce_grads() {
   const int dp_size = mesh.data_parallel_size();
   dist::ProcessGroup* replicate = mesh.replicate_group();
   root->enqueue_reduce(
-      std::move(pending), [trainable, offsets, flags_at, received, dp_size, replicate] {
+      std::move(pending), [this, trainable, offsets, flags_at, received, dp_size, replicate] {
         torch::NoGradGuard guard;
         torch::Tensor summed = received.to(torch::kFloat);
         if (replicate) replicate->all_reduce(summed);
@@ -108,6 +109,8 @@ void UnitState::reduce_grads() {
         // One host copy of the flags instead of a device sync per parameter.
         torch::Tensor had_grad =
             summed.narrow(0, flags_at, static_cast<int64_t>(trainable.size())).cpu();
+        // Offloaded grad shards come in to take the sum and go back after it.
+        if (residency) residency->acquire(*this, ShardUse::kGrads);
         for (size_t k = 0; k < trainable.size(); ++k) {
           if (had_grad[static_cast<int64_t>(k)].item<float>() == 0.0f) continue;
           ParamSlot& slot = *trainable[k];
@@ -119,6 +122,7 @@ void UnitState::reduce_grads() {
             slot.shard.mutable_grad() = grad.clone();
           }
         }
+        if (residency) residency->release(*this, ShardUse::kGrads);
       });
 }
 

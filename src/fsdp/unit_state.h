@@ -25,6 +25,20 @@ struct ParamSlot {
 };
 
 class RootContext;
+class UnitState;
+
+// Where a unit's sharded state lives while the offload layer keeps it out of compute memory.
+// FSDP asks for it only where it reads or writes the shards; the offload layer implements it.
+class ShardResidency {
+ public:
+  virtual ~ShardResidency() = default;
+  // This rank's flat shard in compute memory as the all-gather input: the shard itself, or a
+  // temporary copy while the shard stays offloaded.
+  virtual torch::Tensor gather_input(UnitState& unit) = 0;
+  // Brings what `use` needs into compute memory; release() sends it back where it belongs.
+  virtual void acquire(UnitState& unit, ShardUse use) = 0;
+  virtual void release(UnitState& unit, ShardUse use) = 0;
+};
 
 class UnitState {
  public:
@@ -57,6 +71,7 @@ class UnitState {
   std::unique_ptr<RootContext> owned_root;
   bool is_root = false;
   bool post_backward_done = false;
+  std::shared_ptr<ShardResidency> residency;  // null: every shard is always resident
 
  private:
   torch::Tensor gather_output_;

@@ -47,32 +47,41 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<NamedParameter
   return std::make_unique<torch::optim::AdamW>(std::move(groups), options);
 }
 
-int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
-  int64_t total = 0;
-  std::unordered_set<const void*> seen;
-  for (const auto& entry : optimizer.state()) {
-    auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(entry.second.get());
-    if (!adamw) continue;
-    for (const auto* t : {&adamw->exp_avg(), &adamw->exp_avg_sq(), &adamw->max_exp_avg_sq()}) {
-      if (t->defined() && seen.insert(t->storage().data()).second) total += t->storage().nbytes();
-    }
-    total += sizeof(int64_t);  // step counter
-  }
-  return total;
-}
-
 StepResult clip_and_step(fsdp::FSDPModule& model, torch::optim::Optimizer& optimizer,
                          double max_norm) {
   StepResult result;
-  result.grad_norm =
-      model.clip_grad_norm_(max_norm > 0 ? max_norm : std::numeric_limits<double>::infinity());
+  result.grad_norm = model.grad_norm();
   if (!std::isfinite(result.grad_norm)) {
     result.skipped = true;
     spdlog::warn("grad norm is {}: skipping this optimizer step", result.grad_norm);
     model.zero_grad();
     return result;
   }
-  optimizer.step();
+  const double coef = max_norm > 0 ? fsdp::clip_coefficient(result.grad_norm, max_norm) : 1.0;
+  // Scaling and stepping in one pass: under offload each unit's state comes in once.
+  std::unordered_set<const c10::TensorImpl*> stepped;
+  model.for_each_resident(fsdp::ShardUse::kStep, [&](std::vector<fsdp::ShardedParameter>& shards) {
+    std::vector<torch::Tensor> params;
+    for (auto& p : shards) {
+      if (coef < 1.0 && p.shard.grad().defined()) {
+        torch::NoGradGuard no_grad;
+        p.shard.mutable_grad().mul_(coef);
+      }
+      params.push_back(p.shard);
+      stepped.insert(p.shard.unsafeGetTensorImpl());
+    }
+    step_only(optimizer, params);
+  });
+  // Params the optimizer holds beyond the model's shards step as before, unclipped.
+  std::vector<torch::Tensor> others;
+  for (auto* leaf : leaf_optimizers(optimizer)) {
+    for (const auto& group : leaf->param_groups()) {
+      for (const auto& p : group.params()) {
+        if (!stepped.count(p.unsafeGetTensorImpl())) others.push_back(p);
+      }
+    }
+  }
+  if (!others.empty()) step_only(optimizer, others);
   return result;
 }
 

@@ -10,6 +10,7 @@
 
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
+#include "shardrl/offload.h"
 #include "shardrl/optim.h"
 #include "workers/param_files.h"
 #include "workers/scenario.h"
@@ -18,10 +19,20 @@ using namespace shardrl;
 
 namespace {
 
+// Offload in the run: a training policy, and a manual offload and onload of everything after the
+// backward of one step.
+struct OffloadArgs {
+  offload::Options policy;
+  int64_t round_trip_step = -1;
+  bool any() const {
+    return policy.param_offload || policy.optimizer_offload || round_trip_step >= 0;
+  }
+};
+
 int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
           const std::string& param_dtype, const std::string& reduce_dtype, bool no_sync,
           int die_rank, int die_step, int hang_rank, int timeout_ms, bool reshard_after_forward,
-          int prefetch) {
+          int prefetch, const OffloadArgs& offloading) {
   dist::InitOptions init;
   init.timeout = std::chrono::milliseconds(timeout_ms);
   auto world = dist::World::init_from_env(init);
@@ -43,6 +54,8 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
   optim::AdamWConfig adam;
   adam.lr = s.lr;
   auto optimizer = optim::make_adamw(optim::from_sharded(fsdp_model.sharded_parameters()), adam);
+  if (offloading.any()) offload::set_policy(fsdp_model, optimizer.get(), offloading.policy);
+  nlohmann::json offloaded = nlohmann::json::array();
 
   const int dp = mesh.data_parallel_size();
   const int dp_rank = mesh.data_parallel_rank();
@@ -67,11 +80,21 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
       loss_sum += loss.detach();
     }
     bytes.push_back(fsdp_model.bytes_sent());
+    if (step == offloading.round_trip_step) {
+      offload::offload(fsdp_model, optimizer.get());
+      auto m = offload::memory(fsdp_model, optimizer.get());
+      offloaded.push_back({m.params.offloaded, m.grads.offloaded, m.optimizer.offloaded});
+      offload::onload(fsdp_model, optimizer.get());
+    }
     auto result = optim::clip_and_step(fsdp_model, *optimizer, s.max_norm);
     world->group().all_reduce(loss_sum);
     losses.push_back(loss_sum.item<double>() / world->size());
     skipped.push_back(result.skipped);
     norms.push_back(result.grad_norm);
+    if (offloading.any()) {
+      auto m = offload::memory(fsdp_model, optimizer.get());
+      offloaded.push_back({m.params.offloaded, m.grads.offloaded, m.optimizer.offloaded});
+    }
   }
 
   auto mem = fsdp_model.memory();
@@ -79,7 +102,8 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
                            {"sharded_grad_bytes", mem.sharded_grad_bytes},
                            {"unsharded_param_bytes", mem.unsharded_param_bytes},
                            {"unsharded_grad_bytes", mem.unsharded_grad_bytes},
-                           {"optimizer_bytes", optim::optimizer_state_bytes(*optimizer)}};
+                           {"optimizer_bytes", optim::optimizer_state_bytes(*optimizer)},
+                           {"offloaded", offloaded}};
   auto full = fsdp_model.full_parameters();
   if (world->rank() == 0) {
     testing::write_params(full, out);
@@ -103,6 +127,7 @@ int main(int argc, char** argv) {
   int fsdp_size = -1, die_rank = -1, die_step = -1, hang_rank = -1, timeout_ms = 60000,
       prefetch = 1;
   bool no_sync = false, keep_unsharded = false;
+  OffloadArgs offloading;
   auto* train_cmd = app.add_subcommand("train", "FSDP training of the test transformer");
   train_cmd->add_option("--steps", s.steps);
   train_cmd->add_option("--batch", s.batch);
@@ -126,11 +151,15 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--prefetch", prefetch);
   train_cmd->add_option("--nan-step", s.nan_step);
   train_cmd->add_option("--timeout-ms", timeout_ms);
+  train_cmd->add_flag("--param-offload", offloading.policy.param_offload);
+  train_cmd->add_flag("--optimizer-offload", offloading.policy.optimizer_offload);
+  train_cmd->add_option("--offload-dir", offloading.policy.dir);
+  train_cmd->add_option("--offload-round-trip-step", offloading.round_trip_step);
   app.require_subcommand(1);
   CLI11_PARSE(app, argc, argv);
   try {
     return train(s, out, fsdp_size, param_dtype, reduce_dtype, no_sync, die_rank, die_step,
-                 hang_rank, timeout_ms, !keep_unsharded, prefetch);
+                 hang_rank, timeout_ms, !keep_unsharded, prefetch, offloading);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;
