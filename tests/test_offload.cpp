@@ -40,7 +40,9 @@ void expect_offloaded_after_every_step(const Run& run, bool optimizer) {
     for (const auto& step : rank["offloaded"]) {
       EXPECT_GT(step[0].get<int64_t>(), 0) << "params not offloaded: " << rank.dump();
       EXPECT_GT(step[1].get<int64_t>(), 0) << "grads not offloaded: " << rank.dump();
-      if (optimizer) EXPECT_GT(step[2].get<int64_t>(), 0) << rank.dump();
+      if (optimizer) {
+        EXPECT_GT(step[2].get<int64_t>(), 0) << rank.dump();
+      }
     }
   }
 }

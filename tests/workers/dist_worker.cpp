@@ -91,7 +91,7 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
     losses.push_back(loss_sum.item<double>() / world->size());
     skipped.push_back(result.skipped);
     norms.push_back(result.grad_norm);
-    if (offloading.any()) {
+    if (offloading.policy.param_offload || offloading.policy.optimizer_offload) {
       auto m = offload::memory(fsdp_model, optimizer.get());
       offloaded.push_back({m.params.offloaded, m.grads.offloaded, m.optimizer.offloaded});
     }
