@@ -3,11 +3,13 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <iostream>
 
 #include "shardrl/checkpoint.h"
 #include "shardrl/fsdp.h"
 #include "shardrl/launcher.h"
+#include "shardrl/trainer.h"
 
 namespace {
 
@@ -82,8 +84,19 @@ int main(int argc, char** argv) {
   inspect_cmd->add_option("checkpoint", ckpt_dir, "Checkpoint directory (global_step_N)")
       ->required();
 
+  std::string train_config;
+  std::vector<std::string> train_overrides;
+  auto* train_cmd = app.add_subcommand(
+      "train", "Run a training task from a YAML config, e.g. the Flow-GRPO demo");
+  train_cmd->add_option("config", train_config, "YAML config file")->required();
+  train_cmd->add_option("overrides", train_overrides, "dotted.key=value overrides");
+
   CLI11_PARSE(app, argc, argv);
   try {
+    if (app.got_subcommand(train_cmd)) {
+      return shardrl::trainer::train_main(train_config, train_overrides,
+                                          std::filesystem::read_symlink("/proc/self/exe"));
+    }
     if (app.got_subcommand(launch_cmd)) return shardrl::dist::launch(launch);
     if (app.got_subcommand(inspect_cmd)) return inspect(ckpt_dir);
     if (app.got_subcommand(export_cmd)) {

@@ -1,5 +1,7 @@
 #include "shardrl/models/transformer.h"
 
+#include "json_fields.h"
+
 #include <cmath>
 
 namespace shardrl::models {
@@ -18,6 +20,22 @@ nlohmann::json TransformerConfig::to_json() const {
           {"n_heads", n_heads},
           {"n_layers", n_layers},
           {"mlp_ratio", mlp_ratio}};
+}
+
+TransformerConfig TransformerConfig::from_json(const nlohmann::json& j) {
+  TransformerConfig c;
+  detail::read_field(j, "vocab_size", c.vocab_size, true);
+  detail::read_field(j, "max_seq_len", c.max_seq_len, true);
+  detail::read_field(j, "d_model", c.d_model, true);
+  detail::read_field(j, "n_heads", c.n_heads, true);
+  detail::read_field(j, "n_layers", c.n_layers, true);
+  detail::read_field(j, "mlp_ratio", c.mlp_ratio, false);
+  for (auto [value, field] : {std::pair{c.vocab_size, "vocab_size"}, {c.max_seq_len, "max_seq_len"},
+                              {c.d_model, "d_model"}, {c.n_heads, "n_heads"},
+                              {c.n_layers, "n_layers"}, {c.mlp_ratio, "mlp_ratio"}}) {
+    detail::require_positive(value, field);
+  }
+  return c;
 }
 
 BlockImpl::BlockImpl(const TransformerConfig& c) : n_heads_(c.n_heads) {

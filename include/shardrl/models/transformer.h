@@ -19,6 +19,7 @@ struct TransformerConfig {
   int64_t parameter_count() const;
   // The fields as config.json carries them in checkpoints and exports.
   nlohmann::json to_json() const;
+  static TransformerConfig from_json(const nlohmann::json& j);  // errors name the field
 };
 
 class BlockImpl : public torch::nn::Module {

@@ -1,0 +1,196 @@
+// The training engine: one sharded model with its optimizer and LR schedule, in the shape verl's
+// engines have (initialize, train_mode/eval_mode, forward_backward_batch, optimizer_step,
+// lr_scheduler_step, train_batch, infer_batch, get_per_tensor_param, save/load_checkpoint).
+//
+// The engine knows nothing of a model's forward signature or of any algorithm: a LossFn receives
+// the engine and one micro-batch and calls the model through engine.model<Holder>(). Algorithms
+// (algos/) and the trainer (trainer/) are built from loss functions.
+#pragma once
+
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <any>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardrl/checkpoint.h"
+#include "shardrl/dist.h"
+#include "shardrl/fsdp.h"
+#include "shardrl/lr_schedule.h"
+#include "shardrl/offload.h"
+#include "shardrl/optim.h"
+
+namespace shardrl::engine {
+
+// verl's DataProto in its simplest form: named tensors that share dim 0, the sample dimension.
+using Batch = std::map<std::string, torch::Tensor>;
+
+// Samples in the batch; every tensor must agree (the error names the one that does not).
+int64_t batch_size(const Batch& batch);
+// `count` contiguous micro-batches whose sizes differ by at most one.
+std::vector<Batch> split_batch(const Batch& batch, int64_t count);
+Batch concat_batches(const std::vector<Batch>& parts);
+// Rows [first, first + rows) of every tensor: a rank's shard of a global batch.
+Batch slice_batch(const Batch& batch, int64_t first, int64_t rows);
+
+// One micro-batch as a loss function sees it. `count` is the same on every rank, so dividing a
+// mean loss by it gives the gradient of the mean over the rank's whole batch.
+struct MicroBatch {
+  const Batch& data;
+  int64_t index = 0;
+  int64_t count = 1;
+};
+
+struct LossOutput {
+  torch::Tensor loss;                     // scalar with grad; unused when forward_only
+  std::map<std::string, double> metrics;  // averaged over micro-batches and ranks
+  Batch outputs;                          // per-sample outputs, concatenated by infer_batch
+};
+
+class Engine;
+using LossFn = std::function<LossOutput(Engine& engine, const MicroBatch& micro_batch)>;
+
+struct OptimConfig {
+  double lr = 1e-4;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double weight_decay = 0.01;
+  double clip_grad = 1.0;  // global max norm; <= 0 disables clipping
+  optim::LRScheduleConfig schedule;
+};
+
+struct EngineConfig {
+  std::string model_type = "language_model";  // the registry key, with `backend`
+  std::string backend = "fsdp";
+  nlohmann::json model = nlohmann::json::object();  // handed to the model family's builder
+  int fsdp_size = -1;                               // -1: shard over every rank (no HSDP)
+  fsdp::Options fsdp;  // reshard_after_forward, mixed_precision, prefetch
+  int64_t micro_batch_size_per_gpu = 0;  // 0: the whole local batch is one micro-batch
+  bool forward_only = false;             // a reference model: no optimizer, no grads
+  // verl's param_offload / optimizer_offload: the state lives in offload.tier between phases and
+  // train_mode()/eval_mode() bring it in. With offload_policy (FSDP2's CPUOffloadPolicy) it stays
+  // in the tier during training too: shards reach compute memory only inside the all-gather.
+  // A forward_only engine with param_offload keeps its params offloaded between forwards.
+  offload::Options offload;
+  bool offload_policy = false;
+  OptimConfig optim;
+  checkpoint::SaveOptions checkpoint;  // max_ckpt_to_keep, max_mem_gb
+};
+
+// What a model family's builder hands the engine: the root module, sharded.
+struct Model {
+  std::shared_ptr<torch::nn::Module> module;
+  fsdp::FSDPModule fsdp;
+  std::any root;  // the root fsdp::Unit<M> holder, for typed calls through Engine::model<Holder>()
+};
+using ModelBuilder = std::function<Model(const nlohmann::json& model_config,
+                                         const dist::DeviceMesh& mesh, const fsdp::Options&)>;
+
+// Metrics of one train_batch: loss-function metrics plus grad_norm, lr and whether the step was
+// skipped because the gradient norm was not finite.
+using Metrics = std::map<std::string, double>;
+
+class Engine {
+ public:
+  // initialize(): builds and shards the model, then the optimizer and LR schedule.
+  Engine(EngineConfig config, std::shared_ptr<dist::World> world, const ModelBuilder& builder);
+
+  template <class Holder>
+  Holder& model() {
+    auto* holder = std::any_cast<Holder>(&model_.root);
+    TORCH_CHECK(holder, "Engine::model<", typeid(Holder).name(),
+                ">(): the model was built as a different type");
+    return *holder;
+  }
+  torch::nn::Module& module() { return *model_.module; }
+  fsdp::FSDPModule& fsdp() { return model_.fsdp; }
+  const EngineConfig& config() const { return config_; }
+
+  // Brings in what the config offloads (train: params, grads, optimizer state; eval: params) and
+  // offloads it again when the scope ends. Nothing moves when nothing is offloaded.
+  class ModeScope {
+   public:
+    ModeScope(Engine& engine, offload::Selection what);
+    ~ModeScope();
+    ModeScope(const ModeScope&) = delete;
+    ModeScope& operator=(const ModeScope&) = delete;
+
+   private:
+    Engine& engine_;
+    offload::Selection what_;
+    bool active_;
+  };
+  [[nodiscard]] ModeScope train_mode();
+  [[nodiscard]] ModeScope eval_mode();
+
+  // verl's to(device, model, optimizer, grad): moves the selected state (grad requires model).
+  void to(offload::Tier tier, offload::Selection what);
+  void offload(offload::Selection what = {});
+  void onload(offload::Selection what = {});
+  // Bytes per category, resident and offloaded, and the phase's log line.
+  offload::MemoryReport memory() const;
+  void log_memory(const std::string& phase) const;
+
+  void optimizer_zero_grad();
+  // Clips to optim.clip_grad and steps; a non-finite norm skips the update.
+  optim::StepResult optimizer_step();
+  double lr_scheduler_step();  // advances the schedule and returns the new lr
+  double current_lr() const;
+
+  // Splits the local batch into micro-batches (the same count on every rank), runs loss_fn on
+  // each and, unless forward_only, back-propagates with gradient sync on the last one only.
+  // `outputs`, when given, receives the concatenated per-sample outputs.
+  Metrics forward_backward_batch(const Batch& data, const LossFn& loss_fn, bool forward_only,
+                                 Batch* outputs = nullptr);
+  // zero_grad, forward_backward_batch, optimizer_step, lr_scheduler_step.
+  Metrics train_batch(const Batch& data, const LossFn& loss_fn);
+  // forward_only under NoGradGuard; returns the per-sample outputs.
+  Batch infer_batch(const Batch& data, const LossFn& loss_fn, Metrics* metrics = nullptr);
+
+  // Weight sync for a rollout engine: every parameter at full size, one tensor at a time.
+  void get_per_tensor_param(
+      const std::function<void(const std::string&, const torch::Tensor&)>& callback,
+      torch::ScalarType dtype = torch::kBFloat16, const std::string& prefix = "") const;
+
+  // Sharded checkpoint of model, optimizer, LR schedule and RNG, rotated per config.checkpoint.
+  std::string save_checkpoint(const std::string& root, int64_t step,
+                              const nlohmann::json& extra = nlohmann::json::object());
+  checkpoint::LoadResult load_checkpoint(const std::string& dir);
+
+  int data_parallel_rank() const { return mesh_.data_parallel_rank(); }
+  int data_parallel_size() const { return mesh_.data_parallel_size(); }
+  const dist::DeviceMesh& data_parallel_group() const { return mesh_; }
+  dist::World& world() { return *world_; }
+  torch::optim::Optimizer* optimizer() { return optimizer_.get(); }
+
+  // Mean of each metric over the data-parallel ranks (every rank must pass the same keys).
+  Metrics average_over_ranks(const Metrics& metrics);
+
+ private:
+  int64_t agreed_micro_batch_count(int64_t local_samples);
+  offload::Selection offloaded_between_phases(bool train) const;
+
+  EngineConfig config_;
+  std::shared_ptr<dist::World> world_;
+  dist::DeviceMesh mesh_;
+  Model model_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<optim::LRScheduler> scheduler_;
+};
+
+// Model families by (model_type, backend), as verl's EngineRegistry. The built-in families are
+// registered on first use: language_model (`model.family`: gpt or llama) and diffusion_model,
+// diffusion_nft_model, diffusion_dpo_model (a DiT).
+class EngineRegistry {
+ public:
+  static void register_model(const std::string& model_type, const std::string& backend,
+                             ModelBuilder builder);
+  static std::unique_ptr<Engine> create(const EngineConfig& config,
+                                        std::shared_ptr<dist::World> world);
+  static std::vector<std::string> keys();  // "model_type/backend"
+};
+
+}  // namespace shardrl::engine

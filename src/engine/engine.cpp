@@ -1,0 +1,246 @@
+#include "shardrl/engine.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace shardrl::engine {
+
+int64_t batch_size(const Batch& batch) {
+  if (batch.empty()) throw std::invalid_argument("batch: it holds no tensors");
+  int64_t size = -1;
+  std::string first;
+  for (const auto& [name, tensor] : batch) {
+    if (!tensor.defined() || tensor.dim() == 0) {
+      throw std::invalid_argument(fmt::format("batch: '{}' has no sample dimension", name));
+    }
+    if (size < 0) {
+      size = tensor.size(0);
+      first = name;
+    } else if (tensor.size(0) != size) {
+      throw std::invalid_argument(fmt::format("batch: '{}' has {} samples but '{}' has {}", name,
+                                              tensor.size(0), first, size));
+    }
+  }
+  return size;
+}
+
+Batch slice_batch(const Batch& batch, int64_t first, int64_t rows) {
+  Batch out;
+  for (const auto& [name, tensor] : batch) out[name] = tensor.narrow(0, first, rows);
+  return out;
+}
+
+std::vector<Batch> split_batch(const Batch& batch, int64_t count) {
+  const int64_t n = batch_size(batch);
+  if (count < 1 || count > n) {
+    throw std::invalid_argument(
+        fmt::format("batch: cannot split {} samples into {} micro-batches", n, count));
+  }
+  std::vector<Batch> parts;
+  int64_t first = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t rows = n / count + (i < n % count ? 1 : 0);
+    parts.push_back(slice_batch(batch, first, rows));
+    first += rows;
+  }
+  return parts;
+}
+
+Batch concat_batches(const std::vector<Batch>& parts) {
+  Batch out;
+  if (parts.empty()) return out;
+  for (const auto& [name, unused] : parts.front()) {
+    std::vector<torch::Tensor> pieces;
+    for (const auto& part : parts) {
+      auto it = part.find(name);
+      if (it == part.end()) {
+        throw std::invalid_argument(fmt::format("batch: '{}' is missing from a micro-batch", name));
+      }
+      pieces.push_back(it->second);
+    }
+    out[name] = torch::cat(pieces);
+  }
+  return out;
+}
+
+Engine::Engine(EngineConfig config, std::shared_ptr<dist::World> world,
+               const ModelBuilder& builder)
+    : config_(std::move(config)),
+      world_(std::move(world)),
+      mesh_(dist::DeviceMesh::create(*world_, config_.fsdp_size)),
+      model_(builder(config_.model, mesh_, config_.fsdp)) {
+  if (config_.forward_only) {
+    // A reference model never updates: no grads are kept, so backward never reaches it.
+    for (auto& p : model_.module->parameters()) p.set_requires_grad(false);
+    if (config_.offload.param_offload) offload::set_policy(model_.fsdp, nullptr, config_.offload);
+    return;
+  }
+  optim::AdamWConfig adamw;
+  adamw.lr = config_.optim.lr;
+  adamw.beta1 = config_.optim.beta1;
+  adamw.beta2 = config_.optim.beta2;
+  adamw.eps = config_.optim.eps;
+  adamw.weight_decay = config_.optim.weight_decay;
+  optimizer_ = optim::make_adamw(optim::from_sharded(model_.fsdp.sharded_parameters()), adamw);
+  scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, config_.optim.schedule);
+  if (config_.offload_policy) {
+    offload::set_policy(model_.fsdp, optimizer_.get(), config_.offload);
+  } else if (config_.offload.param_offload || config_.offload.optimizer_offload) {
+    // Between phases the state waits in the tier, as verl's engines keep it after initialize().
+    offload::Options tier_only = config_.offload;
+    tier_only.param_offload = tier_only.optimizer_offload = false;
+    offload::set_policy(model_.fsdp, optimizer_.get(), tier_only);
+    offload(offloaded_between_phases(/*train=*/true));
+  }
+}
+
+offload::Selection Engine::offloaded_between_phases(bool train) const {
+  // The policy keeps the state in the tier all along, so the phase scopes have nothing to move.
+  if (config_.offload_policy || (config_.forward_only && config_.offload.param_offload)) {
+    return {false, false, false};
+  }
+  const bool params = config_.offload.param_offload;
+  return {params, params && train, train && optimizer_ && config_.offload.optimizer_offload};
+}
+
+Engine::ModeScope::ModeScope(Engine& engine, offload::Selection what)
+    : engine_(engine), what_(what), active_(what.model || what.grad || what.optimizer) {
+  if (active_) engine_.onload(what_);
+}
+
+Engine::ModeScope::~ModeScope() {
+  if (!active_) return;
+  try {
+    engine_.offload(what_);
+  } catch (const std::exception& e) {
+    // A destructor cannot throw; the state stays resident, which is correct, only larger.
+    spdlog::error("offload at the end of a phase failed, the state stays resident: {}", e.what());
+  }
+}
+
+Engine::ModeScope Engine::train_mode() { return ModeScope(*this, offloaded_between_phases(true)); }
+Engine::ModeScope Engine::eval_mode() { return ModeScope(*this, offloaded_between_phases(false)); }
+
+void Engine::to(offload::Tier tier, offload::Selection what) {
+  offload::to(tier, model_.fsdp, optimizer_.get(), what);
+}
+void Engine::offload(offload::Selection what) {
+  offload::offload(model_.fsdp, optimizer_.get(), what);
+}
+void Engine::onload(offload::Selection what) {
+  offload::onload(model_.fsdp, optimizer_.get(), what);
+}
+offload::MemoryReport Engine::memory() const {
+  return offload::memory(model_.fsdp, optimizer_.get());
+}
+void Engine::log_memory(const std::string& phase) const {
+  offload::log_memory(phase, model_.fsdp, optimizer_.get());
+}
+
+void Engine::optimizer_zero_grad() { model_.fsdp.zero_grad(); }
+
+optim::StepResult Engine::optimizer_step() {
+  TORCH_CHECK(optimizer_, "optimizer_step: this engine is forward_only (a reference model)");
+  return optim::clip_and_step(model_.fsdp, *optimizer_, config_.optim.clip_grad);
+}
+
+double Engine::lr_scheduler_step() {
+  TORCH_CHECK(scheduler_, "lr_scheduler_step: this engine is forward_only (a reference model)");
+  return scheduler_->step();
+}
+
+double Engine::current_lr() const { return scheduler_ ? scheduler_->current_lr() : 0.0; }
+
+int64_t Engine::agreed_micro_batch_count(int64_t local_samples) {
+  const int64_t per = config_.micro_batch_size_per_gpu;
+  const int64_t local = per > 0 ? (local_samples + per - 1) / per : 1;
+  // Every rank must run the same number of forward/backward passes, or the FSDP collectives of
+  // one rank wait forever for a peer that has finished.
+  auto count = torch::tensor({local}, torch::kLong);
+  world_->group().all_reduce(count, dist::ReduceOp::kMax);
+  const int64_t agreed = count.item<int64_t>();
+  if (agreed > local_samples) {
+    throw std::invalid_argument(fmt::format(
+        "rank {}: {} local samples cannot fill the {} micro-batches another rank needs",
+        world_->rank(), local_samples, agreed));
+  }
+  return agreed;
+}
+
+Metrics Engine::average_over_ranks(const Metrics& metrics) {
+  if (metrics.empty() || world_->size() == 1) return metrics;
+  auto values = torch::empty({static_cast<int64_t>(metrics.size())}, torch::kDouble);
+  int64_t i = 0;
+  for (const auto& [name, value] : metrics) values[i++] = value;
+  world_->group().all_reduce(values);
+  values /= world_->size();
+  Metrics out;
+  i = 0;
+  for (const auto& [name, value] : metrics) out[name] = values[i++].item<double>();
+  return out;
+}
+
+Metrics Engine::forward_backward_batch(const Batch& data, const LossFn& loss_fn, bool forward_only,
+                                       Batch* outputs) {
+  TORCH_CHECK(forward_only || optimizer_,
+              "forward_backward_batch: this engine is forward_only (a reference model)");
+  const auto micro_batches = split_batch(data, agreed_micro_batch_count(batch_size(data)));
+  const auto count = static_cast<int64_t>(micro_batches.size());
+  Metrics sums;
+  std::vector<Batch> collected;
+  for (int64_t i = 0; i < count; ++i) {
+    if (!forward_only) model_.fsdp.set_requires_gradient_sync(i == count - 1);
+    LossOutput out = loss_fn(*this, MicroBatch{micro_batches[i], i, count});
+    if (!forward_only) {
+      TORCH_CHECK(out.loss.defined() && out.loss.numel() == 1,
+                  "forward_backward_batch: the loss function must return a scalar loss");
+      out.loss.backward();
+      sums["loss"] += out.loss.item<double>();
+    }
+    for (const auto& [name, value] : out.metrics) sums[name] += value / count;
+    if (outputs) collected.push_back(std::move(out.outputs));
+  }
+  if (outputs) *outputs = concat_batches(collected);
+  return average_over_ranks(sums);
+}
+
+Metrics Engine::train_batch(const Batch& data, const LossFn& loss_fn) {
+  optimizer_zero_grad();
+  Metrics metrics = forward_backward_batch(data, loss_fn, /*forward_only=*/false);
+  const auto step = optimizer_step();
+  metrics["grad_norm"] = step.grad_norm;
+  metrics["step_skipped"] = step.skipped ? 1.0 : 0.0;
+  metrics["lr"] = current_lr();
+  lr_scheduler_step();
+  return metrics;
+}
+
+Batch Engine::infer_batch(const Batch& data, const LossFn& loss_fn, Metrics* metrics) {
+  torch::NoGradGuard no_grad;
+  Batch outputs;
+  auto m = forward_backward_batch(data, loss_fn, /*forward_only=*/true, &outputs);
+  if (metrics) *metrics = std::move(m);
+  return outputs;
+}
+
+void Engine::get_per_tensor_param(
+    const std::function<void(const std::string&, const torch::Tensor&)>& callback,
+    torch::ScalarType dtype, const std::string& prefix) const {
+  checkpoint::for_each_full_parameter(model_.fsdp, dtype, prefix, callback);
+}
+
+std::string Engine::save_checkpoint(const std::string& root, int64_t step,
+                                    const nlohmann::json& extra) {
+  TORCH_CHECK(optimizer_, "save_checkpoint: this engine is forward_only (a reference model)");
+  return checkpoint::save(root, step, model_.fsdp, *optimizer_, scheduler_.get(), extra,
+                          config_.checkpoint);
+}
+
+checkpoint::LoadResult Engine::load_checkpoint(const std::string& dir) {
+  return checkpoint::load(dir, model_.fsdp, optimizer_.get(), scheduler_.get());
+}
+
+}  // namespace shardrl::engine

@@ -1,0 +1,160 @@
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "shardrl/trainer.h"
+
+namespace shardrl::trainer {
+namespace {
+
+using nlohmann::json;
+
+json scalar_to_json(const YAML::Node& node) {
+  const std::string& text = node.Scalar();
+  // Quoted scalars stay strings; plain ones get YAML 1.2 core types.
+  if (node.Tag() == "!") return text;
+  if (text == "null" || text == "~" || text.empty()) return nullptr;
+  if (text == "true" || text == "True") return true;
+  if (text == "false" || text == "False") return false;
+  try {
+    size_t used = 0;
+    const long long i = std::stoll(text, &used);
+    if (used == text.size()) return i;
+  } catch (const std::exception&) {
+  }
+  try {
+    size_t used = 0;
+    const double d = std::stod(text, &used);
+    if (used == text.size()) return d;
+  } catch (const std::exception&) {
+  }
+  return text;
+}
+
+json node_to_json(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Null:
+    case YAML::NodeType::Undefined:
+      return nullptr;
+    case YAML::NodeType::Scalar:
+      return scalar_to_json(node);
+    case YAML::NodeType::Sequence: {
+      json out = json::array();
+      for (const auto& item : node) out.push_back(node_to_json(item));
+      return out;
+    }
+    case YAML::NodeType::Map: {
+      json out = json::object();
+      for (const auto& item : node) out[item.first.as<std::string>()] = node_to_json(item.second);
+      return out;
+    }
+  }
+  return nullptr;
+}
+
+const char* kind(const json& value) {
+  if (value.is_null()) return "null";
+  if (value.is_boolean()) return "a boolean";
+  if (value.is_number()) return "a number";
+  if (value.is_string()) return "a string";
+  if (value.is_array()) return "a list";
+  return "a mapping";
+}
+
+bool same_kind(const json& a, const json& b) {
+  if (a.is_number() && b.is_number()) {
+    // An integer default accepts only integers; a float default accepts both.
+    return !(a.is_number_integer() && !b.is_number_integer());
+  }
+  return a.type() == b.type();
+}
+
+void merge_into(json& base, const json& over, const std::string& prefix,
+                const std::string& source) {
+  for (const auto& [key, value] : over.items()) {
+    const std::string name = prefix.empty() ? key : prefix + "." + key;
+    if (!base.contains(key)) {
+      throw std::invalid_argument(fmt::format("{}: unknown config key '{}'", source, name));
+    }
+    json& target = base[key];
+    if (target.is_null() || value.is_null()) {
+      target = value;
+    } else if (target.is_object() && value.is_object()) {
+      merge_into(target, value, name, source);
+    } else if (!same_kind(target, value)) {
+      throw std::invalid_argument(fmt::format("{}: config key '{}' must be {}, got {}", source,
+                                              name, kind(target), value.dump()));
+    } else {
+      target = value;
+    }
+  }
+}
+
+}  // namespace
+
+json yaml_to_json(const std::string& yaml_text, const std::string& source) {
+  try {
+    return node_to_json(YAML::Load(yaml_text));
+  } catch (const YAML::Exception& e) {
+    throw std::invalid_argument(fmt::format("{}: not valid YAML: {}", source, e.what()));
+  }
+}
+
+json merge_config(const json& defaults, const json& config, const std::string& source) {
+  json merged = defaults;
+  if (config.is_null()) return merged;
+  if (!config.is_object()) {
+    throw std::invalid_argument(fmt::format("{}: the config must be a mapping", source));
+  }
+  merge_into(merged, config, "", source);
+  return merged;
+}
+
+json load_config(const std::string& path, const std::vector<std::string>& overrides,
+                 const json& defaults) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument(fmt::format("config file '{}' cannot be read", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  json config = merge_config(defaults, yaml_to_json(text.str(), path), path);
+  for (const auto& item : overrides) {
+    const auto eq = item.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw std::invalid_argument(
+          fmt::format("override '{}': expected dotted.key=value", item));
+    }
+    const std::string key = item.substr(0, eq);
+    json nested = yaml_to_json(item.substr(eq + 1), "override " + key);
+    // a.b.c=v becomes {a: {b: {c: v}}} and is merged like a file.
+    std::vector<std::string> parts;
+    std::stringstream split(key);
+    for (std::string part; std::getline(split, part, '.');) parts.push_back(part);
+    for (auto it = parts.rbegin(); it != parts.rend(); ++it) {
+      if (it->empty()) throw std::invalid_argument(fmt::format("override '{}': empty key", item));
+      nested = json{{*it, nested}};
+    }
+    config = merge_config(config, nested, "override '" + item + "'");
+  }
+  return config;
+}
+
+const json& at(const json& config, const std::string& dotted_key) {
+  const json* node = &config;
+  size_t begin = 0;
+  while (true) {
+    const size_t dot = dotted_key.find('.', begin);
+    const std::string part = dotted_key.substr(begin, dot - begin);
+    if (!node->is_object() || !node->contains(part)) {
+      throw std::invalid_argument(fmt::format("config key '{}' is missing", dotted_key));
+    }
+    node = &(*node)[part];
+    if (dot == std::string::npos) return *node;
+    begin = dot + 1;
+  }
+}
+
+}  // namespace shardrl::trainer

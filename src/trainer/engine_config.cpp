@@ -1,0 +1,90 @@
+// verl's actor_rollout_ref layout, read into an EngineConfig.
+#include "shardrl/trainer.h"
+
+namespace shardrl::trainer {
+
+using nlohmann::json;
+
+json engine_defaults() {
+  json optim = {{"lr", 1e-4},
+                {"betas", {0.9, 0.999}},
+                {"eps", 1e-8},
+                {"weight_decay", 0.01},
+                {"clip_grad", 1.0},
+                {"warmup_style", "constant"},
+                {"lr_warmup_steps", -1},
+                {"lr_warmup_steps_ratio", 0.0},
+                {"min_lr_ratio", 0.0},
+                {"num_cycles", 0.5}};
+  json fsdp = {{"fsdp_size", -1},
+               {"param_offload", false},
+               {"optimizer_offload", false},
+               {"offload_policy", false},
+               {"offload_tier", "file"},
+               {"offload_dir", ""},
+               {"reshard_after_forward", true},
+               {"forward_prefetch", 1},
+               {"mixed_precision", {{"param_dtype", "fp32"}, {"reduce_dtype", "fp32"}}}};
+  json role = {{"optim", optim}, {"fsdp_config", fsdp}, {"ppo_micro_batch_size_per_gpu", 0}};
+  json model = {{"family", nullptr},
+                {"config", nullptr},
+                {"path", ""},
+                {"lora_rank", 0},
+                {"lora_alpha", 16.0},
+                {"lora_dropout", 0.0},
+                {"target_modules", nullptr},
+                {"enable_activation_checkpointing", false}};
+  return {{"model", model}, {"actor", role}, {"ref", role}};
+}
+
+engine::EngineConfig engine_config(const json& config, const std::string& model_type,
+                                   const std::string& role) {
+  const std::string base = "actor_rollout_ref." + role;
+  engine::EngineConfig c;
+  c.model_type = model_type;
+  c.model = at(config, "actor_rollout_ref.model");
+  c.forward_only = role == "ref";
+  c.micro_batch_size_per_gpu = get<int64_t>(config, base + ".ppo_micro_batch_size_per_gpu");
+
+  const std::string f = base + ".fsdp_config";
+  c.fsdp_size = get<int>(config, f + ".fsdp_size");
+  c.fsdp.reshard_after_forward = get<bool>(config, f + ".reshard_after_forward");
+  c.fsdp.prefetch = get<int>(config, f + ".forward_prefetch");
+  c.offload.param_offload = get<bool>(config, f + ".param_offload");
+  c.offload.optimizer_offload = get<bool>(config, f + ".optimizer_offload");
+  c.offload.tier = offload::parse_tier(get<std::string>(config, f + ".offload_tier"),
+                                       f + ".offload_tier");
+  c.offload.dir = get<std::string>(config, f + ".offload_dir");
+  c.offload_policy = get<bool>(config, f + ".offload_policy");
+  c.fsdp.mixed_precision.param_dtype = fsdp::parse_dtype(
+      get<std::string>(config, f + ".mixed_precision.param_dtype"),
+      f + ".mixed_precision.param_dtype");
+  c.fsdp.mixed_precision.reduce_dtype = fsdp::parse_dtype(
+      get<std::string>(config, f + ".mixed_precision.reduce_dtype"),
+      f + ".mixed_precision.reduce_dtype");
+
+  const std::string o = base + ".optim";
+  c.optim.lr = get<double>(config, o + ".lr");
+  const auto betas = get<std::vector<double>>(config, o + ".betas");
+  if (betas.size() != 2) {
+    throw std::invalid_argument("config key '" + o + ".betas' must hold two numbers");
+  }
+  c.optim.beta1 = betas[0];
+  c.optim.beta2 = betas[1];
+  c.optim.eps = get<double>(config, o + ".eps");
+  c.optim.weight_decay = get<double>(config, o + ".weight_decay");
+  c.optim.clip_grad = get<double>(config, o + ".clip_grad");
+  auto& s = c.optim.schedule;
+  s.warmup_style = get<std::string>(config, o + ".warmup_style");
+  s.lr_warmup_steps = get<int64_t>(config, o + ".lr_warmup_steps");
+  s.lr_warmup_steps_ratio = get<double>(config, o + ".lr_warmup_steps_ratio");
+  s.min_lr_ratio = get<double>(config, o + ".min_lr_ratio");
+  s.num_cycles = get<double>(config, o + ".num_cycles");
+  s.total_training_steps = get<int64_t>(config, "trainer.total_training_steps");
+
+  c.checkpoint.max_ckpt_to_keep = get<int>(config, "trainer.max_ckpt_to_keep");
+  c.checkpoint.max_mem_gb = get<double>(config, "trainer.max_mem_gb");
+  return c;
+}
+
+}  // namespace shardrl::trainer

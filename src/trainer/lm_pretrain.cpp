@@ -1,0 +1,110 @@
+// Task "lm_pretrain": next-token pretraining of a language model on a text corpus, byte-level.
+// The supervised stage before GRPO, and the smallest complete use of the Engine.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "shardrl/models/llama.h"
+#include "shardrl/models/transformer.h"
+#include "tasks.h"
+
+namespace shardrl::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+torch::Tensor read_corpus(const std::string& path) {
+  if (!fs::exists(path)) {
+    throw std::invalid_argument(fmt::format("config key 'data.train_files': '{}' does not exist", path));
+  }
+  std::vector<fs::path> files;
+  if (fs::is_directory(path)) {
+    for (const auto& entry : fs::directory_iterator(path))
+      if (entry.is_regular_file()) files.push_back(entry.path());
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  std::string text;
+  for (const auto& file : files) {
+    std::ifstream in(file, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text += ss.str();
+  }
+  if (text.size() < 1024) {
+    throw std::invalid_argument(fmt::format("config key 'data.train_files': '{}' holds {} bytes of "
+                                            "text, too little to train on", path, text.size()));
+  }
+  auto bytes = torch::from_blob(text.data(), {static_cast<int64_t>(text.size())}, torch::kUInt8);
+  return bytes.to(torch::kLong);
+}
+
+// Logits of the registered language-model family, whichever it is.
+torch::Tensor logits_of(engine::Engine& e, const torch::Tensor& tokens) {
+  if (get<std::string>(e.config().model, "family") == "gpt") {
+    return e.model<models::Transformer>()(tokens);
+  }
+  return e.model<models::LlamaForCausalLM>()(tokens);
+}
+
+}  // namespace
+
+json lm_pretrain_defaults() {
+  json d = {{"trainer", {{"task", "lm_pretrain"}}},
+            {"data",
+             {{"train_files", "/usr/share/common-licenses"},
+              {"train_batch_size", 32},
+              {"max_seq_len", 64}}},
+            {"actor_rollout_ref", engine_defaults()}};
+  d["actor_rollout_ref"]["model"]["family"] = "gpt";
+  d["actor_rollout_ref"]["model"]["config"] = {{"vocab_size", 256}, {"max_seq_len", 64},
+                                               {"d_model", 128},   {"n_heads", 4},
+                                               {"n_layers", 4}};
+  d["actor_rollout_ref"]["actor"]["optim"]["lr"] = 3e-3;
+  return d;
+}
+
+int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
+  const auto corpus = read_corpus(get<std::string>(config, "data.train_files"));
+  const auto seq = get<int64_t>(config, "data.max_seq_len");
+  const auto global_batch = get<int64_t>(config, "data.train_batch_size");
+  const auto seed = get<int64_t>(config, "trainer.seed");
+
+  torch::manual_seed(seed);  // identical initial weights on every rank
+  auto engine = engine::EngineRegistry::create(engine_config(config, "language_model", "actor"),
+                                               world);
+  const int64_t dp = engine->data_parallel_size();
+  if (global_batch % dp != 0) {
+    throw std::invalid_argument(fmt::format(
+        "config key 'data.train_batch_size' ({}) must divide by the {} data-parallel ranks",
+        global_batch, dp));
+  }
+  const int64_t local = global_batch / dp;
+  Run run(config, *world);
+  const engine::LossFn next_token = [](engine::Engine& e, const engine::MicroBatch& mb) {
+    const auto& tokens = mb.data.at("tokens");
+    auto loss = models::next_token_loss(logits_of(e, tokens), tokens);
+    return engine::LossOutput{loss / mb.count, {}, {}};
+  };
+  for (int64_t step = run.resume(*engine) + 1; step <= run.total_steps(); ++step) {
+    // Each step's windows depend on the seed and step only, so a resumed run sees the same data.
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + step);
+    auto starts = torch::randint(corpus.size(0) - seq, {global_batch}, gen);
+    auto windows = torch::arange(seq).unsqueeze(0) + starts.unsqueeze(1);
+    engine::Batch batch{{"tokens", corpus.index({windows})}};
+    auto start = std::chrono::steady_clock::now();
+    auto metrics = engine->train_batch(
+        engine::slice_batch(batch, engine->data_parallel_rank() * local, local), next_token);
+    metrics["step_time"] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    run.after_step(*engine, step, metrics);
+  }
+  return 0;
+}
+
+}  // namespace shardrl::trainer

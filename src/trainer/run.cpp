@@ -1,0 +1,48 @@
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <filesystem>
+
+#include "tasks.h"
+
+namespace shardrl::trainer {
+
+namespace fs = std::filesystem;
+
+Run::Run(const nlohmann::json& config, dist::World& world)
+    : dir_(get<std::string>(config, "trainer.default_local_dir")),
+      resume_(get<std::string>(config, "trainer.resume")),
+      total_steps_(get<int64_t>(config, "trainer.total_training_steps")),
+      save_freq_(get<int64_t>(config, "trainer.save_freq")),
+      rank0_(world.rank() == 0),
+      metrics_((fs::path(dir_) / "metrics.jsonl").string(), total_steps_, rank0_) {
+  if (total_steps_ <= 0) {
+    throw std::invalid_argument("config key 'trainer.total_training_steps' must be positive");
+  }
+}
+
+int64_t Run::resume(engine::Engine& engine) {
+  std::string dir;
+  if (resume_ == "auto") {
+    dir = checkpoint::find_latest((fs::path(dir_) / "checkpoints").string()).value_or("");
+  } else if (resume_ != "disable") {
+    if (!fs::is_directory(resume_)) {
+      throw std::invalid_argument(
+          fmt::format("config key 'trainer.resume': '{}' is not a checkpoint directory", resume_));
+    }
+    dir = resume_;
+  }
+  if (dir.empty()) return 0;
+  const auto loaded = engine.load_checkpoint(dir);
+  if (rank0_) spdlog::info("resumed from {} at step {}", dir, loaded.step);
+  return loaded.step;
+}
+
+void Run::after_step(engine::Engine& engine, int64_t step, const engine::Metrics& metrics) {
+  metrics_.log(step, metrics);
+  if ((save_freq_ > 0 && step % save_freq_ == 0) || step == total_steps_) {
+    engine.save_checkpoint((fs::path(dir_) / "checkpoints").string(), step);
+  }
+}
+
+}  // namespace shardrl::trainer

@@ -1,0 +1,9 @@
+#include "tasks.h"
+
+namespace shardrl::trainer {
+
+void register_builtin_tasks(std::map<std::string, Task>& tasks) {
+  tasks["lm_pretrain"] = {lm_pretrain_defaults, run_lm_pretrain};
+}
+
+}  // namespace shardrl::trainer

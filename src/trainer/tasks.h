@@ -1,0 +1,49 @@
+// Internal to the trainer: the built-in tasks and the run plumbing they share.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "shardrl/engine.h"
+#include "shardrl/trainer.h"
+
+namespace shardrl::trainer {
+
+void register_builtin_tasks(std::map<std::string, Task>& tasks);
+
+// The whole config of a `shardrl train` call: trainer defaults, the task's defaults, the file,
+// then the overrides.
+nlohmann::json task_config(const std::string& path, const std::vector<std::string>& overrides);
+
+// Checkpoints and metrics of one run under trainer.default_local_dir:
+//   checkpoints/global_step_N/, metrics.jsonl
+class Run {
+ public:
+  Run(const nlohmann::json& config, dist::World& world);
+
+  // Per trainer.resume: "auto" continues from the latest checkpoint if there is one, "disable"
+  // starts fresh, anything else is a checkpoint directory. Returns the step to continue from.
+  int64_t resume(engine::Engine& engine);
+  // Saves every trainer.save_freq steps and at the last step.
+  void after_step(engine::Engine& engine, int64_t step, const engine::Metrics& metrics);
+
+  const std::string& dir() const { return dir_; }
+  int64_t total_steps() const { return total_steps_; }
+  bool is_rank0() const { return rank0_; }
+
+ private:
+  std::string dir_;
+  std::string resume_;
+  int64_t total_steps_, save_freq_;
+  bool rank0_;
+  MetricsLogger metrics_;
+};
+
+// Tasks.
+int run_lm_pretrain(const nlohmann::json& config, std::shared_ptr<dist::World> world);
+nlohmann::json lm_pretrain_defaults();
+
+}  // namespace shardrl::trainer

@@ -1,0 +1,118 @@
+// The Engine: verl's engine interface over FSDP, on real ranks.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "model_test_util.h"
+#include "shardrl/engine.h"
+#include "test_util.h"
+#include "workers/param_files.h"
+
+namespace shardrl::testing {
+namespace {
+
+std::vector<std::string> metric_lines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+TEST(EngineBatch, SplitsIntoNearlyEqualMicroBatchesAndNamesBadTensors) {
+  engine::Batch batch{{"x", torch::arange(7)}, {"y", torch::arange(14).reshape({7, 2})}};
+  auto parts = engine::split_batch(batch, 3);
+  ASSERT_EQ(parts.size(), 3u);
+  EXPECT_EQ(parts[0].at("x").size(0), 3);
+  EXPECT_EQ(parts[2].at("y").size(0), 2);
+  EXPECT_TRUE(torch::equal(engine::concat_batches(parts).at("y"), batch.at("y")));
+  batch["z"] = torch::zeros({6});
+  try {
+    engine::batch_size(batch);
+    FAIL() << "mismatched sample counts were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'z'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(EngineRegistry, UnknownModelTypeNamesTheKeyAndTheRegisteredOnes) {
+  engine::EngineConfig config;
+  config.model_type = "video_model";
+  try {
+    engine::EngineRegistry::create(config, dist::World::init_from_env());
+    FAIL() << "an unknown model type was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("video_model/fsdp"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("diffusion_model/fsdp"), std::string::npos) << e.what();
+  }
+}
+
+// Two ranks with half the global batch each, in fewer micro-batches, take the same steps as one
+// rank with all of it: micro-batch losses are divided by their count and FSDP averages ranks.
+TEST(Engine, TrainBatchAtTwoRanksEqualsOneRank) {
+  std::map<int, std::map<std::string, torch::Tensor>> params;
+  std::map<int, std::vector<std::string>> metrics;
+  for (int n : {1, 2}) {
+    const auto dir = make_temp_dir("engine_n" + std::to_string(n));
+    auto result = launch_workers(n, {"--out", dir, "--steps", "3"}, 300, "engine_worker");
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+    params[n] = read_params(dir + "/final");
+    metrics[n] = metric_lines(dir + "/metrics.0.txt");
+  }
+  ASSERT_EQ(params[1].size(), params[2].size());
+  for (const auto& [name, tensor] : params[1]) {
+    EXPECT_LT(relative_error(params[2].at(name), tensor), 1e-5) << name;
+  }
+  ASSERT_EQ(metrics[1].size(), 3u);
+  ASSERT_EQ(metrics[2].size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    std::istringstream a(metrics[1][i]), b(metrics[2][i]);
+    double loss1, norm1, lr1, loss2, norm2, lr2;
+    a >> loss1 >> norm1 >> lr1;
+    b >> loss2 >> norm2 >> lr2;
+    EXPECT_NEAR(loss1, loss2, 1e-5 * loss1) << "step " << i;
+    EXPECT_NEAR(norm1, norm2, 1e-4 * norm1) << "step " << i;
+    EXPECT_DOUBLE_EQ(lr1, lr2) << "step " << i;
+  }
+}
+
+// param_offload + optimizer_offload: state waits in the file tier between steps and train_mode
+// brings it in; the trained weights are bit for bit those of an engine that never offloads.
+TEST(Engine, OffloadScopesLeaveTrainingResultsUnchanged) {
+  std::map<bool, std::map<std::string, torch::Tensor>> params;
+  for (bool offload : {false, true}) {
+    const auto dir = make_temp_dir(offload ? "engine_offload" : "engine_resident");
+    std::vector<std::string> args = {"--out", dir, "--steps", "3"};
+    if (offload) args.push_back("--offload");
+    auto result = launch_workers(2, args, 300, "engine_worker");
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+    params[offload] = read_params(dir + "/final");
+  }
+  for (const auto& [name, tensor] : params[false]) {
+    EXPECT_TRUE(torch::equal(params[true].at(name), tensor)) << name;
+  }
+}
+
+TEST(Engine, ForwardOnlyLeavesTheWeightsUntouched) {
+  const auto dir = make_temp_dir("engine_forward_only");
+  auto result =
+      launch_workers(2, {"--mode", "forward_only", "--out", dir}, 300, "engine_worker");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  auto before = read_params(dir + "/before"), after = read_params(dir + "/after");
+  ASSERT_FALSE(before.empty());
+  for (const auto& [name, tensor] : before) EXPECT_TRUE(torch::equal(after.at(name), tensor)) << name;
+}
+
+// Rank 0 holds 4 samples (2 micro-batches of 2), rank 1 holds 2 (1 micro-batch): run as is,
+// rank 0's second backward would wait forever for rank 1. The engine splits rank 1 finer.
+TEST(Engine, EveryRankRunsTheSameNumberOfMicroBatches) {
+  const auto dir = make_temp_dir("engine_uneven");
+  auto result = launch_workers(
+      2, {"--out", dir, "--steps", "2", "--batch", "6", "--micro-batch", "2", "--uneven"}, 120,
+      "engine_worker");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(metric_lines(dir + "/metrics.0.txt").size(), 2u);
+  EXPECT_EQ(metric_lines(dir + "/metrics.1.txt").size(), 2u);
+}
+
+}  // namespace
+}  // namespace shardrl::testing

@@ -1,0 +1,113 @@
+// One rank of the Engine tests: builds the built-in GPT through the registry, trains on its
+// shard of a fixed global batch with train_batch, and writes the gathered parameters.
+//   --mode train         train --steps steps
+//   --mode forward_only  a reference engine: infer_batch only; writes params before and after
+#include <CLI/CLI.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "shardrl/engine.h"
+#include "shardrl/models/transformer.h"
+#include "workers/param_files.h"
+
+using namespace shardrl;
+
+namespace {
+
+engine::EngineConfig config(bool forward_only, int64_t micro_batch, bool offload,
+                            const std::string& offload_dir) {
+  engine::EngineConfig c;
+  c.model_type = "language_model";
+  c.model = {{"family", "gpt"},
+             {"config",
+              {{"vocab_size", 97}, {"max_seq_len", 16}, {"d_model", 32}, {"n_heads", 4},
+               {"n_layers", 2}}}};
+  c.micro_batch_size_per_gpu = micro_batch;
+  c.forward_only = forward_only;
+  c.offload.param_offload = c.offload.optimizer_offload = offload;
+  c.offload.dir = offload_dir;
+  c.optim.lr = 3e-3;
+  c.optim.clip_grad = 1.0;
+  c.optim.schedule.warmup_style = "cosine";
+  c.optim.schedule.total_training_steps = 4;
+  c.optim.schedule.lr_warmup_steps_ratio = 0.25;
+  return c;
+}
+
+engine::Batch global_batch(int64_t step, int64_t size) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+  return {{"tokens", torch::randint(97, {size, 16}, gen)}};
+}
+
+engine::LossOutput next_token(engine::Engine& e, const engine::MicroBatch& mb) {
+  const auto& tokens = mb.data.at("tokens");
+  auto logits = e.model<models::Transformer>()(tokens);
+  auto loss = models::next_token_loss(logits, tokens);
+  return {loss / mb.count, {{"token_loss", loss.item<double>()}}, {{"logits", logits.detach()}}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"engine test worker"};
+  std::string mode = "train", out;
+  int64_t steps = 3, batch = 8, micro_batch = 2;
+  bool uneven = false, offload = false;
+  app.add_option("--mode", mode);
+  app.add_option("--out", out)->required();
+  app.add_option("--steps", steps);
+  app.add_option("--batch", batch);
+  app.add_option("--micro-batch", micro_batch);
+  app.add_flag("--uneven", uneven, "2 ranks: rank 0 takes 2/3 of the batch, rank 1 the rest");
+  app.add_flag("--offload", offload, "param_offload + optimizer_offload with train_mode scopes");
+  CLI11_PARSE(app, argc, argv);
+
+  auto world = dist::World::init_from_env();
+  torch::manual_seed(0);  // the same initial weights at every world size
+  auto engine = engine::EngineRegistry::create(config(mode == "forward_only", micro_batch, offload,
+                                                      out + "/offload"), world);
+  int64_t local = batch / engine->data_parallel_size();
+  int64_t first = engine->data_parallel_rank() * local;
+  if (uneven) {
+    local = world->rank() == 0 ? 2 * batch / 3 : batch - 2 * batch / 3;
+    first = world->rank() == 0 ? 0 : 2 * batch / 3;
+  }
+  auto gathered = [&] { return engine->fsdp().full_parameters(); };
+  auto write = [&](const std::string& dir, const std::map<std::string, torch::Tensor>& params) {
+    if (world->rank() != 0) return;
+    std::filesystem::create_directories(dir);
+    testing::write_params(params, dir);
+  };
+
+  if (mode == "train") {
+    std::ofstream metrics_out(out + "/metrics." + std::to_string(world->rank()) + ".txt");
+    for (int64_t step = 0; step < steps; ++step) {
+      auto data = engine::slice_batch(global_batch(step, batch), first, local);
+      engine::Metrics metrics;
+      {
+        auto scope = engine->train_mode();
+        metrics = engine->train_batch(data, next_token);
+      }
+      if (offload) {
+        // Between phases the state waits in the file tier: nothing of it is resident.
+        const auto memory = engine->memory();
+        TORCH_CHECK(memory.params.resident == 0 && memory.optimizer.resident == 0,
+                    "train_mode left state resident: ", memory.params.resident, " param bytes, ",
+                    memory.optimizer.resident, " optimizer bytes");
+      }
+      metrics_out << metrics.at("loss") << " " << metrics.at("grad_norm") << " "
+                  << metrics.at("lr") << "\n";
+    }
+    write(out + "/final", gathered());
+  } else if (mode == "forward_only") {
+    write(out + "/before", gathered());
+    auto data = engine::slice_batch(global_batch(0, batch), first, local);
+    auto outputs = engine->infer_batch(data, next_token);
+    TORCH_CHECK(outputs.at("logits").size(0) == local, "infer_batch lost samples");
+    write(out + "/after", gathered());
+  } else {
+    throw std::invalid_argument("--mode: unknown mode " + mode);
+  }
+  return 0;
+}
