@@ -57,6 +57,7 @@ class UnitState {
   std::unique_ptr<RootContext> owned_root;
   bool is_root = false;
   bool post_backward_done = false;
+  bool held_unsharded = false;  // FSDPModule::unshard(): reshard() keeps the params until released
 
  private:
   torch::Tensor gather_output_;
