@@ -9,6 +9,7 @@
 #include "model_test_util.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/llama.h"
+#include "shardrl/models/sampling.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/optim.h"
 #include "workers/llama_scenario.h"
@@ -152,6 +153,83 @@ TEST(Llama, KvCacheGivesTheFullForwardsLogits) {
   }
 }
 
+// Sampling: tokens for rows that stop early, under a sampling distribution that is not peaked.
+models::SamplingOptions sampling_options(uint64_t seed) {
+  models::SamplingOptions o;
+  o.max_new_tokens = 8;
+  o.temperature = 0.7;
+  o.top_p = 0.9;
+  o.generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return o;
+}
+
+TEST(Llama, SampledLogProbsEqualTeacherForcedRecompute) {
+  const auto c = tiny_config();
+  auto model = random_model(c);
+  auto prompts = tokens_for(c, 6, 4);
+  auto options = sampling_options(5);
+  // An eos that some rows emit: the second row's first sampled token.
+  options.eos_token_id =
+      models::sample(model, prompts, sampling_options(5)).responses[1][0].item<int64_t>();
+  options.pad_token_id = 0;
+  auto rollout = models::sample(model, prompts, options);
+  const int64_t L = rollout.responses.size(1);
+  ASSERT_GT(L, 1);
+  EXPECT_TRUE(torch::equal(rollout.sequences, torch::cat({prompts, rollout.responses}, 1)));
+
+  // verl's response mask: 1 up to and including the first eos, pad and 0 after it.
+  int ended = 0;
+  for (int64_t r = 0; r < prompts.size(0); ++r) {
+    bool done = false;
+    for (int64_t t = 0; t < L; ++t) {
+      EXPECT_EQ(rollout.response_mask[r][t].item<float>(), done ? 0.0f : 1.0f) << r << "," << t;
+      if (done) {
+        EXPECT_EQ(rollout.responses[r][t].item<int64_t>(), 0);
+        EXPECT_EQ(rollout.log_probs[r][t].item<float>(), 0.0f);
+      }
+      done = done || rollout.responses[r][t].item<int64_t>() == options.eos_token_id;
+    }
+    ended += done;
+  }
+  EXPECT_GE(ended, 1);
+
+  auto recomputed =
+      models::response_log_probs(model, rollout.sequences, prompts.size(1), options.temperature);
+  ASSERT_EQ(recomputed.sizes(), rollout.log_probs.sizes());
+  auto diff = ((recomputed - rollout.log_probs) * rollout.response_mask).abs().max();
+  EXPECT_LE(diff.item<double>(), 1e-5);
+  // Real probabilities, not all 1.
+  EXPECT_LT(rollout.log_probs.masked_select(rollout.response_mask > 0).max().item<double>(), 0);
+}
+
+TEST(Llama, TinyTopPIsGreedyAndSeededSamplingRepeats) {
+  const auto c = tiny_config();
+  auto model = random_model(c);
+  auto prompts = tokens_for(c, 4, 3);
+  models::SamplingOptions greedy;
+  greedy.max_new_tokens = 8;
+  auto nucleus = sampling_options(1);
+  nucleus.temperature = 1.0;
+  nucleus.top_p = 1e-6;
+  EXPECT_TRUE(torch::equal(models::generate(model, prompts, nucleus),
+                           models::generate(model, prompts, greedy)));
+
+  auto first = models::sample(model, prompts, sampling_options(9));
+  auto again = models::sample(model, prompts, sampling_options(9));
+  auto other = models::sample(model, prompts, sampling_options(10));
+  EXPECT_TRUE(torch::equal(first.sequences, again.sequences));
+  EXPECT_TRUE(torch::equal(first.log_probs, again.log_probs));
+  EXPECT_FALSE(torch::equal(first.sequences, other.sequences));
+  EXPECT_FALSE(torch::equal(first.sequences, models::generate(model, prompts, greedy)));
+
+  auto bad = sampling_options(1);
+  bad.top_p = 0;
+  expect_invalid_argument_naming([&] { models::sample(model, prompts, bad); },
+                                 "SamplingOptions.top_p", "0");
+  expect_invalid_argument_naming([&] { models::response_log_probs(model, prompts, 3, 1.0); },
+                                 "prompt_length", "3");
+}
+
 TEST(Llama, SavedWeightsLoadBack) {
   const auto c = tiny_config(true);
   auto model = random_model(c);
@@ -226,6 +304,18 @@ TEST(Llama, LoraTargetsHfProjectionNames) {
   EXPECT_EQ(reader.names().size(), 3u + 2 * 9);
 }
 
+TEST(Llama, WrapPolicyRefusesBlocksItWasNotGiven) {
+  LlamaForCausalLM model(tiny_config());
+  std::unordered_set<const void*> first_only = {
+      static_cast<const torch::nn::Module*>(model->model->layers[0].get())};
+  try {
+    models::detail::check_blocks_cover_type<models::LlamaDecoderLayerImpl>(*model, first_only);
+    ADD_FAILURE() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'model.layers.1'"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Llama, ActivationCheckpointingKeepsLossAndGradients) {
   const LlamaScenario s;
   auto plain = build_llama(s), recomputed = build_llama(s);
@@ -241,6 +331,7 @@ TEST(Llama, ActivationCheckpointingKeepsLossAndGradients) {
 
 struct LlamaRun {
   std::vector<double> losses, bytes;
+  int64_t unsharded_after_forward = -1;
   std::map<std::string, torch::Tensor> params;
 };
 
@@ -256,6 +347,7 @@ LlamaRun train_llama_sharded(const LlamaScenario& s) {
   auto summary = nlohmann::json::parse(std::ifstream(dir + "/losses.json"));
   run.losses = summary["loss"].get<std::vector<double>>();
   run.bytes = summary["bytes_sent"].get<std::vector<double>>();
+  run.unsharded_after_forward = summary["unsharded_after_forward"].get<int64_t>();
   run.params = read_params(dir);
   return run;
 }
@@ -294,6 +386,9 @@ TEST(Llama, ShardedTrainingOnTwoRanksMatchesUnsharded) {
   LlamaScenario s;
   auto full = train_llama_sharded(s);
   expect_same_training(full, train_llama_reference(s));
+  // The wrap policy made the embeddings and the head units of their own: between forward and
+  // backward only the root's final norm stays gathered.
+  EXPECT_EQ(full.unsharded_after_forward, llama_test_config().hidden_size * 4);
   s.lora = true;
   auto lora = train_llama_sharded(s);
   expect_same_training(lora, train_llama_reference(s));

@@ -277,5 +277,48 @@ TEST(Lora, ShardedTrainingSendsOnlyAdapterGradientsAndMatchesUnsharded) {
   }
 }
 
+// A reference forward and a policy forward + backward on the same micro-batch inside one
+// UnshardScope: the base is gathered once for all of it, and nothing changes in the results.
+TEST(Lora, UnshardScopeSharesOneGatherBetweenReferenceAndPolicy) {
+  const LoraScenario s;
+  const std::string dir = make_temp_dir("lora-gather");
+  auto result = launch_workers(2, {"--out", dir, "--shared-gather"}, 300, "lora_worker");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string r = std::to_string(rank);
+    auto bytes = nlohmann::json::parse(std::ifstream(dir + "/gather_" + r + ".json"));
+    const double full = bytes["full_gather"].get<double>();
+    ASSERT_GT(full, 0);
+    // Apart, each forward gathers every unit.
+    EXPECT_DOUBLE_EQ(bytes["separate_ref"].get<double>(), full);
+    EXPECT_DOUBLE_EQ(bytes["separate_policy"].get<double>(), full);
+    // Inside the scope: one gather up front, none by the two forwards...
+    EXPECT_DOUBLE_EQ(bytes["scope_unshard"].get<double>(), full);
+    EXPECT_DOUBLE_EQ(bytes["scope_forwards"].get<double>(), full);
+    // ...nor by the backward: the scope sends what one forward + backward sends when the params
+    // stay gathered after forward (one gather plus the adapter reduce-scatter).
+    EXPECT_DOUBLE_EQ(bytes["scope_total"].get<double>(),
+                     bytes["kept_policy_and_backward"].get<double>());
+    EXPECT_LT(bytes["scope_total"].get<double>(), bytes["separate_ref"].get<double>() +
+                                                      bytes["separate_policy"].get<double>() +
+                                                      bytes["separate_backward"].get<double>());
+    EXPECT_GT(bytes["scope_unsharded_param_bytes"].get<double>(), 0);
+    EXPECT_EQ(bytes["after_scope_unsharded_param_bytes"].get<double>(), 0);
+
+    for (const std::string what : {"out", "grads"}) {
+      auto apart = read_params(dir + "/separate_" + r + "/" + what);
+      auto shared = read_params(dir + "/scope_" + r + "/" + what);
+      ASSERT_EQ(apart.size(), shared.size()) << what;
+      ASSERT_FALSE(apart.empty()) << what;
+      for (const auto& [name, expected] : apart) {
+        ASSERT_TRUE(shared.count(name)) << what << " " << name;
+        EXPECT_TRUE(torch::equal(shared.at(name), expected)) << what << " " << name;
+      }
+    }
+    auto out = read_params(dir + "/scope_" + r + "/out");
+    EXPECT_FALSE(torch::allclose(out.at("ref"), out.at("policy")));  // the adapters did act
+  }
+}
+
 }  // namespace
 }  // namespace shardrl::testing

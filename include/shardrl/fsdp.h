@@ -107,7 +107,13 @@ class FSDPModule {
   // Payload bytes this rank sent in FSDP collectives since the last reset.
   uint64_t bytes_sent() const;
   void reset_bytes_sent();
+  // Frees the gathered params (and ends an unshard()).
   void reshard();
+  // FSDP2's unshard(): all-gathers every unit in scope now, one collective each, and keeps them
+  // gathered until reshard(): forwards and backwards in between gather nothing (e.g. a reference
+  // forward with adapters disabled and the policy forward on the same micro-batch). Prefer
+  // UnshardScope, which reshards on exit.
+  void unshard();
   const dist::DeviceMesh& mesh() const;
 
  private:
@@ -187,6 +193,23 @@ class Unit : public torch::nn::ModuleHolder<ModuleImpl> {
   template <class M>
   friend void fully_shard(Unit<M>& unit, const dist::DeviceMesh& mesh, const Options& options);
   std::shared_ptr<UnitState> state_;
+};
+
+// Scoped FSDPModule::unshard(): one gather of the whole model (when given the root) for
+// everything run inside the scope, resharded on exit.
+//
+//   { fsdp::UnshardScope gathered(model.fsdp());
+//     { lora::DisableAdapters off(*model); ref = model(x); }
+//     loss_fn(model(x), ref).backward(); }   // the backward gathers nothing either
+class UnshardScope {
+ public:
+  explicit UnshardScope(FSDPModule module);
+  ~UnshardScope();
+  UnshardScope(const UnshardScope&) = delete;
+  UnshardScope& operator=(const UnshardScope&) = delete;
+
+ private:
+  FSDPModule module_;
 };
 
 // Shards the parameters of `unit` that no already-sharded unit below it owns. Shard children

@@ -408,7 +408,28 @@ void FSDPModule::reset_bytes_sent() {
 }
 
 void FSDPModule::reshard() {
-  for (UnitState* unit : scoped_units(state_)) unit->reshard();
+  for (UnitState* unit : scoped_units(state_)) {
+    unit->held_unsharded = false;
+    unit->reshard();
+  }
+}
+
+void FSDPModule::unshard() {
+  const auto units = scoped_units(state_);
+  // Every gather is in flight before the first wait, so they overlap.
+  for (UnitState* unit : units) unit->start_gather();
+  for (UnitState* unit : units) {
+    unit->finish_gather();
+    unit->held_unsharded = true;
+  }
+}
+
+UnshardScope::UnshardScope(FSDPModule module) : module_(std::move(module)) {
+  module_.unshard();
+}
+
+UnshardScope::~UnshardScope() {
+  module_.reshard();
 }
 
 const dist::DeviceMesh& FSDPModule::mesh() const {

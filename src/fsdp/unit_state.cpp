@@ -52,6 +52,7 @@ void UnitState::finish_gather() {
 
 void UnitState::reshard() {
   if (stage == Stage::kGathering) finish_gather();  // the collective must complete on every rank
+  if (held_unsharded) return;
   for (auto& slot : params) compat::free_storage(slot.unsharded);
   stage = Stage::kSharded;
 }

@@ -72,6 +72,7 @@ class UnitState {
   bool is_root = false;
   bool post_backward_done = false;
   std::shared_ptr<ShardResidency> residency;  // null: every shard is always resident
+  bool held_unsharded = false;  // FSDPModule::unshard(): reshard() keeps the params until released
 
  private:
   torch::Tensor gather_output_;

@@ -216,9 +216,8 @@ void DiTImpl::set_activation_checkpointing(bool enabled) {
   for (auto& block : blocks) block->checkpoint_activations = enabled;
 }
 
-void shard_dit(DiT& model, const dist::DeviceMesh& mesh, const fsdp::Options& options) {
-  for (auto& block : model->blocks) fsdp::fully_shard(block, mesh, options);
-  fsdp::fully_shard(model, mesh, options);
+void shard_dit(DiT& model, const dist::DeviceMesh& mesh, const WrapPolicy& policy) {
+  shard_by_block(model, model->blocks, mesh, policy);
 }
 
 torch::Tensor drop_labels(const torch::Tensor& y, int64_t null_class, double p,

@@ -245,7 +245,8 @@ torch::Tensor LlamaDecoderLayerImpl::compute(const torch::Tensor& x_in, const to
 }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config_(c) {
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  embed_tokens = register_module("embed_tokens",
+                                 fsdp::Unit<torch::nn::EmbeddingImpl>(c.vocab_size, c.hidden_size));
   auto list = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     layers.emplace_back(c, static_cast<size_t>(i));
@@ -269,8 +270,8 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
   model = register_module("model", LlamaModel(c));
   if (!c.tie_word_embeddings) {
     lm_head = register_module(
-        "lm_head",
-        torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
+        "lm_head", fsdp::Unit<torch::nn::LinearImpl>(
+                       torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
   }
 }
 
@@ -283,39 +284,13 @@ void LlamaForCausalLMImpl::set_activation_checkpointing(bool enabled) {
   for (auto& layer : model->layers) layer->checkpoint_activations = enabled;
 }
 
-void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh,
-                 const fsdp::Options& options) {
-  for (auto& layer : model->model->layers) fsdp::fully_shard(layer, mesh, options);
-  fsdp::fully_shard(model, mesh, options);
-}
-
-torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
-                       const SamplingOptions& options) {
-  torch::NoGradGuard no_grad;
-  KVCache cache;
-  auto tokens = prompt;
-  auto next_input = prompt;
-  c10::optional<at::Generator> generator;
-  if (options.generator) generator = *options.generator;
-  auto done = torch::zeros({prompt.size(0)}, torch::dtype(torch::kBool).device(prompt.device()));
-  for (int64_t i = 0; i < options.max_new_tokens; ++i) {
-    auto logits = model(next_input, &cache).select(1, -1).to(torch::kFloat);
-    torch::Tensor next;
-    if (options.temperature <= 0) {
-      next = logits.argmax(-1);
-    } else {
-      auto probs = torch::softmax(logits / options.temperature, -1);
-      next = torch::multinomial(probs, 1, false, generator).squeeze(1);
-    }
-    if (options.eos_token_id >= 0) {
-      next = torch::where(done, torch::full_like(next, options.eos_token_id), next);
-      done = done | (next == options.eos_token_id);
-    }
-    tokens = torch::cat({tokens, next.unsqueeze(1)}, 1);
-    next_input = next.unsqueeze(1);
-    if (options.eos_token_id >= 0 && done.all().item<bool>()) break;
+void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh, const WrapPolicy& policy) {
+  auto& decoder = *model->model;
+  if (model->config().tie_word_embeddings) {
+    shard_by_block(model, decoder.layers, mesh, policy);
+  } else {
+    shard_by_block(model, decoder.layers, mesh, policy, decoder.embed_tokens, model->lm_head);
   }
-  return tokens;
 }
 
 void check_config_against_weights(const LlamaConfig& c,

@@ -19,8 +19,7 @@ int train(const testing::DiTScenario& s, const std::string& out, bool checkpoint
   auto world = dist::World::init_from_env();
   auto mesh = dist::DeviceMesh::create(*world);
   auto model = testing::build_dit(s);
-  model->set_activation_checkpointing(checkpoint);
-  models::shard_dit(model, mesh, fsdp::Options{});
+  models::shard_dit(model, mesh, models::WrapPolicy(fsdp::Options{}, checkpoint));
   auto fsdp_model = model.fsdp();
   optim::AdamWConfig adam;
   adam.lr = s.lr;

@@ -20,18 +20,22 @@ int train(const testing::LlamaScenario& s, const std::string& out) {
   auto world = dist::World::init_from_env();
   auto mesh = dist::DeviceMesh::create(*world);
   auto model = testing::build_llama(s);
-  models::shard_llama(model, mesh, fsdp::Options{});
+  models::shard_llama(model, mesh, models::WrapPolicy(fsdp::Options{}, s.checkpoint));
   auto fsdp_model = model.fsdp();
   optim::AdamWConfig adam;
   adam.lr = s.lr;
   auto optimizer = optim::make_adamw(optim::from_sharded(fsdp_model.sharded_parameters()), adam);
   const int64_t local = s.batch / world->size(), first = world->rank() * local;
   nlohmann::json losses = nlohmann::json::array(), bytes = nlohmann::json::array();
+  int64_t unsharded_after_forward = -1;
   for (int64_t step = 0; step < s.steps; ++step) {
     auto tokens = testing::llama_batch(s, step).narrow(0, first, local);
     fsdp_model.zero_grad();
     fsdp_model.reset_bytes_sent();
     auto loss = models::next_token_loss(model(tokens), tokens);
+    // Only the root's params stay gathered until backward: the blocks, the embeddings and the
+    // head are units of their own and were freed after their forward.
+    if (step == 0) unsharded_after_forward = fsdp_model.memory().unsharded_param_bytes;
     loss.backward();
     bytes.push_back(fsdp_model.bytes_sent());
     optim::clip_and_step(fsdp_model, *optimizer, 0.0);
@@ -42,8 +46,11 @@ int train(const testing::LlamaScenario& s, const std::string& out) {
   auto full = fsdp_model.full_parameters();
   if (world->rank() == 0) {
     testing::write_params(full, out);
-    std::ofstream(out + "/losses.json")
-        << nlohmann::json{{"loss", losses}, {"bytes_sent", bytes}}.dump();
+    std::ofstream(out + "/losses.json") << nlohmann::json{
+        {"loss", losses},
+        {"bytes_sent", bytes},
+        {"unsharded_after_forward",
+         unsharded_after_forward}}.dump();
   }
   world->group().barrier();
   return 0;

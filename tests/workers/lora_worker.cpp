@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 
@@ -63,6 +64,90 @@ int train(const testing::LoraScenario& s, const std::string& out) {
   return 0;
 }
 
+// One micro-batch's reference forward (adapters disabled, no grad) and policy forward + backward,
+// three ways: separately (each forward gathers), separately with reshard_after_forward = false
+// (the backward gathers nothing), and inside one UnshardScope. Writes the bytes each phase sent,
+// the outputs and the grads.
+int shared_gather(const testing::LoraScenario& s, const std::string& out) {
+  auto world = dist::World::init_from_env();
+  auto mesh = dist::DeviceMesh::create(*world);
+  auto net = testing::build_lora_net(s);
+  for (auto& b : net->blocks) fsdp::fully_shard(b, mesh, fsdp::Options{});
+  fsdp::fully_shard(net, mesh, fsdp::Options{});
+  auto model = net.fsdp();
+  // Non-zero B, so the policy differs from the reference.
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model.sharded_parameters()) {
+      if (p.name.find("lora_B") != std::string::npos) p.shard.normal_(0, 0.1);
+    }
+  }
+  const int64_t local = s.batch / world->size();
+  auto x = testing::lora_batch(s, 0).first.narrow(0, world->rank() * local, local);
+
+  nlohmann::json bytes, results;
+  auto reference = [&] {
+    torch::NoGradGuard no_grad;
+    models::lora::DisableAdapters off(*net);
+    return net(x);
+  };
+  auto grads = [&] {
+    std::map<std::string, torch::Tensor> g;
+    for (const auto& p : model.sharded_parameters()) {
+      if (p.shard.grad().defined()) g[p.name] = p.shard.grad().clone();
+    }
+    model.zero_grad();
+    return g;
+  };
+  auto record = [&](const std::string& way, const torch::Tensor& ref, const torch::Tensor& policy) {
+    const std::string dir = out + "/" + way + "_" + std::to_string(world->rank());
+    std::filesystem::create_directories(dir + "/out");
+    std::filesystem::create_directories(dir + "/grads");
+    testing::write_params({{"ref", ref}, {"policy", policy.detach()}}, dir + "/out");
+    testing::write_params(grads(), dir + "/grads");
+  };
+
+  model.reset_bytes_sent();
+  auto ref = reference();
+  bytes["separate_ref"] = model.bytes_sent();
+  model.reset_bytes_sent();
+  auto policy = net(x);
+  bytes["separate_policy"] = model.bytes_sent();
+  model.reset_bytes_sent();
+  policy.pow(2).mean().backward();
+  bytes["separate_backward"] = model.bytes_sent();
+  record("separate", ref, policy);
+
+  model.set_reshard_after_forward(false);
+  model.reset_bytes_sent();
+  policy = net(x);
+  policy.pow(2).mean().backward();
+  bytes["kept_policy_and_backward"] = model.bytes_sent();
+  model.set_reshard_after_forward(true);
+  grads();
+
+  model.reset_bytes_sent();
+  {
+    fsdp::UnshardScope gathered(model);
+    bytes["scope_unshard"] = model.bytes_sent();
+    ref = reference();
+    policy = net(x);
+    bytes["scope_forwards"] = model.bytes_sent();
+    policy.pow(2).mean().backward();
+    bytes["scope_total"] = model.bytes_sent();
+    bytes["scope_unsharded_param_bytes"] = model.memory().unsharded_param_bytes;
+  }
+  bytes["after_scope_unsharded_param_bytes"] = model.memory().unsharded_param_bytes;
+  record("scope", ref, policy);
+
+  int64_t shard_bytes = 0;
+  for (const auto& p : model.sharded_parameters()) shard_bytes += p.shard.numel() * 4;
+  bytes["full_gather"] = (world->size() - 1) * shard_bytes;
+  std::ofstream(out + "/gather_" + std::to_string(world->rank()) + ".json") << bytes.dump();
+  world->group().barrier();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,9 +156,11 @@ int main(int argc, char** argv) {
   std::string out = ".";
   app.add_option("--steps", s.steps);
   app.add_option("--out", out);
+  bool shared = false;
+  app.add_flag("--shared-gather", shared, "compare one UnshardScope with separate forwards");
   CLI11_PARSE(app, argc, argv);
   try {
-    return train(s, out);
+    return shared ? shared_gather(s, out) : train(s, out);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;

@@ -16,6 +16,7 @@
 #include "shardrl/fsdp.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/weights.h"
+#include "shardrl/models/wrap_policy.h"
 
 namespace shardrl::models {
 
@@ -89,8 +90,8 @@ class DiTImpl : public torch::nn::Module {
 };
 using DiT = fsdp::Unit<DiTImpl>;
 
-// Shards every block as a unit, then the root (embedders and final layer).
-void shard_dit(DiT& model, const dist::DeviceMesh& mesh, const fsdp::Options& options);
+// Shards every block as a unit, then the root (the small embedders and the final layer).
+void shard_dit(DiT& model, const dist::DeviceMesh& mesh, const WrapPolicy& policy);
 
 // Labels with each replaced by the null class with probability p (CFG training).
 torch::Tensor drop_labels(const torch::Tensor& y, int64_t null_class, double p,

@@ -5,7 +5,8 @@
 // (`model.layers.0.self_attn.q_proj.weight`, `num_key_value_heads`, ...), so weights move between
 // ShardRL and transformers as safetensors without renaming. Every projection is a LoraLinear, so
 // lora::apply_lora() can target them by their HF names ("q_proj", "v_proj", ...). Each decoder
-// layer is an fsdp::Unit; shard_llama() shards them and then the root (embeddings, norm, head).
+// layer is an fsdp::Unit, and so are the embeddings and the untied head; shard_llama() shards
+// them by the block wrap policy (wrap_policy.h).
 #pragma once
 
 #include <torch/torch.h>
@@ -17,6 +18,7 @@
 #include "shardrl/fsdp.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/weights.h"
+#include "shardrl/models/wrap_policy.h"
 
 namespace shardrl::models {
 
@@ -106,7 +108,7 @@ class LlamaModelImpl : public torch::nn::Module {
  public:
   explicit LlamaModelImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache);  // -> hidden states
-  torch::nn::Embedding embed_tokens{nullptr};
+  fsdp::Unit<torch::nn::EmbeddingImpl> embed_tokens{nullptr};
   std::vector<fsdp::Unit<LlamaDecoderLayerImpl>> layers;
   RMSNorm norm{nullptr};
 
@@ -126,28 +128,17 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   void set_activation_checkpointing(bool enabled);
 
   LlamaModel model{nullptr};
-  torch::nn::Linear lm_head{nullptr};  // null when tie_word_embeddings
+  fsdp::Unit<torch::nn::LinearImpl> lm_head{nullptr};  // null when tie_word_embeddings
 
  private:
   LlamaConfig config_;
 };
 using LlamaForCausalLM = fsdp::Unit<LlamaForCausalLMImpl>;
 
-// Shards every decoder layer as a unit, then the root (embeddings, final norm, head).
-void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh,
-                 const fsdp::Options& options);
-
-struct SamplingOptions {
-  int64_t max_new_tokens = 16;
-  double temperature = 0.0;   // 0: greedy
-  int64_t eos_token_id = -1;  // stop a row once it emits this (-1: never)
-  std::optional<at::Generator> generator;
-};
-
-// Continues every row of prompt [B, T] with the KV cache; returns [B, T + new] (rows that ended
-// early are padded with eos). Runs without grad.
-torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
-                       const SamplingOptions& options);
+// Shards every decoder layer as a unit, then the embeddings and the head (when untied: tied
+// embeddings serve the head inside the root's forward, so they stay with the root), then the
+// root (final norm).
+void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh, const WrapPolicy& policy);
 
 // Checks `config` against the tensor shapes of an HF checkpoint (name -> shape): a field that
 // disagrees with the weights is an error naming the field and the tensor.

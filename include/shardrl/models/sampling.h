@@ -1,0 +1,55 @@
+// Language-model rollouts with the decoder's KV cache: temperature and top-p (nucleus) sampling,
+// per-token log-probs of the sampled tokens, EOS handling and verl's response mask.
+//
+// Log-prob convention (verl's): a recorded log-prob is log_softmax(logits / temperature) at the
+// sampled token, over the whole vocabulary, before top-p filtering. That is what the actor
+// recomputes in training (response_log_probs() below, and verl's compute_log_prob, divide the
+// logits by the rollout temperature and know nothing of top-p), so the PPO ratio of an unchanged
+// policy is exactly 1. With top_p < 1 the tokens are drawn from the renormalised nucleus, whose
+// log-prob is higher by -log(nucleus mass). Greedy decoding (temperature 0) records
+// log_softmax(logits), i.e. temperature 1.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <optional>
+
+#include "shardrl/models/llama.h"
+
+namespace shardrl::models {
+
+struct SamplingOptions {
+  int64_t max_new_tokens = 16;
+  double temperature = 0.0;   // 0: greedy; > 0: sample from softmax(logits / temperature)
+  double top_p = 1.0;         // in (0, 1]: keep the smallest top set holding this much mass
+  int64_t eos_token_id = -1;  // a row ends once it emits this (-1: never)
+  int64_t pad_token_id = -1;  // fills a row after its eos (-1: the eos id)
+  // Seeded generator for the draws: the same seed gives the same rollout.
+  std::optional<at::Generator> generator;
+};
+
+struct Rollout {
+  torch::Tensor prompts;        // [B, P] int64
+  torch::Tensor responses;      // [B, L] int64; after a row's eos: pad_token_id
+  torch::Tensor sequences;      // [B, P + L] prompts then responses
+  torch::Tensor log_probs;      // [B, L] fp32, see the convention above; 0 outside the mask
+  torch::Tensor response_mask;  // [B, L] fp32: 1 up to and including a row's eos, then 0
+};
+
+// Continues every row of `prompts` [B, P] (one length for all rows: the decoder has no padding
+// mask) with the KV cache, without grad. L = max_new_tokens, or fewer when every row has ended.
+// A sharded model is gathered once for the whole rollout (fsdp::UnshardScope), not per token.
+Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
+               const SamplingOptions& options);
+
+// sample(...).sequences.
+torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
+                       const SamplingOptions& options);
+
+// Teacher-forced log-probs of the last sequences.size(1) - prompt_length tokens of `sequences`
+// under log_softmax(logits / temperature) (temperature 0 counts as 1): [B, L] fp32, with grad
+// when grad mode is on. The old-policy, reference and current log-probs of PPO/GRPO.
+torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& sequences,
+                                 int64_t prompt_length, double temperature);
+
+}  // namespace shardrl::models

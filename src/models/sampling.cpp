@@ -1,0 +1,133 @@
+#include "shardrl/models/sampling.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace shardrl::models {
+namespace {
+
+void check_options(const SamplingOptions& o) {
+  if (o.max_new_tokens < 0) {
+    throw std::invalid_argument(
+        fmt::format("SamplingOptions.max_new_tokens: must be >= 0, got {}", o.max_new_tokens));
+  }
+  if (!(o.temperature >= 0) || !std::isfinite(o.temperature)) {
+    throw std::invalid_argument(
+        fmt::format("SamplingOptions.temperature: must be finite and >= 0, got {}", o.temperature));
+  }
+  if (!(o.top_p > 0 && o.top_p <= 1)) {
+    throw std::invalid_argument(
+        fmt::format("SamplingOptions.top_p: must be in (0, 1], got {}", o.top_p));
+  }
+}
+
+void check_tokens(const torch::Tensor& tokens, const char* name) {
+  if (!tokens.defined() || tokens.dim() != 2 || tokens.scalar_type() != torch::kLong) {
+    throw std::invalid_argument(
+        fmt::format("{}: expected an int64 tensor [batch, length], got {}", name,
+                    tokens.defined() ? tokens.toString() + " of shape " + c10::str(tokens.sizes())
+                                     : std::string("an undefined tensor")));
+  }
+}
+
+// -inf outside the nucleus: the highest-probability tokens until their mass reaches top_p (the
+// first token always stays, so a tiny top_p is greedy). As HF's TopPLogitsWarper.
+torch::Tensor top_p_filter(const torch::Tensor& logits, double top_p) {
+  if (top_p >= 1) return logits;
+  auto [sorted, order] = logits.sort(-1, /*descending=*/true);
+  auto probs = torch::softmax(sorted, -1);
+  auto mass_before = probs.cumsum(-1) - probs;
+  auto drop = torch::zeros_like(mass_before, torch::kBool).scatter(-1, order, mass_before >= top_p);
+  return logits.masked_fill(drop, -std::numeric_limits<float>::infinity());
+}
+
+}  // namespace
+
+Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
+               const SamplingOptions& options) {
+  check_options(options);
+  check_tokens(prompts, "sample: prompts");
+  torch::NoGradGuard no_grad;
+  // Every token's forward would otherwise gather and free every unit again.
+  std::optional<fsdp::UnshardScope> gathered;
+  if (model.is_sharded()) gathered.emplace(model.fsdp());
+
+  c10::optional<at::Generator> generator;
+  if (options.generator) generator = *options.generator;
+  const int64_t eos = options.eos_token_id;
+  const int64_t pad = options.pad_token_id >= 0 ? options.pad_token_id : eos;
+  const int64_t rows = prompts.size(0);
+  auto done = torch::zeros({rows}, torch::dtype(torch::kBool).device(prompts.device()));
+
+  KVCache cache;
+  std::vector<torch::Tensor> tokens, log_probs, mask;
+  torch::Tensor input = prompts;
+  for (int64_t step = 0; step < options.max_new_tokens; ++step) {
+    auto logits = model(input, &cache).select(1, -1).to(torch::kFloat);
+    auto scaled = options.temperature > 0 ? logits / options.temperature : logits;
+    torch::Tensor next;
+    if (options.temperature > 0) {
+      auto probs = torch::softmax(top_p_filter(scaled, options.top_p), -1);
+      next = torch::multinomial(probs, 1, /*replacement=*/false, generator).squeeze(1);
+    } else {
+      next = logits.argmax(-1);
+    }
+    auto token_log_prob = torch::log_softmax(scaled, -1).gather(-1, next.unsqueeze(-1)).squeeze(-1);
+    if (eos >= 0) next = torch::where(done, torch::full_like(next, pad), next);
+    mask.push_back((~done).to(torch::kFloat));
+    log_probs.push_back(token_log_prob.masked_fill(done, 0));
+    tokens.push_back(next);
+    if (eos >= 0) {
+      done = done | (next == eos);
+      if (done.all().item<bool>()) break;
+    }
+    input = next.unsqueeze(1);
+  }
+
+  Rollout out;
+  out.prompts = prompts;
+  if (tokens.empty()) {
+    out.responses = torch::empty({rows, 0}, prompts.options());
+    out.log_probs = torch::empty({rows, 0}, prompts.options().dtype(torch::kFloat));
+    out.response_mask = out.log_probs.clone();
+  } else {
+    out.responses = torch::stack(tokens, 1);
+    out.log_probs = torch::stack(log_probs, 1);
+    out.response_mask = torch::stack(mask, 1);
+  }
+  out.sequences = torch::cat({prompts, out.responses}, 1);
+  return out;
+}
+
+torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
+                       const SamplingOptions& options) {
+  return sample(model, prompt, options).sequences;
+}
+
+torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& sequences,
+                                 int64_t prompt_length, double temperature) {
+  check_tokens(sequences, "response_log_probs: sequences");
+  const int64_t total = sequences.size(1);
+  if (prompt_length < 1 || prompt_length >= total) {
+    throw std::invalid_argument(fmt::format(
+        "response_log_probs: prompt_length must be in [1, {}) for sequences of length {}, got {}",
+        total, total, prompt_length));
+  }
+  if (!(temperature >= 0) || !std::isfinite(temperature)) {
+    throw std::invalid_argument(fmt::format(
+        "response_log_probs: temperature must be finite and >= 0, got {}", temperature));
+  }
+  const int64_t length = total - prompt_length;
+  // Position t's logits predict token t + 1.
+  auto logits = model(sequences.narrow(1, 0, total - 1))
+                    .narrow(1, prompt_length - 1, length)
+                    .to(torch::kFloat);
+  if (temperature > 0) logits = logits / temperature;
+  auto targets = sequences.narrow(1, prompt_length, length);
+  return torch::log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1);
+}
+
+}  // namespace shardrl::models
