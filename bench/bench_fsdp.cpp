@@ -174,22 +174,36 @@ void write_json(const Args& a, const json& j) {
   out << j.dump(2) << "\n";
 }
 
-int run_fsdp(const Args& a) {
-  auto world = dist::World::init_from_env();
-  auto mesh = dist::DeviceMesh::create(*world);
-  set_compute_threads(a.threads);
-  const int N = world->size(), rank = world->rank();
-  if (a.batch % N != 0) throw std::invalid_argument("--batch must be divisible by WORLD_SIZE");
-  const int64_t local = a.batch / N;
+// This rank's rows of the global batch.
+torch::Tensor local_tokens(const Args& a, const dist::World& world) {
+  if (a.batch % world.size() != 0) {
+    throw std::invalid_argument("--batch must be divisible by WORLD_SIZE");
+  }
+  const int64_t local = a.batch / world.size();
+  return global_batch(a).narrow(0, world.rank() * local, local).contiguous();
+}
 
-  const auto config = model_config(a);
-  auto model = build_model(config);
+// The FSDP options of the sharded modes, from the command line.
+fsdp::Options fsdp_options(const Args& a) {
   fsdp::Options options;
   options.reshard_after_forward = a.reshard_after_forward;
   options.prefetch = a.prefetch;
   options.mixed_precision.param_dtype = fsdp::parse_dtype(a.param_dtype, "--param-dtype");
   options.mixed_precision.output_dtype = torch::kFloat;
-  models::shard_transformer(model, mesh, options);
+  return options;
+}
+
+int run_fsdp(const Args& a) {
+  auto world = dist::World::init_from_env();
+  auto mesh = dist::DeviceMesh::create(*world);
+  set_compute_threads(a.threads);
+  const int N = world->size(), rank = world->rank();
+  auto tokens = local_tokens(a, *world);
+  const int64_t local = tokens.size(0);
+
+  const auto config = model_config(a);
+  auto model = build_model(config);
+  models::shard_transformer(model, mesh, fsdp_options(a));
   auto fsdp_model = model.fsdp();
   const auto shards = fsdp_model.sharded_parameters();
   // The theoretical figures use the config's formulas; they must describe the model that runs.
@@ -204,7 +218,6 @@ int run_fsdp(const Args& a) {
               sharded_root, ") vs ", config.parameter_count(), " (root ", root_param_count(config),
               ")");
   auto optimizer = optim::make_adamw(optim::from_sharded(shards), optim::AdamWConfig{});
-  auto tokens = global_batch(a).narrow(0, rank * local, local).contiguous();
   auto& group = world->group();
 
   std::vector<double> times, waits;  // waits: time blocked on FSDP collectives in forward+backward
@@ -351,12 +364,7 @@ StepFigures train_llama(const Args& a, const dist::DeviceMesh& mesh, dist::Proce
     f.total += p.numel();
     if (p.requires_grad()) f.trainable += p.numel();
   }
-  fsdp::Options options;
-  options.reshard_after_forward = a.reshard_after_forward;
-  options.prefetch = a.prefetch;
-  options.mixed_precision.param_dtype = fsdp::parse_dtype(a.param_dtype, "--param-dtype");
-  options.mixed_precision.output_dtype = torch::kFloat;
-  models::shard_llama(model, mesh, options);
+  models::shard_llama(model, mesh, fsdp_options(a));
   auto fsdp_model = model.fsdp();
   auto optimizer =
       optim::make_adamw(optim::from_sharded(fsdp_model.sharded_parameters()), optim::AdamWConfig{});
@@ -389,9 +397,7 @@ int run_lora(const Args& a) {
   auto mesh = dist::DeviceMesh::create(*world);
   set_compute_threads(a.threads);
   const int N = world->size(), rank = world->rank();
-  if (a.batch % N != 0) throw std::invalid_argument("--batch must be divisible by WORLD_SIZE");
-  const int64_t local = a.batch / N;
-  auto tokens = global_batch(a).narrow(0, rank * local, local).contiguous();
+  auto tokens = local_tokens(a, *world);
   auto& group = world->group();
   // Full fine-tuning first, then LoRA, on the same weights and tokens.
   const StepFigures full = train_llama(a, mesh, group, tokens, /*lora=*/false);
