@@ -351,10 +351,9 @@ std::vector<std::string> write_peft_files(
   write_all(writer);
   writer.close();
   const std::string config_path = (std::filesystem::path(out_dir) / kPeftConfigFile).string();
-  std::ofstream(config_path) << config << "\n";
-  if (!std::ifstream(config_path)) {
-    throw std::runtime_error(fmt::format("cannot write {}", config_path));
-  }
+  std::ofstream out(config_path);
+  out << config << "\n";
+  if (!out.flush()) throw std::runtime_error(fmt::format("cannot write {}", config_path));
   return {weights, config_path};
 }
 
