@@ -1,6 +1,8 @@
 // Checkpoint benchmark: sharded save and load throughput against a plain sequential write and read
 // of the same bytes on the same disk in the same run, and per-rank memory during the consolidated
-// export and the streaming weight sync against one full tensor. Run one process per rank:
+// export, the streaming weight sync and the initialisation from the exported model (load_hf, every
+// rank reading, against load_hf_from_rank0) against one full tensor and the rank's shards. Run one
+// process per rank:
 //
 //   shardrl launch -n 2 --threads 1 -- build/bin/bench_checkpoint --json-out ckpt.json
 //
@@ -181,7 +183,11 @@ int run(const Args& a) {
   torch::manual_seed(kModelSeed);
   models::Transformer model(config);
   models::shard_transformer(model, mesh, fsdp::Options{});
+  // Construction allocates the whole model on every rank before sharding frees it: this is the
+  // peak that construction sets, whatever the load does later.
+  const int64_t hwm_after_shard = proc_status_bytes("VmHWM");
   auto fsdp_model = model.fsdp();
+  const int64_t shard_bytes = fsdp_model.memory().sharded_param_bytes;
   const auto shards = fsdp_model.sharded_parameters();
   auto optimizer = optim::make_adamw(optim::from_sharded(shards), optim::AdamWConfig{});
 
@@ -281,6 +287,25 @@ int run(const Args& a) {
   }
   group.barrier();
 
+  // ---- initialisation from the exported (bf16) model, all ranks ------------------------------
+  const std::string hf_dir = (fs::path(a.dir) / "export").string();
+  auto measure_init = [&](bool from_rank0) {
+    const int64_t before = trimmed_rss();
+    RssSampler sampler(a.sample_ms);
+    group.barrier();
+    const auto start = Clock::now();
+    if (from_rank0) {
+      checkpoint::load_hf_from_rank0(hf_dir, fsdp_model);
+    } else {
+      checkpoint::load_hf(hf_dir, fsdp_model);
+    }
+    group.barrier();
+    const double seconds = seconds_since(start);
+    return std::pair<double, int64_t>(seconds, sampler.stop() - before);
+  };
+  const auto [init_all_s, init_all_inc] = measure_init(false);
+  const auto [init_r0_s, init_r0_inc] = measure_init(true);
+
   // ---- streaming weight sync, all ranks ----------------------------------------------------
   const int64_t sync_rss_before = trimmed_rss();
   int64_t sync_tensors = 0, sync_bytes = 0;
@@ -302,12 +327,18 @@ int run(const Args& a) {
   }
 
   // Per-rank figures to rank 0: [rank][field].
-  constexpr int kFields = 4;
+  constexpr int kFields = 10;
   auto per_rank = torch::zeros({N, kFields}, torch::kDouble);
   per_rank[rank][0] = static_cast<double>(mine);
   per_rank[rank][1] = static_cast<double>(sync_rss_before);
   per_rank[rank][2] = static_cast<double>(sync_rss_peak);
   per_rank[rank][3] = static_cast<double>(proc_status_bytes("VmHWM"));
+  per_rank[rank][4] = static_cast<double>(shard_bytes);
+  per_rank[rank][5] = static_cast<double>(hwm_after_shard);
+  per_rank[rank][6] = init_all_s;
+  per_rank[rank][7] = static_cast<double>(init_all_inc);
+  per_rank[rank][8] = init_r0_s;
+  per_rank[rank][9] = static_cast<double>(init_r0_inc);
   group.all_reduce(per_rank);
 
   if (!a.keep) {
@@ -343,7 +374,17 @@ int run(const Args& a) {
                      {"sync_rss_increase", inc},
                      {"sync_rss_increase_over_full_fp32", inc / full_fp32},
                      {"sync_rss_increase_over_full_bf16", inc / full_bf16},
-                     {"vm_hwm_end", per_rank[r][3].item<double>()}});
+                     {"vm_hwm_end", per_rank[r][3].item<double>()},
+                     {"sharded_param_bytes", per_rank[r][4].item<double>()},
+                     {"vm_hwm_after_construction_and_sharding", per_rank[r][5].item<double>()},
+                     {"init_load_hf_s", per_rank[r][6].item<double>()},
+                     {"init_load_hf_rss_increase", per_rank[r][7].item<double>()},
+                     {"init_load_hf_from_rank0_s", per_rank[r][8].item<double>()},
+                     {"init_load_hf_from_rank0_rss_increase", per_rank[r][9].item<double>()},
+                     {"init_from_rank0_rss_increase_over_shard",
+                      per_rank[r][9].item<double>() / per_rank[r][4].item<double>()},
+                     {"init_from_rank0_rss_increase_over_full_fp32",
+                      per_rank[r][9].item<double>() / full_fp32}});
   }
   const double export_inc = static_cast<double>(export_rss_peak - export_rss_before);
   json j = {{"benchmark", "bench_checkpoint"},
@@ -409,6 +450,17 @@ int run(const Args& a) {
       reads["cold"]["ratio_load_to_baseline"].get<double>(), export_inc / 1e6,
       export_inc / full_fp32, full_fp32 / 1e6, sync_worst / 1e6, sync_worst / full_fp32,
       sync_worst / full_bf16);
+  for (const auto& r : ranks) {
+    std::printf(
+        "rank %d: shards %.1f MB, VmHWM after construction+sharding %.1f MB; init load_hf %.2f s "
+        "+%.1f MB, load_hf_from_rank0 %.2f s +%.1f MB (x%.2f of its shards)\n",
+        r["rank"].get<int>(), r["sharded_param_bytes"].get<double>() / 1e6,
+        r["vm_hwm_after_construction_and_sharding"].get<double>() / 1e6,
+        r["init_load_hf_s"].get<double>(), r["init_load_hf_rss_increase"].get<double>() / 1e6,
+        r["init_load_hf_from_rank0_s"].get<double>(),
+        r["init_load_hf_from_rank0_rss_increase"].get<double>() / 1e6,
+        r["init_from_rank0_rss_increase_over_shard"].get<double>());
+  }
   // Rank 0 hosts the store: the others must not find it gone while they finish.
   group.barrier();
   return 0;

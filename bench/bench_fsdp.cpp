@@ -1,6 +1,8 @@
 // Foundation benchmark: one training step of models::Transformer under FSDP (one process per rank,
 // started by `shardrl launch`), unsharded in one process (the compute-only baseline), and a BLAS
 // GFLOP/s probe. scripts/bench.sh runs the whole comparison; this binary measures one setup.
+// --mode lora: LoRA training against full fine-tuning of the same LLaMA decoder under FSDP, both
+// measured in the same run (bytes sent per step and step time).
 //
 // Timing is a benchmark, never a test: it depends on the machine being quiet.
 #include <ATen/CPUGeneratorImpl.h>
@@ -22,6 +24,8 @@
 
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
+#include "shardrl/models/llama.h"
+#include "shardrl/models/lora.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/optim.h"
 
@@ -40,6 +44,9 @@ struct Args {
   bool reshard_after_forward = true;
   int prefetch = 1;
   std::string param_dtype = "fp32";
+  // --mode lora (LLaMA decoder): d_model, layers, heads, vocab, seq and batch as above, plus
+  int64_t kv_heads = 4, intermediate = 1376, lora_r = 8;
+  double lora_alpha = 16;
 };
 
 constexpr double kMaxNorm = 1.0;
@@ -167,22 +174,36 @@ void write_json(const Args& a, const json& j) {
   out << j.dump(2) << "\n";
 }
 
-int run_fsdp(const Args& a) {
-  auto world = dist::World::init_from_env();
-  auto mesh = dist::DeviceMesh::create(*world);
-  set_compute_threads(a.threads);
-  const int N = world->size(), rank = world->rank();
-  if (a.batch % N != 0) throw std::invalid_argument("--batch must be divisible by WORLD_SIZE");
-  const int64_t local = a.batch / N;
+// This rank's rows of the global batch.
+torch::Tensor local_tokens(const Args& a, const dist::World& world) {
+  if (a.batch % world.size() != 0) {
+    throw std::invalid_argument("--batch must be divisible by WORLD_SIZE");
+  }
+  const int64_t local = a.batch / world.size();
+  return global_batch(a).narrow(0, world.rank() * local, local).contiguous();
+}
 
-  const auto config = model_config(a);
-  auto model = build_model(config);
+// The FSDP options of the sharded modes, from the command line.
+fsdp::Options fsdp_options(const Args& a) {
   fsdp::Options options;
   options.reshard_after_forward = a.reshard_after_forward;
   options.prefetch = a.prefetch;
   options.mixed_precision.param_dtype = fsdp::parse_dtype(a.param_dtype, "--param-dtype");
   options.mixed_precision.output_dtype = torch::kFloat;
-  models::shard_transformer(model, mesh, options);
+  return options;
+}
+
+int run_fsdp(const Args& a) {
+  auto world = dist::World::init_from_env();
+  auto mesh = dist::DeviceMesh::create(*world);
+  set_compute_threads(a.threads);
+  const int N = world->size(), rank = world->rank();
+  auto tokens = local_tokens(a, *world);
+  const int64_t local = tokens.size(0);
+
+  const auto config = model_config(a);
+  auto model = build_model(config);
+  models::shard_transformer(model, mesh, fsdp_options(a));
   auto fsdp_model = model.fsdp();
   const auto shards = fsdp_model.sharded_parameters();
   // The theoretical figures use the config's formulas; they must describe the model that runs.
@@ -197,7 +218,6 @@ int run_fsdp(const Args& a) {
               sharded_root, ") vs ", config.parameter_count(), " (root ", root_param_count(config),
               ")");
   auto optimizer = optim::make_adamw(optim::from_sharded(shards), optim::AdamWConfig{});
-  auto tokens = global_batch(a).narrow(0, rank * local, local).contiguous();
   auto& group = world->group();
 
   std::vector<double> times, waits;  // waits: time blocked on FSDP collectives in forward+backward
@@ -310,6 +330,133 @@ int run_fsdp(const Args& a) {
   return 0;
 }
 
+// One FSDP training setup of the LLaMA decoder, timed like run_fsdp; bytes are what this rank sent
+// in forward + backward (FSDPModule::bytes_sent).
+struct StepFigures {
+  std::vector<double> times;
+  double bytes_per_step = 0;
+  int64_t trainable = 0, total = 0;
+  double loss_first = 0, loss_last = 0;
+};
+
+StepFigures train_llama(const Args& a, const dist::DeviceMesh& mesh, dist::ProcessGroup& group,
+                        const torch::Tensor& tokens, bool lora) {
+  models::LlamaConfig c;
+  c.vocab_size = a.vocab;
+  c.hidden_size = a.d_model;
+  c.intermediate_size = a.intermediate;
+  c.num_hidden_layers = a.layers;
+  c.num_attention_heads = a.heads;
+  c.num_key_value_heads = a.kv_heads;
+  c.max_position_embeddings = a.seq;
+  torch::manual_seed(kModelSeed);
+  models::LlamaForCausalLM model(c);
+  if (lora) {
+    models::lora::LoraConfig config;
+    config.r = a.lora_r;
+    config.alpha = a.lora_alpha;
+    config.target_modules = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                             "gate_proj", "up_proj", "down_proj"};
+    models::lora::apply_lora(*model, config, "default");
+  }
+  StepFigures f;
+  for (const auto& p : model->parameters()) {
+    f.total += p.numel();
+    if (p.requires_grad()) f.trainable += p.numel();
+  }
+  models::shard_llama(model, mesh, fsdp_options(a));
+  auto fsdp_model = model.fsdp();
+  auto optimizer =
+      optim::make_adamw(optim::from_sharded(fsdp_model.sharded_parameters()), optim::AdamWConfig{});
+  uint64_t bytes = 0;
+  std::vector<double> losses;
+  for (int step = 0; step < a.warmup + a.steps; ++step) {
+    group.barrier();
+    const auto t0 = Clock::now();
+    fsdp_model.reset_bytes_sent();
+    fsdp_model.zero_grad();
+    auto loss = models::next_token_loss(model(tokens), tokens);
+    loss.backward();
+    const uint64_t sent = fsdp_model.bytes_sent();
+    optim::clip_and_step(fsdp_model, *optimizer, kMaxNorm);
+    group.barrier();
+    const double elapsed = seconds_since(t0);
+    if (step < a.warmup) continue;
+    f.times.push_back(elapsed);
+    losses.push_back(loss.item<double>());
+    bytes += sent;
+  }
+  f.bytes_per_step = static_cast<double>(bytes) / std::max(a.steps, 1);
+  f.loss_first = losses.empty() ? 0.0 : losses.front();
+  f.loss_last = losses.empty() ? 0.0 : losses.back();
+  return f;
+}
+
+int run_lora(const Args& a) {
+  auto world = dist::World::init_from_env();
+  auto mesh = dist::DeviceMesh::create(*world);
+  set_compute_threads(a.threads);
+  const int N = world->size(), rank = world->rank();
+  auto tokens = local_tokens(a, *world);
+  auto& group = world->group();
+  // Full fine-tuning first, then LoRA, on the same weights and tokens.
+  const StepFigures full = train_llama(a, mesh, group, tokens, /*lora=*/false);
+  const StepFigures lora = train_llama(a, mesh, group, tokens, /*lora=*/true);
+  torch::Tensor bytes =
+      torch::tensor({full.bytes_per_step, lora.bytes_per_step}, torch::kDouble) / N;
+  group.all_reduce(bytes);  // the mean over ranks
+  if (rank != 0) {
+    group.barrier();
+    return 0;
+  }
+  auto figures = [&](const StepFigures& f, double sent) {
+    json j = {{"trainable_params", f.trainable},
+              {"total_params", f.total},
+              {"bytes_sent_per_rank_step", sent},
+              {"loss_first", f.loss_first},
+              {"loss_last", f.loss_last}};
+    j.update(timing_json(f.times, a.batch * a.seq));
+    return j;
+  };
+  const double full_bytes = bytes[0].item<double>(), lora_bytes = bytes[1].item<double>();
+  const double full_s = median(full.times), lora_s = median(lora.times);
+  json j = {
+      {"benchmark", "bench_fsdp"},
+      {"mode", "lora"},
+      {"world_size", N},
+      {"environment", run_environment()},
+      {"model",
+       {{"family", "llama"},
+        {"hidden_size", a.d_model},
+        {"intermediate_size", a.intermediate},
+        {"num_hidden_layers", a.layers},
+        {"num_attention_heads", a.heads},
+        {"num_key_value_heads", a.kv_heads},
+        {"vocab_size", a.vocab},
+        {"seq_len", a.seq}}},
+      {"lora", {{"r", a.lora_r}, {"alpha", a.lora_alpha}, {"targets", "q,k,v,o,gate,up,down"}}},
+      {"reshard_after_forward", a.reshard_after_forward},
+      {"param_dtype", a.param_dtype},
+      {"batch_global", a.batch},
+      {"warmup_steps", a.warmup},
+      {"timed_steps", a.steps},
+      {"full", figures(full, full_bytes)},
+      {"lora_run", figures(lora, lora_bytes)},
+      {"ratio_lora_to_full_bytes", lora_bytes / full_bytes},
+      {"ratio_lora_to_full_step_time", lora_s / full_s}};
+  write_json(a, j);
+  std::printf(
+      "lora N=%d threads=%d B=%lld  full: %lld trainable, median step %.4f s, sent/rank/step "
+      "%.3f MB  lora r=%lld: %lld trainable, median step %.4f s, sent/rank/step %.3f MB  "
+      "ratio bytes %.4f time %.4f\n",
+      N, at::get_num_threads(), static_cast<long long>(a.batch),
+      static_cast<long long>(full.trainable), full_s, full_bytes / 1e6,
+      static_cast<long long>(a.lora_r), static_cast<long long>(lora.trainable), lora_s,
+      lora_bytes / 1e6, lora_bytes / full_bytes, lora_s / full_s);
+  group.barrier();
+  return 0;
+}
+
 int run_local(const Args& a) {
   set_compute_threads(a.threads);
   const auto config = model_config(a);
@@ -387,8 +534,9 @@ int run_matmul(const Args& a) {
 int main(int argc, char** argv) {
   CLI::App app{"ShardRL foundation benchmark: FSDP vs unsharded training step, BLAS probe"};
   Args a;
-  app.add_option("--mode", a.mode, "fsdp (under shardrl launch), local (one process) or matmul")
-      ->check(CLI::IsMember({"fsdp", "local", "matmul"}));
+  app.add_option("--mode", a.mode,
+                 "fsdp or lora (under shardrl launch), local (one process) or matmul")
+      ->check(CLI::IsMember({"fsdp", "lora", "local", "matmul"}));
   app.add_option("--d-model", a.d_model)->check(CLI::PositiveNumber);
   app.add_option("--layers", a.layers)->check(CLI::PositiveNumber);
   app.add_option("--heads", a.heads)->check(CLI::PositiveNumber);
@@ -410,9 +558,14 @@ int main(int argc, char** argv) {
                "fsdp: free block params after forward (default) or keep them until backward");
   app.add_flag("--reshard-root,!--no-reshard-root", a.reshard_root,
                "fsdp: free the root's parameters after forward so backward gathers them again");
+  app.add_option("--kv-heads", a.kv_heads, "lora: key/value heads")->check(CLI::PositiveNumber);
+  app.add_option("--intermediate", a.intermediate, "lora: MLP width")->check(CLI::PositiveNumber);
+  app.add_option("--lora-r", a.lora_r, "lora: adapter rank")->check(CLI::PositiveNumber);
+  app.add_option("--lora-alpha", a.lora_alpha, "lora: adapter alpha");
   CLI11_PARSE(app, argc, argv);
   try {
     if (a.mode == "fsdp") return run_fsdp(a);
+    if (a.mode == "lora") return run_lora(a);
     if (a.mode == "local") return run_local(a);
     return run_matmul(a);
   } catch (const std::exception& e) {

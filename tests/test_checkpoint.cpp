@@ -124,6 +124,65 @@ TEST(Safetensors, RoundTripsDtypesAndReadsRowRanges) {
                std::logic_error);
 }
 
+// Loads verify the bytes they read, in the same pass: a damaged byte fails exactly the reads
+// whose blocks hold it, whether they read the block whole or in part, and the header is checked.
+TEST(Safetensors, BlockChecksumsVerifyExactlyTheBytesRead) {
+  const std::string dir = make_temp_dir("st-blocks");
+  const std::string path = dir + "/t.safetensors";
+  const int64_t block = checkpoint::BlockChecksums::kDefaultBlockBytes;
+  const int64_t rows = 3 * block / (64 * 4) + 5, cols = 64;  // a bit over three blocks
+  const auto big = torch::randn({rows, cols});
+  const auto tail = torch::arange(10, torch::kFloat);
+  checkpoint::SafetensorsWriter writer(
+      path, {{"big", torch::kFloat, {rows, cols}}, {"tail", torch::kFloat, {10}}});
+  writer.write("big", big);
+  writer.write("tail", tail);
+  const auto summary = writer.close();
+  ASSERT_EQ(summary.blocks.block_bytes, block);
+  ASSERT_EQ(summary.blocks.crc32.size(), 4u);
+  EXPECT_EQ(summary.crc32, checkpoint::file_crc32(path)) << "combined from the blocks";
+
+  auto reader = [&] { return checkpoint::SafetensorsReader(path, summary.blocks); };
+  EXPECT_TRUE(torch::equal(reader().read("big"), big));
+  EXPECT_TRUE(torch::equal(reader().read_rows("big", 7, 3), big.narrow(0, 7, 3)));
+  EXPECT_TRUE(torch::equal(reader().read("tail"), tail));
+
+  // One flipped byte in the third block.
+  const int64_t damaged_at = 2 * block + 100;
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(damaged_at);
+    const char c = static_cast<char>(f.get());
+    f.seekp(damaged_at);
+    f.put(static_cast<char>(c ^ 0x01));
+  }
+  const int64_t row_bytes = cols * 4, data_start = reader().info("big").offset;
+  const int64_t damaged_row = (damaged_at - data_start) / row_bytes;
+  EXPECT_TRUE(torch::equal(reader().read_rows("big", 0, 100), big.narrow(0, 0, 100)))
+      << "the first block is intact";
+  EXPECT_TRUE(torch::equal(reader().read("tail"), tail)) << "so is the last";
+  for (auto [first, count] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, rows}, {damaged_row, 1}, {damaged_row - 3, 10}}) {
+    try {
+      reader().read_rows("big", first, count);
+      ADD_FAILURE() << "rows " << first << "+" << count << " read the damaged byte unnoticed";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("checkpoint file " + path + " is damaged"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // A damaged header, and a file whose size no longer fits the checksums.
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(10);
+    f.put(' ');
+  }
+  EXPECT_THROW(reader(), std::runtime_error);
+  fs::resize_file(path, block);
+  EXPECT_THROW(reader(), std::runtime_error);
+}
+
 TEST(Checkpoint, ResumeAtTheSameWorldSizeIsBitwise) {
   const std::string straight = make_temp_dir("ckpt-straight");
   const std::string resumed = make_temp_dir("ckpt-resumed");
@@ -328,14 +387,20 @@ TEST(Checkpoint, ExportReadsBackWithAnIndependentReader) {
       EXPECT_LE(bytes.get<int64_t>(), std::max(max_shard, largest_tensor) + 4096) << file;
     }
     if (dtype == "fp32") {
-      // Back in at another world size, over a model built from another seed.
-      const std::string params = make_temp_dir("init-hf");
-      auto init = launch_workers(
-          3, {"init", "--unused-params", "--seed", "99", "--hf", out, "--out", params}, 300,
-          "ckpt_worker");
-      ASSERT_EQ(init.exit_code, 0) << init.output;
-      for (const auto& [name, tensor] : read_params(params)) {
-        EXPECT_TRUE(torch::equal(tensor, trained.params.at(name))) << name;
+      // Back in at another world size, over a model built from another seed: every rank reading,
+      // and rank 0 reading and sending the others their rows.
+      for (const std::string from_rank0 : {"", "--from-rank0"}) {
+        const std::string params = make_temp_dir("init-hf");
+        std::vector<std::string> args = {"init", "--unused-params", "--seed", "99", "--hf",
+                                         out,    "--out",           params};
+        if (!from_rank0.empty()) args.push_back(from_rank0);
+        auto init = launch_workers(3, args, 300, "ckpt_worker");
+        ASSERT_EQ(init.exit_code, 0) << init.output;
+        const auto loaded = read_params(params);
+        EXPECT_EQ(loaded.size(), trained.params.size());
+        for (const auto& [name, tensor] : loaded) {
+          EXPECT_TRUE(torch::equal(tensor, trained.params.at(name))) << from_rank0 << " " << name;
+        }
       }
     }
     const json config = json::parse(std::ifstream(out + "/config.json"));

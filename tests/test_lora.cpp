@@ -318,6 +318,57 @@ TEST(Lora, UnshardScopeSharesOneGatherBetweenReferenceAndPolicy) {
     auto out = read_params(dir + "/scope_" + r + "/out");
     EXPECT_FALSE(torch::allclose(out.at("ref"), out.at("policy")));  // the adapters did act
   }
+
+// The adapter alone, as PEFT writes it, from a sharded checkpoint (the CLI) and from the live
+// sharded model: read back with an independent reader, PEFT names, the gathered values.
+TEST(Lora, AdapterExportHasPeftNamesAndTheGatheredAdapter) {
+  const LoraScenario s;
+  const std::string dir = make_temp_dir("lora-export"), root = dir + "/ckpt", live = dir + "/live";
+  auto trained = launch_workers(2, {"--out", dir, "--save", root, "--export-adapter", live}, 300,
+                                "lora_worker");
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  const auto gathered = read_params(dir);
+
+  const std::string from_ckpt = dir + "/from-ckpt";
+  auto exported =
+      run_process({bin("shardrl"), "export", root + "/global_step_" + std::to_string(s.steps),
+                   from_ckpt, "--adapter", "default"});
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  for (const std::string& out : {from_ckpt, live}) {
+    auto read = run_process({"/usr/bin/python3",
+                             std::string(SHARDRL_SOURCE_DIR) + "/tests/python/read_safetensors.py",
+                             out + "/adapter_model.safetensors"});
+    ASSERT_EQ(read.exit_code, 0) << read.output;
+    const auto got = nlohmann::json::parse(read.output)["tensors"];
+    size_t expected = 0;
+    for (const auto& [name, tensor] : gathered) {
+      const auto marker = name.find(".lora_");
+      if (marker == std::string::npos || name.find(".default.") == std::string::npos) continue;
+      ++expected;
+      // blocks.0.fc1.lora_A.default.weight -> base_model.model.blocks.0.fc1.lora_A.weight
+      const std::string peft =
+          "base_model.model." + name.substr(0, marker) + name.substr(marker, 7) + ".weight";
+      ASSERT_TRUE(got.contains(peft)) << out << ": " << peft;
+      EXPECT_EQ(got[peft]["dtype"], "F32") << peft;
+      EXPECT_EQ(got[peft]["shape"].get<std::vector<int64_t>>(), tensor.sizes().vec()) << peft;
+      const auto values = got[peft]["values"].get<std::vector<double>>();
+      EXPECT_TRUE(torch::equal(torch::tensor(values, torch::kDouble),
+                               tensor.to(torch::kDouble).reshape(-1)))
+          << out << ": " << peft;
+    }
+    EXPECT_EQ(expected, 10u);
+    EXPECT_EQ(got.size(), expected) << "only the 'default' adapter, no base or 'old' tensors";
+    const auto config = nlohmann::json::parse(std::ifstream(out + "/adapter_config.json"));
+    EXPECT_EQ(config["peft_type"], "LORA");
+    EXPECT_EQ(config["r"], 4);
+    EXPECT_EQ(config["lora_alpha"], 8.0);
+    EXPECT_EQ(config["target_modules"], nlohmann::json({"fc1", "fc2", "head"}));
+  }
+  auto missing =
+      run_process({bin("shardrl"), "export", root + "/global_step_" + std::to_string(s.steps),
+                   dir + "/x", "--adapter", "old"});
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.output.find("no lora.old"), std::string::npos) << missing.output;
 }
 
 }  // namespace

@@ -48,10 +48,20 @@ struct TensorInfo {
   int64_t nbytes() const;
 };
 
+// crc32 of each consecutive block_bytes-byte block of a file (the last may be shorter): a reader
+// verifies exactly the bytes it reads, in the same pass, without reading the whole file first.
+struct BlockChecksums {
+  static constexpr int64_t kDefaultBlockBytes = int64_t{4} << 20;
+  int64_t block_bytes = 0;  // 0: none
+  std::vector<uint32_t> crc32;
+  bool empty() const { return block_bytes == 0; }
+};
+
 struct FileSummary {
   std::string path;
   int64_t bytes = 0;
   uint32_t crc32 = 0;  // zlib crc32 of the whole file
+  BlockChecksums blocks;
 };
 
 // Streams a safetensors file: the header is written from the declared tensors up front, then the
@@ -84,14 +94,16 @@ class SafetensorsWriter {
   int fd_ = -1;
   size_t next_ = 0;
   int64_t written_ = 0;
-  uint32_t crc_ = 0;
+  BlockChecksums blocks_;  // the last entry is the block being written
 };
 
 // Reads tensors (or row ranges of them) with a seek and a read each; only the header is parsed
-// on open.
+// on open. Given block checksums, every byte read (the header included) is verified against them
+// as it is read: a block read whole is checked in place, a block read in part is read whole into a
+// one-block cache first. A mismatch throws "checkpoint file <path> is damaged".
 class SafetensorsReader {
  public:
-  explicit SafetensorsReader(std::string path);
+  explicit SafetensorsReader(std::string path, BlockChecksums checksums = {});
   ~SafetensorsReader();
   SafetensorsReader(const SafetensorsReader&) = delete;
   SafetensorsReader& operator=(const SafetensorsReader&) = delete;
@@ -110,9 +122,17 @@ class SafetensorsReader {
                       const torch::Tensor& out) const;
 
  private:
+  // pread of [offset, offset + n), verified when checksums were given.
+  void read_bytes(void* out, int64_t n, int64_t offset) const;
+  void check_block(int64_t block, const char* data) const;
+
   std::string path_;
   int fd_ = -1;
   int64_t file_size_ = 0;
+  BlockChecksums checksums_;
+  mutable std::vector<bool> verified_;
+  mutable std::vector<char> cache_;  // block cached_block_, verified
+  mutable int64_t cached_block_ = -1;
   std::vector<TensorInfo> tensors_;
   std::map<std::string, size_t> index_;
   std::map<std::string, std::string> metadata_;
@@ -177,6 +197,11 @@ std::vector<FileStatus> verify(const std::string& dir);
 // "model" or "optimizer" (optimizer names are "<param>.exp_avg", "<param>.exp_avg_sq").
 torch::Tensor read_full_tensor(const std::string& dir, const std::string& section,
                                const std::string& name);
+// Model tensors `names` one at a time, each released after `callback` returns; the index is read
+// once.
+void for_each_full_tensor(
+    const std::string& dir, const std::vector<std::string>& names,
+    const std::function<void(const std::string& name, const torch::Tensor& tensor)>& callback);
 
 // ---- export and weight sync --------------------------------------------------------------------
 
@@ -198,11 +223,22 @@ std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::strin
 // rows. At most one full tensor is held per rank. Optimizer and RNG are left alone.
 void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::string& prefix = "");
 
+// Collective. As load_hf, for initialising from a full model without any other rank holding a
+// full tensor: only the first rank of each shard group reads (one tensor at a time) and sends every
+// other rank just its rows, as one shard-sized broadcast per rank, received into the shard itself.
+// The other ranks hold their shards plus one shard-sized buffer. (Constructing the model still
+// allocates every param unsharded until fully_shard() frees it: the C++ modules have no meta-device
+// construction in LibTorch 1.13.)
+void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
+                        const std::string& prefix = "");
+
 // Collective over model.mesh()'s shard group. Calls `callback(prefix + name, full tensor)` for
-// every parameter, gathered one at a time in `dtype`; the tensor is released after the callback
-// returns, and the shards, grads and optimizer are left untouched.
+// every parameter (or those `select` accepts; it must answer the same on every rank), gathered one
+// at a time in `dtype`; the tensor is released after the callback returns, and the shards, grads
+// and optimizer are left untouched.
 void for_each_full_parameter(
     const fsdp::FSDPModule& model, torch::ScalarType dtype, const std::string& prefix,
-    const std::function<void(const std::string& name, const torch::Tensor& tensor)>& callback);
+    const std::function<void(const std::string& name, const torch::Tensor& tensor)>& callback,
+    const std::function<bool(const std::string& name)>& select = nullptr);
 
 }  // namespace shardrl::checkpoint

@@ -138,6 +138,15 @@ std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const std::string& ro
   return out;
 }
 
+// A tensor shaped like p's shard whose padding rows are zero and whose valid rows are left for a
+// read to fill (zeroing them too would write every loaded byte twice).
+torch::Tensor empty_with_zero_padding(const fsdp::ShardedParameter& p) {
+  torch::Tensor t = torch::empty_like(p.shard.detach());
+  if (t.dim() == 0) return t;
+  t.narrow(0, p.valid_rows, t.size(0) - p.valid_rows).zero_();
+  return t;
+}
+
 // Writes this rank's files and returns its part of the index.
 json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, torch::optim::AdamW& optimizer,
                       const SaveOptions& options) {
@@ -158,7 +167,10 @@ json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, torch::optim
                 {"rows", rows}, {"byte_offset", info.offset}, {"length", info.nbytes()}};
   };
   auto record_file = [&](const std::string& file, const FileSummary& summary) {
-    meta["files"][file] = {{"bytes", summary.bytes}, {"crc32", summary.crc32}};
+    meta["files"][file] = {{"bytes", summary.bytes},
+                           {"crc32", summary.crc32},
+                           {"block_bytes", summary.blocks.block_bytes},
+                           {"block_crc32", summary.blocks.crc32}};
   };
   const std::map<std::string, std::string> file_metadata = {{"format", "pt"}};
 
@@ -350,7 +362,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
     // Read everything before changing anything, so a damaged file leaves the model as it was.
     std::vector<torch::Tensor> shards;
     for (const auto& p : params) {
-      torch::Tensor shard = torch::zeros_like(p.shard.detach());
+      torch::Tensor shard = empty_with_zero_padding(p);
       reader.read_rows(reader.model_entry(p.name), p.name, p.row_offset, p.valid_rows,
                        shard.narrow(0, 0, p.valid_rows));
       shards.push_back(shard);
@@ -367,7 +379,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
         for (const char* moment : kMoments) {
           if (!saved[p.name].contains(moment)) continue;
           // Zero padding rows, as a fresh AdamW state would have.
-          torch::Tensor t = torch::zeros_like(p.shard.detach());
+          torch::Tensor t = empty_with_zero_padding(p);
           reader.read_rows(saved[p.name][moment], p.name + "." + moment, p.row_offset, p.valid_rows,
                            t.narrow(0, 0, p.valid_rows));
           if (std::string(moment) == "exp_avg") state->exp_avg(t);
@@ -408,66 +420,138 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
   return result;
 }
 
-void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::string& prefix) {
-  const auto& mesh = model.mesh();
-  auto& group = mesh.shard_group();
-  // One reader per shard group: every replica's group has its own first rank.
-  const bool reads = group.rank() == 0;
-  const auto params = model.sharded_parameters();
-  std::map<std::string, std::string> file_of;  // tensor -> file
-  std::map<std::string, std::unique_ptr<SafetensorsReader>> files;
-  collectively(mesh, fmt::format("load_hf from {}", hf_dir), [&] {
-    if (!reads) return;
+namespace {
+
+// The tensors of a Hugging Face-style directory (model.safetensors.index.json or one
+// model.safetensors) for the params of a model, opened and shape-checked by the reading rank.
+class HfTensors {
+ public:
+  HfTensors(const std::string& hf_dir, const std::string& prefix,
+            const std::vector<fsdp::ShardedParameter>& params)
+      : dir_(hf_dir), prefix_(prefix) {
     const fs::path index_path = fs::path(hf_dir) / "model.safetensors.index.json";
     if (fs::exists(index_path)) {
       json index;
       try {
         index = json::parse(std::ifstream(index_path));
         for (const auto& [name, file] : index.at("weight_map").items())
-          file_of[name] = file.get<std::string>();
+          file_of_[name] = file.get<std::string>();
       } catch (const json::exception& e) {
         throw std::runtime_error(fmt::format("{} is damaged: {}", index_path.string(), e.what()));
       }
     } else {
       const std::string single = "model.safetensors";
       auto reader = std::make_unique<SafetensorsReader>((fs::path(hf_dir) / single).string());
-      for (const auto& name : reader->names()) file_of[name] = single;
-      files.emplace(single, std::move(reader));
+      for (const auto& name : reader->names()) file_of_[name] = single;
+      files_.emplace(single, std::move(reader));
     }
     for (const auto& p : params) {
-      const std::string name = prefix + p.name;
-      auto it = file_of.find(name);
-      if (it == file_of.end()) {
-        throw std::runtime_error(
-            fmt::format("{}: no tensor '{}' for parameter '{}'", hf_dir, name, p.name));
-      }
-      auto& reader = files[it->second];
-      if (!reader) {
-        reader = std::make_unique<SafetensorsReader>((fs::path(hf_dir) / it->second).string());
-      }
-      if (reader->info(name).shape != p.global_shape) {
-        throw std::runtime_error(fmt::format("{}: '{}' has shape {}, the model {}", reader->path(),
-                                             name,
-                                             c10::str(c10::IntArrayRef(reader->info(name).shape)),
-                                             c10::str(c10::IntArrayRef(p.global_shape))));
+      const auto& info = reader_of(p).info(prefix_ + p.name);
+      if (info.shape != p.global_shape) {
+        throw std::runtime_error(fmt::format(
+            "{}: '{}' has shape {}, the model {}", reader_of(p).path(), prefix_ + p.name,
+            c10::str(c10::IntArrayRef(info.shape)), c10::str(c10::IntArrayRef(p.global_shape))));
       }
     }
+  }
+
+  // p's full tensor in fp32, viewed as [rows, row numel] (a scalar is one row).
+  torch::Tensor read_rows_view(const fsdp::ShardedParameter& p, torch::Device device) {
+    const int64_t rows = p.global_shape.empty() ? 1 : p.global_shape[0];
+    return reader_of(p).read(prefix_ + p.name).to(device, torch::kFloat).reshape({rows, -1});
+  }
+
+ private:
+  SafetensorsReader& reader_of(const fsdp::ShardedParameter& p) {
+    const std::string name = prefix_ + p.name;
+    auto it = file_of_.find(name);
+    if (it == file_of_.end()) {
+      throw std::runtime_error(
+          fmt::format("{}: no tensor '{}' for parameter '{}'", dir_, name, p.name));
+    }
+    auto& reader = files_[it->second];
+    if (!reader) {
+      reader = std::make_unique<SafetensorsReader>((fs::path(dir_) / it->second).string());
+    }
+    return *reader;
+  }
+
+  std::string dir_, prefix_;
+  std::map<std::string, std::string> file_of_;  // tensor -> file
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> files_;
+};
+
+// Opens the HF tensors on the first rank of each shard group (every replica's group has its own),
+// failing every rank when that fails.
+std::unique_ptr<HfTensors> open_hf_on_group_leader(
+    const std::string& hf_dir, const std::string& prefix, const fsdp::FSDPModule& model,
+    const std::vector<fsdp::ShardedParameter>& params, const std::string& what) {
+  std::unique_ptr<HfTensors> tensors;
+  collectively(model.mesh(), fmt::format("{} from {}", what, hf_dir), [&] {
+    if (model.mesh().shard_group().rank() == 0)
+      tensors = std::make_unique<HfTensors>(hf_dir, prefix, params);
   });
+  return tensors;
+}
+
+// [chunk rows, row numel] view of a shard (a scalar's shard is one row).
+torch::Tensor shard_rows(const fsdp::ShardedParameter& p) {
+  const torch::Tensor shard = p.shard.detach();
+  return shard.view({shard.dim() == 0 ? 1 : shard.size(0), -1});
+}
+
+}  // namespace
+
+void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::string& prefix) {
+  const auto& mesh = model.mesh();
+  auto& group = mesh.shard_group();
+  const auto params = model.sharded_parameters();
+  auto tensors = open_hf_on_group_leader(hf_dir, prefix, model, params, "load_hf");
   torch::NoGradGuard no_grad;
   for (const auto& p : params) {
     // The one full tensor this rank holds, released before the next.
-    torch::Tensor full =
-        torch::empty(p.global_shape, torch::dtype(torch::kFloat).device(mesh.device()));
-    if (reads) {
-      const std::string name = prefix + p.name;
-      full.copy_(files.at(file_of.at(name))->read(name));
-    }
-    group.broadcast(full, 0);
     const int64_t rows = p.global_shape.empty() ? 1 : p.global_shape[0];
-    torch::Tensor shard = p.shard.detach().view({p.shard.size(0), -1});
-    shard.narrow(0, 0, p.valid_rows)
-        .copy_(full.reshape({rows, -1}).narrow(0, p.row_offset, p.valid_rows));
+    torch::Tensor full =
+        tensors ? tensors->read_rows_view(p, mesh.device())
+                : torch::empty(p.global_shape, torch::dtype(torch::kFloat).device(mesh.device()))
+                      .view({rows, -1});
+    group.broadcast(full, 0);
+    torch::Tensor shard = shard_rows(p);
+    shard.narrow(0, 0, p.valid_rows).copy_(full.narrow(0, p.row_offset, p.valid_rows));
     shard.narrow(0, p.valid_rows, shard.size(0) - p.valid_rows).zero_();
+  }
+}
+
+void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
+                        const std::string& prefix) {
+  const auto& mesh = model.mesh();
+  auto& group = mesh.shard_group();
+  const int me = group.rank(), n = group.size();
+  const auto params = model.sharded_parameters();
+  auto tensors = open_hf_on_group_leader(hf_dir, prefix, model, params, "load_hf_from_rank0");
+  torch::NoGradGuard no_grad;
+  for (const auto& p : params) {
+    torch::Tensor shard = shard_rows(p);
+    const int64_t chunk = shard.size(0);
+    torch::Tensor full;
+    if (tensors) full = tensors->read_rows_view(p, mesh.device());
+    // Rank r's rows go out as one shard-sized broadcast, received straight into rank r's shard;
+    // a rank never holds more than its shards plus one shard-sized buffer.
+    torch::Tensor passing;
+    for (int r = 0; r < n; ++r) {
+      torch::Tensor buffer = shard;
+      if (r != me) {
+        if (!passing.defined()) passing = torch::empty_like(shard);
+        buffer = passing;
+      }
+      if (me == 0) {
+        const int64_t first = std::min<int64_t>(r * chunk, full.size(0));
+        const int64_t valid = std::min<int64_t>(chunk, full.size(0) - first);
+        buffer.narrow(0, 0, valid).copy_(full.narrow(0, first, valid));
+        buffer.narrow(0, valid, chunk - valid).zero_();
+      }
+      group.broadcast(buffer, 0);
+    }
   }
 }
 

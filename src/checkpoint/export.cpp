@@ -73,10 +73,12 @@ std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::strin
 
 void for_each_full_parameter(
     const fsdp::FSDPModule& model, torch::ScalarType dtype, const std::string& prefix,
-    const std::function<void(const std::string& name, const torch::Tensor& tensor)>& callback) {
+    const std::function<void(const std::string& name, const torch::Tensor& tensor)>& callback,
+    const std::function<bool(const std::string& name)>& select) {
   torch::NoGradGuard no_grad;
   auto& group = model.mesh().shard_group();
   for (const auto& p : model.sharded_parameters()) {
+    if (select && !select(p.name)) continue;
     // Cast before gathering so the wire and the one full buffer carry the target dtype. A gather
     // only copies bytes, and Gloo before 2.2 rejects bf16, so 2-byte types travel as fp16.
     const torch::Tensor shard = p.shard.detach().to(dtype).reshape(-1);

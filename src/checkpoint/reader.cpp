@@ -10,7 +10,7 @@ namespace shardrl::checkpoint {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-std::string check_file(const std::string& path, int64_t expected_bytes, uint32_t expected_crc) {
+std::string check_file_size(const std::string& path, int64_t expected_bytes) {
   std::error_code ec;
   const auto size = fs::file_size(path, ec);
   if (ec) return fmt::format("checkpoint file {} is missing ({})", path, ec.message());
@@ -18,6 +18,11 @@ std::string check_file(const std::string& path, int64_t expected_bytes, uint32_t
     return fmt::format("checkpoint file {} is truncated or resized: {} bytes, the index says {}",
                        path, size, expected_bytes);
   }
+  return "";
+}
+
+std::string check_file(const std::string& path, int64_t expected_bytes, uint32_t expected_crc) {
+  if (auto problem = check_file_size(path, expected_bytes); !problem.empty()) return problem;
   const uint32_t crc = file_crc32(path);
   if (crc != expected_crc) {
     return fmt::format("checkpoint file {} is damaged: crc32 {:08x}, the index says {:08x}", path,
@@ -84,10 +89,21 @@ const SafetensorsReader& CheckpointReader::file(const std::string& name) {
     throw std::runtime_error(
         fmt::format("checkpoint {}: {} is not listed in its {}", dir_, name, kIndexFile));
   }
-  const std::string problem = check_file(path, files[name].at("bytes").get<int64_t>(),
-                                         files[name].at("crc32").get<uint32_t>());
+  const json& meta = files[name];
+  const int64_t bytes = meta.at("bytes").get<int64_t>();
+  BlockChecksums blocks;
+  if (meta.contains("block_crc32")) {
+    blocks.block_bytes = meta.at("block_bytes").get<int64_t>();
+    blocks.crc32 = meta.at("block_crc32").get<std::vector<uint32_t>>();
+  }
+  // With block checksums the reader checks the bytes as it reads them, so no byte is read twice;
+  // files written before them are checked whole up front.
+  const std::string problem = blocks.empty()
+                                  ? check_file(path, bytes, meta.at("crc32").get<uint32_t>())
+                                  : check_file_size(path, bytes);
   if (!problem.empty()) throw std::runtime_error(problem);
-  return *open_.emplace(name, std::make_unique<SafetensorsReader>(path)).first->second;
+  return *open_.emplace(name, std::make_unique<SafetensorsReader>(path, std::move(blocks)))
+              .first->second;
 }
 
 void CheckpointReader::read_rows(const json& entry, const std::string& what, int64_t first,
@@ -140,6 +156,13 @@ torch::Tensor read_full_tensor(const std::string& dir, const std::string& sectio
     throw std::runtime_error(fmt::format("checkpoint {} has no optimizer tensor '{}'", dir, name));
   }
   return reader.read_full(state[param][moment], name);
+}
+
+void for_each_full_tensor(
+    const std::string& dir, const std::vector<std::string>& names,
+    const std::function<void(const std::string& name, const torch::Tensor& tensor)>& callback) {
+  CheckpointReader reader(dir);
+  for (const auto& name : names) callback(name, reader.read_full(reader.model_entry(name), name));
 }
 
 }  // namespace shardrl::checkpoint

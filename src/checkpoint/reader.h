@@ -11,7 +11,8 @@ namespace shardrl::checkpoint {
 
 constexpr const char* kIndexFile = "index.json";
 
-// Empty when the file exists with the expected size and crc32, else what is wrong, naming path.
+// Empty when the file exists with the expected size (and crc32), else what is wrong, naming path.
+std::string check_file_size(const std::string& path, int64_t expected_bytes);
 std::string check_file(const std::string& path, int64_t expected_bytes, uint32_t expected_crc);
 
 class CheckpointReader {
@@ -22,7 +23,8 @@ class CheckpointReader {
   const nlohmann::json& index() const { return index_; }
   // The model entry {dtype, shape, shards} of `name`; throws naming the checkpoint if absent.
   const nlohmann::json& model_entry(const std::string& name) const;
-  // A file the index lists, size and crc32 checked on first use.
+  // A file the index lists: its size checked on first use, its bytes as they are read (block
+  // checksums), or the whole file's crc32 up front for an index without block checksums.
   const SafetensorsReader& file(const std::string& name);
   // Rows [first, first + rows) of the tensor `entry` describes into `out` (contiguous, any dtype;
   // converted when it differs from the saved one). `what` names the tensor in errors.

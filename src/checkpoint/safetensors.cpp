@@ -66,6 +66,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorInfo> t
                                      const std::map<std::string, std::string>& metadata,
                                      Progress progress)
     : path_(std::move(path)), tensors_(std::move(tensors)), progress_(std::move(progress)) {
+  blocks_.block_bytes = BlockChecksums::kDefaultBlockBytes;
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   int64_t cursor = 0;
@@ -96,7 +97,14 @@ SafetensorsWriter::~SafetensorsWriter() {
 
 void SafetensorsWriter::write_bytes(const void* data, int64_t n) {
   const char* p = static_cast<const char*>(data);
-  crc_ = crc32_update(crc_, p, n);
+  // Block checksums while the bytes are in cache; the whole-file crc is combined from them.
+  for (int64_t done = 0; done < n;) {
+    const int64_t in_block = (written_ + done) % blocks_.block_bytes;
+    if (in_block == 0) blocks_.crc32.push_back(0);
+    const int64_t take = std::min(n - done, blocks_.block_bytes - in_block);
+    blocks_.crc32.back() = crc32_update(blocks_.crc32.back(), p + done, take);
+    done += take;
+  }
   while (n > 0) {
     // Bounded chunks: write(2) may transfer at most ~2 GiB at once.
     const ssize_t done = ::write(fd_, p, static_cast<size_t>(std::min<int64_t>(n, 1 << 30)));
@@ -139,29 +147,48 @@ FileSummary SafetensorsWriter::close() {
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) throw io_error("cannot close", path_);
-  return {path_, written_, crc_};
+  uint32_t crc = 0;
+  for (size_t i = 0; i < blocks_.crc32.size(); ++i) {
+    const int64_t length =
+        std::min(blocks_.block_bytes, written_ - static_cast<int64_t>(i) * blocks_.block_bytes);
+    crc = static_cast<uint32_t>(::crc32_combine(crc, blocks_.crc32[i], length));
+  }
+  return {path_, written_, crc, blocks_};
 }
 
 // ---- reader ------------------------------------------------------------------------------------
 
-SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) {
+SafetensorsReader::SafetensorsReader(std::string path, BlockChecksums checksums)
+    : path_(std::move(path)), checksums_(std::move(checksums)) {
   fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) throw io_error("cannot open", path_);
   struct stat st {};
   if (::fstat(fd_, &st) != 0) throw io_error("cannot stat", path_);
   file_size_ = st.st_size;
+  if (checksums_.block_bytes < 0) {
+    throw std::invalid_argument(fmt::format("{}: negative checksum block size", path_));
+  }
+  if (!checksums_.empty()) {
+    const int64_t blocks = (file_size_ + checksums_.block_bytes - 1) / checksums_.block_bytes;
+    if (blocks != static_cast<int64_t>(checksums_.crc32.size())) {
+      throw std::runtime_error(fmt::format(
+          "checkpoint file {} is truncated or resized: {} bytes do not fit its {} block checksums",
+          path_, file_size_, checksums_.crc32.size()));
+    }
+    verified_.assign(checksums_.crc32.size(), false);
+  }
   uint64_t length = 0;
   if (file_size_ < 8) {
     throw std::runtime_error(
         fmt::format("{}: truncated: {} bytes, no safetensors header", path_, file_size_));
   }
-  pread_exact(fd_, &length, 8, 0, path_);
+  read_bytes(&length, 8, 0);
   if (length > kMaxHeaderBytes || static_cast<int64_t>(length) > file_size_ - 8) {
     throw std::runtime_error(fmt::format(
         "{}: damaged: header length {} does not fit the {}-byte file", path_, length, file_size_));
   }
   std::string text(length, '\0');
-  pread_exact(fd_, text.data(), static_cast<int64_t>(length), 8, path_);
+  read_bytes(text.data(), static_cast<int64_t>(length), 8);
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);
@@ -218,7 +245,7 @@ std::vector<std::string> SafetensorsReader::names() const {
 torch::Tensor SafetensorsReader::read(const std::string& name) const {
   const TensorInfo& t = info(name);
   torch::Tensor out = torch::empty(t.shape, torch::dtype(t.dtype));
-  pread_exact(fd_, out.data_ptr(), t.nbytes(), t.offset, path_);
+  read_bytes(out.data_ptr(), t.nbytes(), t.offset);
   return out;
 }
 
@@ -246,7 +273,55 @@ void SafetensorsReader::read_rows_into(const std::string& name, int64_t first, i
     throw std::invalid_argument(
         fmt::format("{}: '{}' rows read into a mismatched tensor", path_, name));
   }
-  pread_exact(fd_, out.data_ptr(), rows * row_bytes, t.offset + first * row_bytes, path_);
+  read_bytes(out.data_ptr(), rows * row_bytes, t.offset + first * row_bytes);
+}
+
+void SafetensorsReader::check_block(int64_t block, const char* data) const {
+  const int64_t begin = block * checksums_.block_bytes;
+  const int64_t length = std::min(checksums_.block_bytes, file_size_ - begin);
+  const uint32_t crc = crc32_update(0, data, length);
+  if (crc != checksums_.crc32[block]) {
+    throw std::runtime_error(fmt::format(
+        "checkpoint file {} is damaged: crc32 {:08x} of bytes [{}, {}), the index says {:08x}",
+        path_, crc, begin, begin + length, checksums_.crc32[block]));
+  }
+  verified_[block] = true;
+}
+
+void SafetensorsReader::read_bytes(void* out, int64_t n, int64_t offset) const {
+  if (checksums_.empty()) {
+    pread_exact(fd_, out, n, offset, path_);
+    return;
+  }
+  // The kernel fetches the rest of the range while the blocks already read are checked, so the
+  // checksum costs no I/O time on a cold read.
+  if (n > checksums_.block_bytes) ::posix_fadvise(fd_, offset, n, POSIX_FADV_WILLNEED);
+  char* dst = static_cast<char*>(out);
+  const int64_t end = offset + n;
+  while (offset < end) {
+    const int64_t block = offset / checksums_.block_bytes;
+    const int64_t begin = block * checksums_.block_bytes;
+    const int64_t stop = std::min(begin + checksums_.block_bytes, file_size_);
+    const int64_t take = std::min(end, stop) - offset;
+    if (block == cached_block_) {
+      std::memcpy(dst, cache_.data() + (offset - begin), static_cast<size_t>(take));
+    } else if (verified_[block] || (offset == begin && take == stop - begin)) {
+      // Straight into the destination; a whole block is checked there, while still in cache.
+      pread_exact(fd_, dst, take, offset, path_);
+      if (!verified_[block]) check_block(block, dst);
+    } else {
+      // Part of an unchecked block: the whole block is read once, checked, and kept, since the
+      // next small tensor usually lies in the same block.
+      cache_.resize(static_cast<size_t>(stop - begin));
+      cached_block_ = -1;
+      pread_exact(fd_, cache_.data(), stop - begin, begin, path_);
+      check_block(block, cache_.data());
+      cached_block_ = block;
+      std::memcpy(dst, cache_.data() + (offset - begin), static_cast<size_t>(take));
+    }
+    dst += take;
+    offset += take;
+  }
 }
 
 uint32_t file_crc32(const std::string& path) {

@@ -9,6 +9,7 @@
 #include "shardrl/checkpoint.h"
 #include "shardrl/fsdp.h"
 #include "shardrl/launcher.h"
+#include "shardrl/models/lora.h"
 #include "shardrl/trainer.h"
 
 namespace {
@@ -69,7 +70,7 @@ int main(int argc, char** argv) {
   launch_cmd->add_option("command", launch.command, "Command to run on every rank (after --)")
       ->required();
 
-  std::string ckpt_dir, export_dir, export_dtype = "bf16";
+  std::string ckpt_dir, export_dir, export_dtype = "bf16", adapter;
   int64_t max_shard_bytes = int64_t{5} << 30;
   auto* export_cmd = app.add_subcommand(
       "export", "Write a sharded checkpoint as Hugging Face-style safetensors shards");
@@ -79,6 +80,9 @@ int main(int argc, char** argv) {
   export_cmd->add_option("--dtype", export_dtype, "bf16 or fp32 (also fp16)");
   export_cmd->add_option("--max-shard-size", max_shard_bytes, "Bytes per output file at most")
       ->check(CLI::PositiveNumber);
+  export_cmd->add_option("--adapter", adapter,
+                         "Export only this LoRA adapter, as PEFT's adapter_model.safetensors and "
+                         "adapter_config.json (fp32 unless --dtype is given)");
   auto* inspect_cmd = app.add_subcommand(
       "inspect", "Print a checkpoint's step, world size, tensors and checksum status");
   inspect_cmd->add_option("checkpoint", ckpt_dir, "Checkpoint directory (global_step_N)")
@@ -99,6 +103,15 @@ int main(int argc, char** argv) {
     }
     if (app.got_subcommand(launch_cmd)) return shardrl::dist::launch(launch);
     if (app.got_subcommand(inspect_cmd)) return inspect(ckpt_dir);
+    if (app.got_subcommand(export_cmd) && !adapter.empty()) {
+      const auto dtype = export_cmd->count("--dtype") > 0
+                             ? shardrl::fsdp::parse_dtype(export_dtype, "--dtype")
+                             : torch::kFloat;
+      for (const auto& file :
+           shardrl::models::lora::export_peft_adapter(ckpt_dir, export_dir, adapter, dtype))
+        std::cout << file << "\n";
+      return 0;
+    }
     if (app.got_subcommand(export_cmd)) {
       shardrl::checkpoint::ExportOptions options;
       options.dtype = shardrl::fsdp::parse_dtype(export_dtype, "--dtype");

@@ -1,9 +1,13 @@
 #include "shardrl/models/lora.h"
 
+#include "shardrl/checkpoint.h"
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <regex>
 #include <unordered_set>
 
@@ -275,15 +279,19 @@ std::map<std::string, torch::Tensor> merged_state_dict(
   return out;
 }
 
+std::optional<std::string> peft_name(const std::string& param, const std::string& name) {
+  if (adapter_of(param) != name) return std::nullopt;
+  // PEFT saves without the adapter name: "...q_proj.lora_A.weight".
+  std::string peft = param;
+  peft.erase(marker_at(peft) + kMarkerSize, name.size() + 1);
+  return "base_model.model." + peft;
+}
+
 std::map<std::string, torch::Tensor> peft_state_dict(
     const std::map<std::string, torch::Tensor>& params, const std::string& name) {
   std::map<std::string, torch::Tensor> out;
   for (const auto& [key, tensor] : params) {
-    if (adapter_of(key) != name) continue;
-    // PEFT saves without the adapter name: "...q_proj.lora_A.weight".
-    std::string peft = key;
-    peft.erase(marker_at(peft) + kMarkerSize, name.size() + 1);
-    out["base_model.model." + peft] = tensor.detach().clone();
+    if (auto peft = peft_name(key, name)) out[*peft] = tensor.detach().clone();
   }
   TORCH_CHECK(!out.empty(), "peft_state_dict: no tensors of adapter '", name, "'");
   return out;
@@ -301,6 +309,123 @@ std::string peft_adapter_config(const LoraConfig& config, const std::string& bas
                       {"base_model_name_or_path", base_model}};
   if (!config.target_regex.empty()) j["target_modules"] = config.target_regex;
   return j.dump(2);
+}
+
+LoraConfig config_from_peft(const nlohmann::json& peft, const std::string& where) {
+  LoraConfig config;
+  try {
+    config.r = peft.at("r").get<int64_t>();
+    config.alpha = peft.at("lora_alpha").get<double>();
+    config.dropout = peft.value("lora_dropout", 0.0);
+    const auto& targets = peft.at("target_modules");
+    if (targets.is_string()) {
+      config.target_regex = targets.get<std::string>();
+    } else {
+      config.target_modules = targets.get<std::vector<std::string>>();
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(fmt::format("{}: not a PEFT LoRA config: {}", where, e.what()));
+  }
+  if (config.r <= 0) throw std::invalid_argument(fmt::format("{}: r must be > 0", where));
+  return config;
+}
+
+namespace {
+
+// One adapter tensor as exported: its name in the model and in PEFT's file.
+struct PeftTensor {
+  std::string param;
+  checkpoint::TensorInfo info;
+};
+
+// Writes adapter_model.safetensors from `tensors` (their data supplied in order by `write_all`,
+// one full tensor at a time) and adapter_config.json; returns both paths.
+std::vector<std::string> write_peft_files(
+    const std::string& out_dir, const std::vector<PeftTensor>& tensors, const std::string& config,
+    const std::function<void(checkpoint::SafetensorsWriter&)>& write_all) {
+  std::filesystem::create_directories(out_dir);
+  std::vector<checkpoint::TensorInfo> infos;
+  for (const auto& t : tensors) infos.push_back(t.info);
+  const std::string weights = (std::filesystem::path(out_dir) / kPeftWeightsFile).string();
+  checkpoint::SafetensorsWriter writer(weights, infos, {{"format", "pt"}});
+  write_all(writer);
+  writer.close();
+  const std::string config_path = (std::filesystem::path(out_dir) / kPeftConfigFile).string();
+  std::ofstream out(config_path);
+  out << config << "\n";
+  if (!out.flush()) throw std::runtime_error(fmt::format("cannot write {}", config_path));
+  return {weights, config_path};
+}
+
+template <class Named>
+std::vector<PeftTensor> plan_peft(const Named& named, const std::string& name,
+                                  torch::ScalarType dtype, const std::string& what) {
+  std::vector<PeftTensor> out;
+  for (const auto& [param, shape] : named) {
+    if (auto peft = peft_name(param, name)) out.push_back({param, {*peft, dtype, shape}});
+  }
+  if (out.empty()) {
+    throw std::invalid_argument(fmt::format("{} has no tensors of adapter '{}'", what, name));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> export_peft_adapter(const std::string& ckpt_dir,
+                                             const std::string& out_dir, const std::string& name,
+                                             torch::ScalarType dtype) {
+  const nlohmann::json index = checkpoint::read_index(ckpt_dir);
+  const nlohmann::json& extra = index.value("extra", nlohmann::json::object());
+  if (!extra.contains("lora") || !extra["lora"].contains(name)) {
+    throw std::invalid_argument(fmt::format(
+        "checkpoint {}: its extra JSON has no lora.{} (the adapter's PEFT config, saved as "
+        "{{\"lora\": {{\"{}\": peft_adapter_config(...)}}}})",
+        ckpt_dir, name, name));
+  }
+  // Validates it before anything is written.
+  config_from_peft(extra["lora"][name],
+                   fmt::format("checkpoint {}: extra.lora.{}", ckpt_dir, name));
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& [param, entry] : index.at("model").items())
+    shapes.emplace_back(param, entry.at("shape").get<std::vector<int64_t>>());
+  const auto tensors = plan_peft(shapes, name, dtype, "checkpoint " + ckpt_dir);
+  std::vector<std::string> params;
+  for (const auto& t : tensors) params.push_back(t.param);
+  return write_peft_files(out_dir, tensors, extra["lora"][name].dump(2), [&](auto& writer) {
+    size_t next = 0;
+    checkpoint::for_each_full_tensor(ckpt_dir, params,
+                                     [&](const std::string&, const torch::Tensor& full) {
+                                       writer.write(tensors[next++].info.name, full.to(dtype));
+                                     });
+  });
+}
+
+void export_peft_adapter(const fsdp::FSDPModule& model, const LoraConfig& config,
+                         const std::string& name, const std::string& out_dir,
+                         torch::ScalarType dtype, const std::string& base_model) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& p : model.sharded_parameters()) shapes.emplace_back(p.name, p.global_shape);
+  const auto tensors = plan_peft(shapes, name, dtype, "the model");
+  std::map<std::string, std::string> peft_of;
+  for (const auto& t : tensors) peft_of[t.param] = t.info.name;
+  auto is_mine = [&](const std::string& param) { return peft_of.count(param) > 0; };
+  // Only rank 0 writes; every rank takes part in each gather, one adapter tensor at a time.
+  const bool writes = model.mesh().data_parallel_rank() == 0;
+  auto gather = [&](checkpoint::SafetensorsWriter* writer) {
+    checkpoint::for_each_full_parameter(
+        model, dtype, "",
+        [&](const std::string& param, const torch::Tensor& full) {
+          if (writer) writer->write(peft_of.at(param), full);
+        },
+        is_mine);
+  };
+  if (!writes) {
+    gather(nullptr);
+    return;
+  }
+  write_peft_files(out_dir, tensors, peft_adapter_config(config, base_model),
+                   [&](auto& writer) { gather(&writer); });
 }
 
 }  // namespace shardrl::models::lora

@@ -2,6 +2,7 @@
 """An independent safetensors reader (json + struct only) for the export test.
 
 Usage: read_safetensors.py DIR   reads DIR/model.safetensors.index.json and the files it names,
+       read_safetensors.py FILE  reads one .safetensors file (e.g. a PEFT adapter_model.safetensors),
 prints {"tensors": {name: {"dtype", "shape", "file", "values"}}, "files": {file: bytes}} as JSON.
 """
 import json
@@ -40,6 +41,13 @@ def read_file(path):
 
 def main():
     folder = sys.argv[1]
+    if os.path.isfile(folder):
+        tensors = read_file(folder)
+        for t in tensors.values():
+            t["file"] = os.path.basename(folder)
+        json.dump({"tensors": tensors, "files": {os.path.basename(folder): os.path.getsize(folder)}},
+                  sys.stdout)
+        return
     with open(os.path.join(folder, "model.safetensors.index.json")) as f:
         index = json.load(f)
     tensors, files = {}, {}

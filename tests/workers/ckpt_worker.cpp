@@ -2,7 +2,8 @@
 //   train: trains the test scenario with a cosine LR schedule from step 0 or from a checkpoint,
 //          saving where told; writes losses, LRs, RNG probes and the gathered parameters.
 //   load:  loads a checkpoint (for the damage tests) and reports its step.
-//   init:  initialises a freshly built model from HF-style safetensors and writes its parameters.
+//   init:  initialises a freshly built model from HF-style safetensors (load_hf, or
+//          load_hf_from_rank0 with --from-rank0) and writes its parameters.
 //   sync:  streams the model's full parameters with for_each_full_parameter and checks each
 //          against full_parameters() and that training state is unchanged.
 #include <CLI/CLI.hpp>
@@ -37,6 +38,7 @@ struct Args {
   int die_rank = -1;
   int64_t die_save_step = -1, die_after_bytes = 0;
   int fsdp_size = -1;
+  bool from_rank0 = false;
 };
 
 optim::LRScheduleConfig schedule() {
@@ -180,7 +182,11 @@ int sync(const Args& a) {
 int init_from_hf(const Args& a) {
   Trainer t(a);
   auto fsdp_model = t.model.fsdp();
-  checkpoint::load_hf(a.hf_dir, fsdp_model);
+  if (a.from_rank0) {
+    checkpoint::load_hf_from_rank0(a.hf_dir, fsdp_model);
+  } else {
+    checkpoint::load_hf(a.hf_dir, fsdp_model);
+  }
   auto full = fsdp_model.full_parameters();
   if (t.world->rank() == 0) testing::write_params(full, a.out);
   return 0;
@@ -220,6 +226,7 @@ int main(int argc, char** argv) {
   auto* init_cmd = app.add_subcommand("init", "Initialise the shards from HF-style safetensors");
   common(init_cmd);
   init_cmd->add_option("--hf", a.hf_dir)->required();
+  init_cmd->add_flag("--from-rank0", a.from_rank0, "Only rank 0 reads; the others get their rows");
   app.require_subcommand(1);
   CLI11_PARSE(app, argc, argv);
   try {

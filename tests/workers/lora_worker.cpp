@@ -1,6 +1,8 @@
 // One rank of the LoRA sharding tests: trains the LoRA scenario with FSDP and writes, per step,
 // the bytes the backward sent (reduce-scatters only: params stay gathered after forward, so the
-// backward gathers nothing), which shards got grads, and at the end the gathered params.
+// backward gathers nothing), which shards got grads, and at the end the gathered params. With
+// --save it also saves a checkpoint carrying the "default" adapter's PEFT config, and with
+// --export-adapter it exports that adapter from the live sharded model.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -8,6 +10,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "shardrl/checkpoint.h"
 #include "shardrl/dist.h"
 #include "shardrl/optim.h"
 #include "workers/lora_scenario.h"
@@ -17,7 +20,12 @@ using namespace shardrl;
 
 namespace {
 
-int train(const testing::LoraScenario& s, const std::string& out) {
+struct Outputs {
+  std::string out = ".", save_root, export_adapter;
+};
+
+int train(const testing::LoraScenario& s, const Outputs& o) {
+  const std::string& out = o.out;
   auto world = dist::World::init_from_env();
   auto mesh = dist::DeviceMesh::create(*world);
   fsdp::Options options;
@@ -53,6 +61,16 @@ int train(const testing::LoraScenario& s, const std::string& out) {
     auto total = loss.detach().clone();
     world->group().all_reduce(total);
     losses.push_back(total.item<double>() / world->size());
+  }
+  if (!o.save_root.empty()) {
+    const nlohmann::json extra = {
+        {"lora",
+         {{"default",
+           nlohmann::json::parse(models::lora::peft_adapter_config(testing::lora_config()))}}}};
+    checkpoint::save(o.save_root, s.steps, model, *optimizer, nullptr, extra);
+  }
+  if (!o.export_adapter.empty()) {
+    models::lora::export_peft_adapter(model, testing::lora_config(), "default", o.export_adapter);
   }
   auto full = model.full_parameters();
   if (world->rank() == 0) {
@@ -153,14 +171,16 @@ int shared_gather(const testing::LoraScenario& s, const std::string& out) {
 int main(int argc, char** argv) {
   CLI::App app{"ShardRL LoRA multi-rank test worker"};
   testing::LoraScenario s;
-  std::string out = ".";
+  Outputs o;
   app.add_option("--steps", s.steps);
-  app.add_option("--out", out);
+  app.add_option("--out", o.out);
+  app.add_option("--save", o.save_root, "Checkpoint root to save the trained model under");
+  app.add_option("--export-adapter", o.export_adapter, "Export 'default' here (PEFT files)");
   bool shared = false;
   app.add_flag("--shared-gather", shared, "compare one UnshardScope with separate forwards");
   CLI11_PARSE(app, argc, argv);
   try {
-    return shared ? shared_gather(s, out) : train(s, out);
+    return shared ? shared_gather(s, o.out) : train(s, o);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;

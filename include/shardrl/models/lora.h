@@ -17,6 +17,7 @@
 #pragma once
 
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <map>
 #include <optional>
@@ -155,5 +156,29 @@ std::map<std::string, torch::Tensor> merged_state_dict(
 std::map<std::string, torch::Tensor> peft_state_dict(
     const std::map<std::string, torch::Tensor>& params, const std::string& name);
 std::string peft_adapter_config(const LoraConfig& config, const std::string& base_model = "");
+// The PEFT name of adapter `name`'s tensor `param`, or nullopt when it is no tensor of that
+// adapter.
+std::optional<std::string> peft_name(const std::string& param, const std::string& name);
+// The config back from adapter_config.json's fields; errors name `where`.
+LoraConfig config_from_peft(const nlohmann::json& peft, const std::string& where);
+
+// ---- adapter-only export: PEFT's adapter_model.safetensors + adapter_config.json ---------------
+
+constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";
+constexpr const char* kPeftConfigFile = "adapter_config.json";
+
+// From a sharded checkpoint, reading one tensor at a time. The adapter's config is the PEFT JSON
+// the training run saved in the checkpoint's extra as {"lora": {name: peft_adapter_config(...)}}.
+// Returns the files written.
+std::vector<std::string> export_peft_adapter(const std::string& ckpt_dir,
+                                             const std::string& out_dir, const std::string& name,
+                                             torch::ScalarType dtype = torch::kFloat);
+
+// Collective over model.mesh(): from a live sharded model, gathering one adapter tensor at a time
+// (base params are not gathered); data-parallel rank 0 writes.
+void export_peft_adapter(const fsdp::FSDPModule& model, const LoraConfig& config,
+                         const std::string& name, const std::string& out_dir,
+                         torch::ScalarType dtype = torch::kFloat,
+                         const std::string& base_model = "");
 
 }  // namespace shardrl::models::lora
