@@ -1,0 +1,144 @@
+// The data layer: the real Fashion-MNIST IDX files, the distributed sampler, PNG files.
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "shardrl/data.h"
+#include "test_util.h"
+
+namespace shardrl::testing {
+namespace {
+
+const std::string kFashion = "/usr/share/datasets/fashion-mnist";
+
+TEST(Data, ReadsTheRealFashionMnistIdxFiles) {
+  auto images = data::read_idx(kFashion + "/t10k-images-idx3-ubyte.gz");
+  auto labels = data::read_idx(kFashion + "/t10k-labels-idx1-ubyte.gz");
+  EXPECT_EQ(images.sizes(), (std::vector<int64_t>{10000, 28, 28}));
+  EXPECT_EQ(images.scalar_type(), torch::kUInt8);
+  EXPECT_EQ(labels.sizes(), (std::vector<int64_t>{10000}));
+  // Fashion-MNIST's t10k labels start 9 2 1 1 6 and hold 1000 of each class.
+  EXPECT_EQ(labels.narrow(0, 0, 5).to(torch::kLong).equal(torch::tensor({9, 2, 1, 1, 6})), true);
+  EXPECT_TRUE(
+      torch::bincount(labels.to(torch::kLong)).equal(torch::full({10}, 1000, torch::kLong)));
+  EXPECT_GT(images.max().item<int>(), 250);
+
+  data::ImageDatasetOptions options;
+  options.image_size = 14;
+  options.limit = 100;
+  auto ds = data::load_image_dataset(kFashion + "/t10k-images-idx3-ubyte.gz",
+                                     kFashion + "/t10k-labels-idx1-ubyte.gz", options);
+  EXPECT_EQ(ds.images.sizes(), (std::vector<int64_t>{100, 1, 14, 14}));
+  EXPECT_GE(ds.images.min().item<float>(), -1.0f);
+  EXPECT_LE(ds.images.max().item<float>(), 1.0f);
+  // Area downsampling keeps the mean brightness.
+  auto full = data::normalize_images(images.narrow(0, 0, 100));
+  EXPECT_NEAR(full.mean().item<double>(), ds.images.mean().item<double>(), 1e-5);
+  EXPECT_EQ(ds.labels.scalar_type(), torch::kLong);
+}
+
+TEST(Data, IdxErrorsNameTheFile) {
+  const auto dir = make_temp_dir("idx");
+  const std::string bad = dir + "/bad.idx";
+  std::ofstream(bad) << "not an idx file at all";
+  for (const std::string& path : {bad, dir + "/missing-images-idx3-ubyte.gz"}) {
+    try {
+      data::read_idx(path);
+      ADD_FAILURE() << "no error for " << path;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  }
+  // A header promising more pixels than the (gzipped) body holds.
+  const std::string truncated = dir + "/truncated.gz";
+  gzFile f = gzopen(truncated.c_str(), "wb");
+  const unsigned char header[] = {0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 28, 0, 0, 0, 28, 1, 2, 3};
+  gzwrite(f, header, sizeof(header));
+  gzclose(f);
+  try {
+    data::read_idx(truncated);
+    ADD_FAILURE() << "no error for a truncated file";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(truncated), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Data, SamplerShardsAreDisjointCoverTheBatchAndChangePerEpoch) {
+  const int64_t n = 103, batch = 12, world = 3;
+  std::vector<data::DistributedSampler> ranks;
+  for (int64_t r = 0; r < world; ++r) ranks.emplace_back(n, batch, r, world, 7);
+  EXPECT_EQ(ranks[0].batches_per_epoch(), 8);
+  std::set<int64_t> epoch0;
+  for (int64_t step = 0; step < 8; ++step) {
+    std::set<int64_t> seen;
+    for (auto& s : ranks) {
+      auto idx = s.indices(step);
+      ASSERT_EQ(idx.numel(), 4);
+      for (int64_t i = 0; i < idx.numel(); ++i) {
+        EXPECT_TRUE(seen.insert(idx[i].item<int64_t>()).second) << "repeated in step " << step;
+      }
+    }
+    std::set<int64_t> global;
+    auto g = ranks[1].global_indices(step);
+    for (int64_t i = 0; i < g.numel(); ++i) global.insert(g[i].item<int64_t>());
+    EXPECT_EQ(seen, global);
+    for (int64_t i : seen) EXPECT_TRUE(epoch0.insert(i).second) << "sample reused in an epoch";
+  }
+  EXPECT_EQ(epoch0.size(), 96u);
+  EXPECT_FALSE(ranks[0].indices(8).equal(ranks[0].indices(0)));  // epoch 1 reshuffles
+  data::DistributedSampler again(n, batch, 0, world, 7);
+  EXPECT_TRUE(again.indices(9).equal(ranks[0].indices(9)));  // seeded
+  expect_invalid_argument_naming([] { data::DistributedSampler(100, 10, 0, 3, 0); }, "global_batch",
+                                 "10");
+}
+
+TEST(Data, PngRoundTripsGreyAndRgb) {
+  const auto dir = make_temp_dir("png");
+  auto images = torch::rand({5, 1, 6, 4}) * 2 - 1;
+  auto grid = data::image_grid(images, 3, 1, 2);
+  EXPECT_EQ(grid.sizes(), (std::vector<int64_t>{2 * 13 + 1, 3 * 9 + 1, 1}));
+  // Image 4 sits in row 1, column 1, each pixel doubled.
+  const auto expected = ((images[4][0][2][1] + 1) * 127.5).round().item<int>();
+  EXPECT_EQ(grid[1 + 13 + 4][1 + 9 + 2][0].item<int>(), expected);
+  data::write_png(dir + "/grid.png", grid);
+  EXPECT_TRUE(data::read_png(dir + "/grid.png").equal(grid));
+
+  data::LinePlotOptions plot_options;
+  plot_options.title = "reward";
+  auto plot = data::line_plot({{0.1, 0.3, 0.2, 0.9}, {0.5, 0.5, 0.4, 0.6}}, plot_options);
+  EXPECT_EQ(plot.sizes(), (std::vector<int64_t>{320, 480, 3}));
+  data::write_png(dir + "/plot.png", plot);
+  EXPECT_TRUE(data::read_png(dir + "/plot.png").equal(plot));
+  // Both curves' colours are drawn.
+  auto is = [&](int r, int g, int b) {
+    return (plot.select(2, 0) == r)
+        .logical_and(plot.select(2, 1) == g)
+        .logical_and(plot.select(2, 2) == b)
+        .any()
+        .item<bool>();
+  };
+  EXPECT_TRUE(is(31, 119, 180));
+  EXPECT_TRUE(is(255, 127, 14));
+  // Python's zlib reads the same pixels back (independent of libpng's reader).
+  const auto check =
+      run_process({"/usr/bin/python3", "-c",
+                   "import sys,zlib,struct\n"
+                   "d=open(sys.argv[1],'rb').read(); assert d[:8]==b'\\x89PNG\\r\\n\\x1a\\n'\n"
+                   "i=8; idat=b''\n"
+                   "while i<len(d):\n"
+                   " n,t=struct.unpack('>I4s',d[i:i+8]); c=d[i+8:i+8+n]; i+=12+n\n"
+                   " if t==b'IHDR': w,h,bd,ct=struct.unpack('>IIBB',c[:10])\n"
+                   " if t==b'IDAT': idat+=c\n"
+                   "raw=zlib.decompress(idat); print(w,h,bd,ct,len(raw)==h*(1+w*3))\n",
+                   dir + "/plot.png"});
+  EXPECT_EQ(check.exit_code, 0) << check.output;
+  EXPECT_NE(check.output.find("480 320 8 2 True"), std::string::npos) << check.output;
+  EXPECT_THROW(data::write_png(dir + "/no/such/dir/x.png", grid), std::runtime_error);
+}
+
+}  // namespace
+}  // namespace shardrl::testing
