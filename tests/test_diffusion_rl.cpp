@@ -289,36 +289,69 @@ TEST(RewardClassifier, LearnsFashionMnistQuickly) {
                                  "reward_mode", "logit");
 }
 
-TEST(FmnistDemo, RunsOnTwoRanksWritesPicturesAndCachesTheSupervisedStage) {
+ProcessResult train_demo(const std::vector<std::string>& overrides) {
+  std::vector<std::string> argv = {
+      bin("shardrl"), "train",
+      std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/fmnist_flow_grpo.yaml"};
+  argv.insert(argv.end(), overrides.begin(), overrides.end());
+  return run_process(argv, {}, 300);
+}
+
+// The main job's config, shrunk: `shardrl train` starts 2 ranks, writes the pictures and one
+// metrics line per RL step; a second run finds both supervised stages cached; a run stopped
+// after 2 steps and resumed to 3 logs the same rewards as an uninterrupted run of 3.
+TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
   const auto dir = make_temp_dir("fmnist_demo");
-  const std::vector<std::string> args = {
-      "--run-dir",         dir,  "--image-size",  "14", "--patch-size",       "2",
-      "--hidden",          "32", "--depth",       "1",  "--classifier-steps", "20",
-      "--pretrain-steps",  "20", "--rl-steps",    "2",  "--group-size",       "4",
-      "--groups-per-rank", "1",  "--micro-batch", "4",  "--sample-steps",     "3",
-      "--eval-per-class",  "2"};
-  auto first = launch_workers(2, args, 300, "fmnist_flow_grpo");
+  const std::vector<std::string> tiny = {
+      "data.image_size=14",
+      "actor_rollout_ref.model.config={patch_size: 2, hidden_size: 32, depth: 1, num_heads: 4}",
+      "reward_model.steps=20",
+      "pretrain.steps=20",
+      "pretrain.cache_dir=" + dir + "/cache",
+      "actor_rollout_ref.rollout.n=4",
+      "actor_rollout_ref.rollout.groups_per_gpu=1",
+      "actor_rollout_ref.rollout.num_steps=3",
+      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+      "evaluation.per_class=2",
+      "trainer.save_freq=1"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), tiny.begin(), tiny.end());
+    return extra;
+  };
+  auto first = train_demo(
+      with({"trainer.default_local_dir=" + dir + "/resumed", "trainer.total_training_steps=2"}));
   ASSERT_EQ(first.exit_code, 0) << first.output;
   EXPECT_NE(first.output.find("classifier test accuracy"), std::string::npos) << first.output;
-  EXPECT_NE(first.output.find("rl step   2/2"), std::string::npos) << first.output;
   for (const char* f : {"samples_before.png", "samples_after.png", "reward_curve.png"}) {
-    auto png = data::read_png(dir + "/" + f);
+    auto png = data::read_png(dir + "/resumed/" + f);
     EXPECT_GT(png.numel(), 0) << f;
   }
-  std::ifstream metrics(dir + "/metrics.jsonl");
-  std::string line;
-  int lines = 0;
-  while (std::getline(metrics, line)) {
-    auto j = nlohmann::json::parse(line);
-    EXPECT_TRUE(j.contains("reward_mean") && j.contains("clipfrac") && j.contains("grad_norm"));
-    ++lines;
+  auto metrics = read_jsonl(dir + "/resumed/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 2u);
+  for (const char* key : {"reward_mean", "reward_std", "clipfrac", "grad_norm", "lr", "kl", "loss",
+                          "step_time", "time_rollout"}) {
+    EXPECT_TRUE(metrics[0].contains(key)) << key << " missing in " << metrics[0].dump();
   }
-  EXPECT_EQ(lines, 2);
-  auto second = launch_workers(2, args, 300, "fmnist_flow_grpo");
-  ASSERT_EQ(second.exit_code, 0) << second.output;
-  EXPECT_NE(second.output.find("classifier: cached"), std::string::npos) << second.output;
-  EXPECT_NE(second.output.find("pretrained DiT: cached"), std::string::npos) << second.output;
-  EXPECT_EQ(second.output.find("pretrain step"), std::string::npos) << second.output;
+
+  auto resumed = train_demo(with({"trainer.default_local_dir=" + dir + "/resumed",
+                                  "trainer.total_training_steps=3", "trainer.resume=auto"}));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("classifier: cached"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("pretrained DiT: cached"), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.output.find("pretrain step"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+
+  auto straight = train_demo(
+      with({"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=3"}));
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  auto a = read_jsonl(dir + "/resumed/metrics.jsonl");
+  auto b = read_jsonl(dir + "/straight/metrics.jsonl");
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(a[i]["reward_mean"].get<double>(), b[i]["reward_mean"].get<double>()) << i;
+    EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << i;
+  }
 }
 
 }  // namespace

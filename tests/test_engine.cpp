@@ -94,12 +94,12 @@ TEST(Engine, OffloadScopesLeaveTrainingResultsUnchanged) {
 
 TEST(Engine, ForwardOnlyLeavesTheWeightsUntouched) {
   const auto dir = make_temp_dir("engine_forward_only");
-  auto result =
-      launch_workers(2, {"--mode", "forward_only", "--out", dir}, 300, "engine_worker");
+  auto result = launch_workers(2, {"--mode", "forward_only", "--out", dir}, 300, "engine_worker");
   ASSERT_EQ(result.exit_code, 0) << result.output;
   auto before = read_params(dir + "/before"), after = read_params(dir + "/after");
   ASSERT_FALSE(before.empty());
-  for (const auto& [name, tensor] : before) EXPECT_TRUE(torch::equal(after.at(name), tensor)) << name;
+  for (const auto& [name, tensor] : before)
+    EXPECT_TRUE(torch::equal(after.at(name), tensor)) << name;
 }
 
 // Rank 0 holds 4 samples (2 micro-batches of 2), rank 1 holds 2 (1 micro-batch): run as is,

@@ -318,6 +318,7 @@ TEST(Lora, UnshardScopeSharesOneGatherBetweenReferenceAndPolicy) {
     auto out = read_params(dir + "/scope_" + r + "/out");
     EXPECT_FALSE(torch::allclose(out.at("ref"), out.at("policy")));  // the adapters did act
   }
+}
 
 // The adapter alone, as PEFT writes it, from a sharded checkpoint (the CLI) and from the live
 // sharded model: read back with an independent reader, PEFT names, the gathered values.

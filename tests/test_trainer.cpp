@@ -24,7 +24,8 @@ void expect_error_naming(const std::function<void()>& fn, const std::vector<std:
     fn();
     FAIL() << "no error was raised";
   } catch (const std::invalid_argument& e) {
-    for (const auto& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+    for (const auto& w : words)
+      EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
   }
 }
 
@@ -47,9 +48,9 @@ actor_rollout_ref:
 TEST(TrainerConfig, FileThenOverridesWithTypesKept) {
   const auto dir = make_temp_dir("trainer_config");
   const auto path = write_file(dir, "lm.yaml", kSmallLm);
-  auto config = trainer::task_config(
-      path, {"actor_rollout_ref.actor.optim.lr=0.5", "trainer.save_freq=3",
-             "actor_rollout_ref.actor.optim.betas=[0.8, 0.9]"});
+  auto config =
+      trainer::task_config(path, {"actor_rollout_ref.actor.optim.lr=0.5", "trainer.save_freq=3",
+                                  "actor_rollout_ref.actor.optim.betas=[0.8, 0.9]"});
   EXPECT_EQ(trainer::get<int64_t>(config, "trainer.total_training_steps"), 4);
   EXPECT_EQ(trainer::get<int64_t>(config, "trainer.save_freq"), 3);
   EXPECT_DOUBLE_EQ(trainer::get<double>(config, "actor_rollout_ref.actor.optim.lr"), 0.5);
@@ -66,27 +67,21 @@ TEST(TrainerConfig, ErrorsNameTheKeyAndTheFile) {
   const auto path = write_file(dir, "lm.yaml", kSmallLm);
   expect_error_naming([&] { trainer::task_config(path, {"trainer.totl_training_steps=3"}); },
                       {"trainer.totl_training_steps", "unknown"});
-  expect_error_naming([&] { trainer::task_config(path, {"actor_rollout_ref.actor.optim.lr=fast"}); },
-                      {"actor_rollout_ref.actor.optim.lr", "a number"});
+  expect_error_naming(
+      [&] { trainer::task_config(path, {"actor_rollout_ref.actor.optim.lr=fast"}); },
+      {"actor_rollout_ref.actor.optim.lr", "a number"});
   expect_error_naming([&] { trainer::task_config(path, {"trainer.save_freq=2.5"}); },
                       {"trainer.save_freq"});
   const auto bad = write_file(dir, "bad.yaml", std::string(kSmallLm) + "data:\n  shuffle: true\n");
   expect_error_naming([&] { trainer::task_config(bad, {}); }, {"bad.yaml"});
-  const auto unknown = write_file(dir, "unknown.yaml",
-                                  "trainer:\n  task: lm_pretrain\nalgorithm:\n  kl_ctrl: 1\n");
+  const auto unknown =
+      write_file(dir, "unknown.yaml", "trainer:\n  task: lm_pretrain\nalgorithm:\n  kl_ctrl: 1\n");
   expect_error_naming([&] { trainer::task_config(unknown, {}); }, {"unknown.yaml", "'algorithm'"});
   expect_error_naming([&] { trainer::task_config(dir + "/missing.yaml", {}); }, {"missing.yaml"});
   const auto no_task = write_file(dir, "no_task.yaml", "trainer:\n  total_training_steps: 3\n");
   expect_error_naming([&] { trainer::task_config(no_task, {}); }, {"trainer.task"});
   expect_error_naming([&] { trainer::task_config(path, {"trainer.task=painting"}); },
                       {"painting", "lm_pretrain"});
-}
-
-std::vector<json> read_metrics(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<json> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(json::parse(line));
-  return lines;
 }
 
 ProcessResult train(const std::string& config, const std::vector<std::string>& overrides) {
@@ -111,28 +106,29 @@ TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
   const auto path = write_file(dir, "lm.yaml", kSmallLm);
   auto first = train(path, {"trainer.default_local_dir=" + dir + "/resumed"});
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto metrics = read_metrics(dir + "/resumed/metrics.jsonl");
+  auto metrics = read_jsonl(dir + "/resumed/metrics.jsonl");
   ASSERT_EQ(metrics.size(), 4u);
   for (const char* key : {"step", "loss", "grad_norm", "lr", "step_time"}) {
     EXPECT_TRUE(metrics[0].contains(key)) << key << " missing in " << metrics[0].dump();
   }
   EXPECT_TRUE(fs::exists(dir + "/resumed/checkpoints/global_step_4"));
 
-  auto second = train(path, {"trainer.default_local_dir=" + dir + "/resumed",
-                             "trainer.total_training_steps=6"});
+  auto second = train(
+      path, {"trainer.default_local_dir=" + dir + "/resumed", "trainer.total_training_steps=6"});
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
-  auto straight = train(path, {"trainer.default_local_dir=" + dir + "/straight",
-                               "trainer.total_training_steps=6"});
+  auto straight = train(
+      path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6"});
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
 
-  auto resumed = read_metrics(dir + "/resumed/metrics.jsonl");
-  auto reference = read_metrics(dir + "/straight/metrics.jsonl");
+  auto resumed = read_jsonl(dir + "/resumed/metrics.jsonl");
+  auto reference = read_jsonl(dir + "/straight/metrics.jsonl");
   ASSERT_EQ(resumed.size(), 6u);
   ASSERT_EQ(reference.size(), 6u);
   for (size_t i = 0; i < 6; ++i) {
     EXPECT_EQ(resumed[i]["step"], reference[i]["step"]);
-    EXPECT_EQ(resumed[i]["loss"].get<double>(), reference[i]["loss"].get<double>()) << "step " << i + 1;
+    EXPECT_EQ(resumed[i]["loss"].get<double>(), reference[i]["loss"].get<double>())
+        << "step " << i + 1;
   }
   EXPECT_LT(reference[5]["loss"].get<double>(), reference[0]["loss"].get<double>());
 }

@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include <fstream>
+
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
@@ -27,6 +29,13 @@ void expect_invalid_argument_naming(const std::function<void()>& fn, const std::
     EXPECT_NE(msg.find(field), std::string::npos) << msg;
     EXPECT_NE(msg.find(value), std::string::npos) << msg;
   }
+}
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> values;
+  for (std::string line; std::getline(in, line);) values.push_back(nlohmann::json::parse(line));
+  return values;
 }
 
 std::string bin(const std::string& name) {

@@ -1,6 +1,8 @@
 // Shared by the tests: running real processes and reading what they wrote.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <functional>
 #include <map>
 #include <string>
@@ -29,6 +31,8 @@ void expect_invalid_argument_naming(const std::function<void()>& fn, const std::
                                     const std::string& value = "");
 
 std::string bin(const std::string& name);
+// One JSON value per line, as metrics.jsonl holds them.
+std::vector<nlohmann::json> read_jsonl(const std::string& path);
 std::string make_temp_dir(const std::string& tag);
 int free_port();
 

@@ -67,7 +67,7 @@ struct EngineConfig {
   std::string backend = "fsdp";
   nlohmann::json model = nlohmann::json::object();  // handed to the model family's builder
   int fsdp_size = -1;                               // -1: shard over every rank (no HSDP)
-  fsdp::Options fsdp;  // reshard_after_forward, mixed_precision, prefetch
+  fsdp::Options fsdp;                    // reshard_after_forward, mixed_precision, prefetch
   int64_t micro_batch_size_per_gpu = 0;  // 0: the whole local batch is one micro-batch
   bool forward_only = false;             // a reference model: no optimizer, no grads
   // verl's param_offload / optimizer_offload: the state lives in offload.tier between phases and

@@ -33,8 +33,8 @@ T get(const nlohmann::json& config, const std::string& dotted_key) {
   try {
     return value.get<T>();
   } catch (const nlohmann::json::exception&) {
-    throw std::invalid_argument("config key '" + dotted_key + "' has the wrong type: " +
-                                value.dump());
+    throw std::invalid_argument("config key '" + dotted_key +
+                                "' has the wrong type: " + value.dump());
   }
 }
 
@@ -49,11 +49,13 @@ engine::EngineConfig engine_config(const nlohmann::json& config, const std::stri
 // The defaults engine_config reads, for a config's defaults document.
 nlohmann::json engine_defaults();
 
-// One JSON object per step in `path` (appended; a resumed run continues the file), and a progress
-// line: redrawn in place on a terminal, one plain line per step in logs.
+// One JSON object per step in `path`, and a progress line: redrawn in place on a terminal, one
+// plain line per step in logs. Lines of steps after `resumed_step` (logged after the checkpoint
+// a run resumes from) are dropped, so the file holds each step once.
 class MetricsLogger {
  public:
-  MetricsLogger(const std::string& path, int64_t total_steps, bool enabled);
+  MetricsLogger(const std::string& path, int64_t total_steps, bool enabled,
+                int64_t resumed_step = 0);
   void log(int64_t step, const std::map<std::string, double>& metrics);
 
  private:

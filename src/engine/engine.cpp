@@ -66,8 +66,7 @@ Batch concat_batches(const std::vector<Batch>& parts) {
   return out;
 }
 
-Engine::Engine(EngineConfig config, std::shared_ptr<dist::World> world,
-               const ModelBuilder& builder)
+Engine::Engine(EngineConfig config, std::shared_ptr<dist::World> world, const ModelBuilder& builder)
     : config_(std::move(config)),
       world_(std::move(world)),
       mesh_(dist::DeviceMesh::create(*world_, config_.fsdp_size)),
@@ -121,8 +120,12 @@ Engine::ModeScope::~ModeScope() {
   }
 }
 
-Engine::ModeScope Engine::train_mode() { return ModeScope(*this, offloaded_between_phases(true)); }
-Engine::ModeScope Engine::eval_mode() { return ModeScope(*this, offloaded_between_phases(false)); }
+Engine::ModeScope Engine::train_mode() {
+  return ModeScope(*this, offloaded_between_phases(true));
+}
+Engine::ModeScope Engine::eval_mode() {
+  return ModeScope(*this, offloaded_between_phases(false));
+}
 
 void Engine::to(offload::Tier tier, offload::Selection what) {
   offload::to(tier, model_.fsdp, optimizer_.get(), what);
@@ -140,7 +143,9 @@ void Engine::log_memory(const std::string& phase) const {
   offload::log_memory(phase, model_.fsdp, optimizer_.get());
 }
 
-void Engine::optimizer_zero_grad() { model_.fsdp.zero_grad(); }
+void Engine::optimizer_zero_grad() {
+  model_.fsdp.zero_grad();
+}
 
 optim::StepResult Engine::optimizer_step() {
   TORCH_CHECK(optimizer_, "optimizer_step: this engine is forward_only (a reference model)");
@@ -152,7 +157,9 @@ double Engine::lr_scheduler_step() {
   return scheduler_->step();
 }
 
-double Engine::current_lr() const { return scheduler_ ? scheduler_->current_lr() : 0.0; }
+double Engine::current_lr() const {
+  return scheduler_ ? scheduler_->current_lr() : 0.0;
+}
 
 int64_t Engine::agreed_micro_batch_count(int64_t local_samples) {
   const int64_t per = config_.micro_batch_size_per_gpu;
@@ -163,9 +170,9 @@ int64_t Engine::agreed_micro_batch_count(int64_t local_samples) {
   world_->group().all_reduce(count, dist::ReduceOp::kMax);
   const int64_t agreed = count.item<int64_t>();
   if (agreed > local_samples) {
-    throw std::invalid_argument(fmt::format(
-        "rank {}: {} local samples cannot fill the {} micro-batches another rank needs",
-        world_->rank(), local_samples, agreed));
+    throw std::invalid_argument(
+        fmt::format("rank {}: {} local samples cannot fill the {} micro-batches another rank needs",
+                    world_->rank(), local_samples, agreed));
   }
   return agreed;
 }

@@ -24,8 +24,7 @@ T field(const json& j, const char* name, T fallback) {
   try {
     return j[name].get<T>();
   } catch (const json::exception&) {
-    throw std::invalid_argument(
-        fmt::format("model.{}: wrong type ({})", name, j[name].dump()));
+    throw std::invalid_argument(fmt::format("model.{}: wrong type ({})", name, j[name].dump()));
   }
 }
 
@@ -156,10 +155,11 @@ std::unique_ptr<Engine> EngineRegistry::create(const EngineConfig& config,
     auto it = registry.builders.find(config.model_type + "/" + config.backend);
     if (it == registry.builders.end()) {
       std::string known;
-      for (const auto& [key, unused] : registry.builders) known += (known.empty() ? "" : ", ") + key;
-      throw std::invalid_argument(fmt::format(
-          "model_type/backend: no engine registered for '{}/{}' (registered: {})",
-          config.model_type, config.backend, known));
+      for (const auto& [key, unused] : registry.builders)
+        known += (known.empty() ? "" : ", ") + key;
+      throw std::invalid_argument(
+          fmt::format("model_type/backend: no engine registered for '{}/{}' (registered: {})",
+                      config.model_type, config.backend, known));
     }
     builder = it->second;
   }

@@ -30,9 +30,12 @@ TransformerConfig TransformerConfig::from_json(const nlohmann::json& j) {
   detail::read_field(j, "n_heads", c.n_heads, true);
   detail::read_field(j, "n_layers", c.n_layers, true);
   detail::read_field(j, "mlp_ratio", c.mlp_ratio, false);
-  for (auto [value, field] : {std::pair{c.vocab_size, "vocab_size"}, {c.max_seq_len, "max_seq_len"},
-                              {c.d_model, "d_model"}, {c.n_heads, "n_heads"},
-                              {c.n_layers, "n_layers"}, {c.mlp_ratio, "mlp_ratio"}}) {
+  for (auto [value, field] : {std::pair{c.vocab_size, "vocab_size"},
+                              {c.max_seq_len, "max_seq_len"},
+                              {c.d_model, "d_model"},
+                              {c.n_heads, "n_heads"},
+                              {c.n_layers, "n_layers"},
+                              {c.mlp_ratio, "mlp_ratio"}}) {
     detail::require_positive(value, field);
   }
   return c;

@@ -124,8 +124,7 @@ json load_config(const std::string& path, const std::vector<std::string>& overri
   for (const auto& item : overrides) {
     const auto eq = item.find('=');
     if (eq == std::string::npos || eq == 0) {
-      throw std::invalid_argument(
-          fmt::format("override '{}': expected dotted.key=value", item));
+      throw std::invalid_argument(fmt::format("override '{}': expected dotted.key=value", item));
     }
     const std::string key = item.substr(0, eq);
     json nested = yaml_to_json(item.substr(eq + 1), "override " + key);

@@ -52,16 +52,16 @@ engine::EngineConfig engine_config(const json& config, const std::string& model_
   c.fsdp.prefetch = get<int>(config, f + ".forward_prefetch");
   c.offload.param_offload = get<bool>(config, f + ".param_offload");
   c.offload.optimizer_offload = get<bool>(config, f + ".optimizer_offload");
-  c.offload.tier = offload::parse_tier(get<std::string>(config, f + ".offload_tier"),
-                                       f + ".offload_tier");
+  c.offload.tier =
+      offload::parse_tier(get<std::string>(config, f + ".offload_tier"), f + ".offload_tier");
   c.offload.dir = get<std::string>(config, f + ".offload_dir");
   c.offload_policy = get<bool>(config, f + ".offload_policy");
-  c.fsdp.mixed_precision.param_dtype = fsdp::parse_dtype(
-      get<std::string>(config, f + ".mixed_precision.param_dtype"),
-      f + ".mixed_precision.param_dtype");
-  c.fsdp.mixed_precision.reduce_dtype = fsdp::parse_dtype(
-      get<std::string>(config, f + ".mixed_precision.reduce_dtype"),
-      f + ".mixed_precision.reduce_dtype");
+  c.fsdp.mixed_precision.param_dtype =
+      fsdp::parse_dtype(get<std::string>(config, f + ".mixed_precision.param_dtype"),
+                        f + ".mixed_precision.param_dtype");
+  c.fsdp.mixed_precision.reduce_dtype =
+      fsdp::parse_dtype(get<std::string>(config, f + ".mixed_precision.reduce_dtype"),
+                        f + ".mixed_precision.reduce_dtype");
 
   const std::string o = base + ".optim";
   c.optim.lr = get<double>(config, o + ".lr");

@@ -19,7 +19,8 @@ using nlohmann::json;
 
 torch::Tensor read_corpus(const std::string& path) {
   if (!fs::exists(path)) {
-    throw std::invalid_argument(fmt::format("config key 'data.train_files': '{}' does not exist", path));
+    throw std::invalid_argument(
+        fmt::format("config key 'data.train_files': '{}' does not exist", path));
   }
   std::vector<fs::path> files;
   if (fs::is_directory(path)) {
@@ -37,8 +38,10 @@ torch::Tensor read_corpus(const std::string& path) {
     text += ss.str();
   }
   if (text.size() < 1024) {
-    throw std::invalid_argument(fmt::format("config key 'data.train_files': '{}' holds {} bytes of "
-                                            "text, too little to train on", path, text.size()));
+    throw std::invalid_argument(
+        fmt::format("config key 'data.train_files': '{}' holds {} bytes of "
+                    "text, too little to train on",
+                    path, text.size()));
   }
   auto bytes = torch::from_blob(text.data(), {static_cast<int64_t>(text.size())}, torch::kUInt8);
   return bytes.to(torch::kLong);
@@ -62,9 +65,8 @@ json lm_pretrain_defaults() {
               {"max_seq_len", 64}}},
             {"actor_rollout_ref", engine_defaults()}};
   d["actor_rollout_ref"]["model"]["family"] = "gpt";
-  d["actor_rollout_ref"]["model"]["config"] = {{"vocab_size", 256}, {"max_seq_len", 64},
-                                               {"d_model", 128},   {"n_heads", 4},
-                                               {"n_layers", 4}};
+  d["actor_rollout_ref"]["model"]["config"] = {
+      {"vocab_size", 256}, {"max_seq_len", 64}, {"d_model", 128}, {"n_heads", 4}, {"n_layers", 4}};
   d["actor_rollout_ref"]["actor"]["optim"]["lr"] = 3e-3;
   return d;
 }
@@ -76,8 +78,8 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
   const auto seed = get<int64_t>(config, "trainer.seed");
 
   torch::manual_seed(seed);  // identical initial weights on every rank
-  auto engine = engine::EngineRegistry::create(engine_config(config, "language_model", "actor"),
-                                               world);
+  auto engine =
+      engine::EngineRegistry::create(engine_config(config, "language_model", "actor"), world);
   const int64_t dp = engine->data_parallel_size();
   if (global_batch % dp != 0) {
     throw std::invalid_argument(fmt::format(

@@ -7,14 +7,24 @@
 
 namespace shardrl::trainer {
 
-MetricsLogger::MetricsLogger(const std::string& path, int64_t total_steps, bool enabled)
+MetricsLogger::MetricsLogger(const std::string& path, int64_t total_steps, bool enabled,
+                             int64_t resumed_step)
     : total_steps_(total_steps),
       enabled_(enabled),
       tty_(isatty(STDOUT_FILENO) != 0),
       start_(std::chrono::steady_clock::now()) {
   if (!enabled_) return;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());
-  out_.open(path, std::ios::app);
+  std::string kept;
+  if (resumed_step > 0) {
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.value("step", int64_t{0}) <= resumed_step) kept += line + "\n";
+    }
+  }
+  out_.open(path, std::ios::trunc);
+  out_ << kept;
   if (!out_) throw std::runtime_error(fmt::format("cannot write metrics to '{}'", path));
 }
 

@@ -14,8 +14,7 @@ Run::Run(const nlohmann::json& config, dist::World& world)
       resume_(get<std::string>(config, "trainer.resume")),
       total_steps_(get<int64_t>(config, "trainer.total_training_steps")),
       save_freq_(get<int64_t>(config, "trainer.save_freq")),
-      rank0_(world.rank() == 0),
-      metrics_((fs::path(dir_) / "metrics.jsonl").string(), total_steps_, rank0_) {
+      rank0_(world.rank() == 0) {
   if (total_steps_ <= 0) {
     throw std::invalid_argument("config key 'trainer.total_training_steps' must be positive");
   }
@@ -32,14 +31,18 @@ int64_t Run::resume(engine::Engine& engine) {
     }
     dir = resume_;
   }
-  if (dir.empty()) return 0;
-  const auto loaded = engine.load_checkpoint(dir);
-  if (rank0_) spdlog::info("resumed from {} at step {}", dir, loaded.step);
-  return loaded.step;
+  int64_t step = 0;
+  if (!dir.empty()) {
+    step = engine.load_checkpoint(dir).step;
+    if (rank0_) spdlog::info("resumed from {} at step {}", dir, step);
+  }
+  metrics_.emplace((fs::path(dir_) / "metrics.jsonl").string(), total_steps_, rank0_, step);
+  return step;
 }
 
 void Run::after_step(engine::Engine& engine, int64_t step, const engine::Metrics& metrics) {
-  metrics_.log(step, metrics);
+  TORCH_CHECK(metrics_, "Run::after_step before Run::resume");
+  metrics_->log(step, metrics);
   if ((save_freq_ > 0 && step % save_freq_ == 0) || step == total_steps_) {
     engine.save_checkpoint((fs::path(dir_) / "checkpoints").string(), step);
   }

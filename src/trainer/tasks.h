@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "shardrl/engine.h"
@@ -26,6 +27,7 @@ class Run {
 
   // Per trainer.resume: "auto" continues from the latest checkpoint if there is one, "disable"
   // starts fresh, anything else is a checkpoint directory. Returns the step to continue from.
+  // Call it once, before the first after_step().
   int64_t resume(engine::Engine& engine);
   // Saves every trainer.save_freq steps and at the last step.
   void after_step(engine::Engine& engine, int64_t step, const engine::Metrics& metrics);
@@ -39,11 +41,13 @@ class Run {
   std::string resume_;
   int64_t total_steps_, save_freq_;
   bool rank0_;
-  MetricsLogger metrics_;
+  std::optional<MetricsLogger> metrics_;  // opened by resume(), which knows the first step
 };
 
 // Tasks.
 int run_lm_pretrain(const nlohmann::json& config, std::shared_ptr<dist::World> world);
 nlohmann::json lm_pretrain_defaults();
+int run_diffusion_rl(const nlohmann::json& config, std::shared_ptr<dist::World> world);
+nlohmann::json diffusion_rl_defaults();
 
 }  // namespace shardrl::trainer

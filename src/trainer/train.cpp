@@ -49,8 +49,8 @@ Task find_task(const std::string& name, const std::string& source) {
   if (it == table.tasks.end()) {
     std::string known;
     for (const auto& [key, unused] : table.tasks) known += (known.empty() ? "" : ", ") + key;
-    throw std::invalid_argument(fmt::format("{}: config key 'trainer.task' is '{}'; known tasks: {}",
-                                            source, name, known));
+    throw std::invalid_argument(
+        fmt::format("{}: config key 'trainer.task' is '{}'; known tasks: {}", source, name, known));
   }
   return it->second;
 }

@@ -21,7 +21,10 @@ engine::EngineConfig config(bool forward_only, int64_t micro_batch, bool offload
   c.model_type = "language_model";
   c.model = {{"family", "gpt"},
              {"config",
-              {{"vocab_size", 97}, {"max_seq_len", 16}, {"d_model", 32}, {"n_heads", 4},
+              {{"vocab_size", 97},
+               {"max_seq_len", 16},
+               {"d_model", 32},
+               {"n_heads", 4},
                {"n_layers", 2}}}};
   c.micro_batch_size_per_gpu = micro_batch;
   c.forward_only = forward_only;
@@ -65,8 +68,8 @@ int main(int argc, char** argv) {
 
   auto world = dist::World::init_from_env();
   torch::manual_seed(0);  // the same initial weights at every world size
-  auto engine = engine::EngineRegistry::create(config(mode == "forward_only", micro_batch, offload,
-                                                      out + "/offload"), world);
+  auto engine = engine::EngineRegistry::create(
+      config(mode == "forward_only", micro_batch, offload, out + "/offload"), world);
   int64_t local = batch / engine->data_parallel_size();
   int64_t first = engine->data_parallel_rank() * local;
   if (uneven) {
@@ -96,8 +99,8 @@ int main(int argc, char** argv) {
                     "train_mode left state resident: ", memory.params.resident, " param bytes, ",
                     memory.optimizer.resident, " optimizer bytes");
       }
-      metrics_out << metrics.at("loss") << " " << metrics.at("grad_norm") << " "
-                  << metrics.at("lr") << "\n";
+      metrics_out << metrics.at("loss") << " " << metrics.at("grad_norm") << " " << metrics.at("lr")
+                  << "\n";
     }
     write(out + "/final", gathered());
   } else if (mode == "forward_only") {

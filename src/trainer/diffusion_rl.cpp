@@ -1,20 +1,21 @@
-// The main demo: RL post-training of a class-conditional diffusion transformer on real images.
-//   1. a small CNN classifier trains on Fashion-MNIST: the reward model;
-//   2. a DiT pretrains on Fashion-MNIST with flow matching (the supervised stage);
-//   3. Flow-GRPO (or DiffusionNFT / Diffusion-DPO) tunes LoRA adapters on the DiT so that the
-//      samples become unmistakable instances of the requested class (reward: the classifier's
-//      probability of that class).
-// All three stages are sharded with FSDP over the ranks. Stages 1 and 2 are cached in
-// --cache-dir, so a second run goes straight to RL. Start it on N ranks:
-//   shardrl launch -n 2 -- build/bin/fmnist_flow_grpo --run-dir runs/demo
+// Task "diffusion_rl": RL post-training of a class-conditional diffusion transformer on real
+// images (Fashion-MNIST), the main job `make demo` runs.
+//   1. a small CNN classifier trains on the images: the reward model;
+//   2. a DiT pretrains on them with flow matching (the supervised stage);
+//   3. Flow-GRPO, DiffusionNFT or Diffusion-DPO (algorithm.name) tunes LoRA adapters on the DiT,
+//      built by the engine registry, so that samples become unmistakable instances of the
+//      requested class (reward: the classifier's probability of that class).
+// Every stage is sharded over the ranks. Stages 1 and 2 are cached under pretrain.cache_dir, so
+// a second run goes straight to RL; the RL stage checkpoints every trainer.save_freq steps and
+// trainer.resume=auto continues it.
 #include <fmt/format.h>
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/data.h"
@@ -26,11 +27,12 @@
 #include "shardrl/models/lora.h"
 #include "shardrl/models/weights.h"
 #include "shardrl/optim.h"
+#include "tasks.h"
 
-using namespace shardrl;
-namespace fs = std::filesystem;
-
+namespace shardrl::trainer {
 namespace {
+
+namespace fs = std::filesystem;
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) {
@@ -38,24 +40,55 @@ double since(Clock::time_point t) {
 }
 
 struct Options {
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
-  std::string run_dir = "runs/demo";
-  std::string cache_dir;  // default: <run_dir>/cache
+  std::string data_dir, run_dir, cache_dir;
   uint64_t seed = 0;
-  // Data and models.
-  int64_t image_size = 28, patch_size = 4, hidden = 64, depth = 2, heads = 4;
-  int64_t classifier_steps = 400, classifier_batch = 128;
-  // Supervised stage.
-  int64_t pretrain_steps = 1500, pretrain_batch = 128;
-  double pretrain_lr = 2e-3;
-  // RL stage.
-  std::string algorithm = "flow_grpo";
-  int64_t rl_steps = 30, groups_per_rank = 2, group_size = 8, micro_batch = 16, mini_batches = 1;
-  int64_t sample_steps = 10, lora_r = 16;
-  double lora_alpha = 32, lr = 1e-3, noise_level = 0.7, guidance = 1.5, shift = 1.0, beta = 0.0;
-  double clip_range = 1e-4, timestep_fraction = 1.0, nft_beta = 1.0, dpo_beta = 100.0;
-  std::string reward_mode = "prob";
-  int64_t eval_per_class = 8;
+  int64_t image_size, patch_size, hidden, depth, heads;
+  int64_t classifier_steps, classifier_batch;
+  int64_t pretrain_steps, pretrain_batch;
+  double pretrain_lr;
+  std::string algorithm;
+  int64_t rl_steps, groups_per_rank, group_size, micro_batch, mini_batches;
+  int64_t sample_steps;
+  double noise_level, guidance, shift, beta;
+  double clip_range, timestep_fraction, nft_beta, dpo_beta;
+  std::string reward_mode;
+  int64_t eval_per_class;
+
+  explicit Options(const nlohmann::json& c) {
+    data_dir = get<std::string>(c, "data.data_dir");
+    run_dir = get<std::string>(c, "trainer.default_local_dir");
+    cache_dir = get<std::string>(c, "pretrain.cache_dir");
+    if (cache_dir.empty()) cache_dir = run_dir + "/cache";
+    seed = get<uint64_t>(c, "trainer.seed");
+    image_size = get<int64_t>(c, "data.image_size");
+    const auto& dit = at(c, "actor_rollout_ref.model.config");
+    patch_size = get<int64_t>(dit, "patch_size");
+    hidden = get<int64_t>(dit, "hidden_size");
+    depth = get<int64_t>(dit, "depth");
+    heads = get<int64_t>(dit, "num_heads");
+    classifier_steps = get<int64_t>(c, "reward_model.steps");
+    classifier_batch = get<int64_t>(c, "reward_model.batch_size");
+    reward_mode = get<std::string>(c, "reward_model.reward_mode");
+    pretrain_steps = get<int64_t>(c, "pretrain.steps");
+    pretrain_batch = get<int64_t>(c, "pretrain.batch_size");
+    pretrain_lr = get<double>(c, "pretrain.lr");
+    algorithm = get<std::string>(c, "algorithm.name");
+    rl_steps = get<int64_t>(c, "trainer.total_training_steps");
+    groups_per_rank = get<int64_t>(c, "actor_rollout_ref.rollout.groups_per_gpu");
+    group_size = get<int64_t>(c, "actor_rollout_ref.rollout.n");
+    sample_steps = get<int64_t>(c, "actor_rollout_ref.rollout.num_steps");
+    noise_level = get<double>(c, "actor_rollout_ref.rollout.noise_level");
+    guidance = get<double>(c, "actor_rollout_ref.rollout.guidance_scale");
+    shift = get<double>(c, "actor_rollout_ref.rollout.shift");
+    micro_batch = get<int64_t>(c, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu");
+    mini_batches = get<int64_t>(c, "actor_rollout_ref.actor.ppo_mini_batches");
+    beta = get<double>(c, "algorithm.kl_beta");
+    clip_range = get<double>(c, "algorithm.clip_range");
+    timestep_fraction = get<double>(c, "algorithm.timestep_fraction");
+    nft_beta = get<double>(c, "algorithm.nft_beta");
+    dpo_beta = get<double>(c, "algorithm.dpo_beta");
+    eval_per_class = get<int64_t>(c, "evaluation.per_class");
+  }
 };
 
 std::string classifier_key(const Options& o) {
@@ -234,8 +267,7 @@ Evaluation evaluate(models::DiT& model, models::ImageClassifier& classifier, con
   return e;
 }
 
-int run(const Options& o) {
-  auto world = dist::World::init_from_env();
+int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::World> world) {
   auto mesh = dist::DeviceMesh::create(*world);
   const bool lead = world->rank() == 0;
   if (lead) fs::create_directories(o.run_dir);
@@ -260,29 +292,18 @@ int run(const Options& o) {
   const auto dit_dir = pretrained_dit(o, train, mesh, *world);
   const double pretrain_seconds = since(t_stage);
 
-  // The RL policy: the pretrained base, frozen, with LoRA adapters on attention and MLP.
-  models::DiT model(dit_config(o));
-  models::load_weights(*model, dit_dir + "/model.safetensors");
-  models::lora::LoraConfig lora;
-  lora.r = o.lora_r;
-  lora.alpha = o.lora_alpha;
-  lora.target_modules = {"qkv", "proj", "fc1", "fc2"};
+  // The RL policy: the pretrained base, frozen, with LoRA adapters (NFT adds its "old" one).
+  nlohmann::json engine_json = config;
+  auto& model_json = engine_json["actor_rollout_ref"]["model"];
+  model_json["path"] = dit_dir;
+  model_json["config"] = dit_config(o).to_json();
+  const std::string model_type = o.algorithm == "flow_grpo" ? "diffusion_model"
+                                 : o.algorithm == "nft"     ? "diffusion_nft_model"
+                                                            : "diffusion_dpo_model";
   torch::manual_seed(o.seed + 1);
-  models::lora::apply_lora(*model, lora, "default");
-  if (o.algorithm == "nft") {
-    models::lora::apply_lora(*model, lora, "old", /*trainable=*/false);
-    models::lora::set_active_adapter(*model, "default");
-  }
-  models::shard_dit(model, mesh, {});
-  auto sharded = model.fsdp();
-  if (o.algorithm == "nft") {
-    models::lora::copy_adapter(models::lora::named_tensors(sharded.sharded_parameters()), "old",
-                               "default");
-  }
-  optim::AdamWConfig adam;
-  adam.lr = o.lr;
-  adam.weight_decay = 1e-4;
-  auto optimizer = optim::make_adamw(optim::from_sharded(sharded.sharded_parameters()), adam);
+  auto engine =
+      engine::EngineRegistry::create(engine_config(engine_json, model_type, "actor"), world);
+  auto& model = engine->model<models::DiT>();
 
   algos::DiffusionRLConfig rl;
   rl.algorithm = o.algorithm;
@@ -294,6 +315,7 @@ int run(const Options& o) {
   rl.micro_batch_size = o.micro_batch;
   rl.mini_batches = o.mini_batches;
   rl.timestep_fraction = o.timestep_fraction;
+  rl.max_grad_norm = engine->config().optim.clip_grad;
   rl.flow_grpo.beta = o.beta;
   rl.flow_grpo.clip_range = o.clip_range;
   rl.nft.beta = o.nft_beta;
@@ -303,101 +325,92 @@ int run(const Options& o) {
   auto reward = [&](const torch::Tensor& images, const torch::Tensor& labels) {
     return models::classifier_reward(classifier, images, labels, o.reward_mode);
   };
-  auto before = evaluate(model, classifier, o, rl.rollout, *world);
-  if (lead) {
-    data::write_png(o.run_dir + "/samples_before.png",
-                    data::image_grid(before.images, o.eval_per_class, 2, 3));
-    std::cout << fmt::format(
-                     "before RL: eval reward (p(class)) {:.4f}, classifier agrees {:.3f}  -> {}\n",
-                     before.reward, before.accuracy, o.run_dir + "/samples_before.png")
-              << std::flush;
-  }
-
-  std::ofstream metrics;
-  if (lead) metrics.open(o.run_dir + "/metrics.jsonl");
-  std::vector<double> reward_curve, reward_std;
-  const int64_t groups = o.groups_per_rank * world->size();
-  auto rl_start = Clock::now();
-  for (int64_t step = 0; step < o.rl_steps; ++step) {
-    const auto step_start = Clock::now();
-    // Classes cycle through all ten; each rank takes its groups.
-    auto classes = (torch::arange(groups, torch::kLong) + step * groups) % 10;
-    auto labels = classes.narrow(0, world->rank() * o.groups_per_rank, o.groups_per_rank)
-                      .repeat_interleave(o.group_size);
-    auto gen =
-        at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 131 + world->rank());
-    auto result =
-        algos::diffusion_rl_step(model, *optimizer, reward, labels, step, rl, gen, &world->group());
-    const double seconds = since(step_start);
-    auto metric = [&](const char* name) {
-      auto it = result.metrics.find(name);
-      return it == result.metrics.end() ? 0.0 : it->second.item<double>();
-    };
-    reward_curve.push_back(result.reward_mean);
-    reward_std.push_back(result.reward_std);
+  Run run(config, *world);
+  const int64_t first_step = run.resume(*engine) + 1;
+  std::optional<Evaluation> before;
+  if (first_step == 1) {
+    before = evaluate(model, classifier, o, rl.rollout, *world);
     if (lead) {
-      std::string extra =
-          o.algorithm == "flow_grpo"
-              ? fmt::format("clipfrac {:.3f}  kl {:.2e}", metric("clipfrac"), metric("kl"))
-          : o.algorithm == "dpo" ? fmt::format("implicit_acc {:.2f}", metric("implicit_acc"))
-                                 : fmt::format("kl {:.2e}", metric("kl"));
+      data::write_png(o.run_dir + "/samples_before.png",
+                      data::image_grid(before->images, o.eval_per_class, 2, 3));
       std::cout << fmt::format(
-                       "rl step {:3d}/{}  reward {:.4f} +- {:.4f}  loss {:+.5f}  {}  grad_norm "
-                       "{:.3f}  {:.1f} s (rollout {:.1f}, update {:.1f})\n",
-                       step + 1, o.rl_steps, result.reward_mean, result.reward_std, metric("loss"),
-                       extra, result.grad_norm, seconds, result.seconds["rollout"],
-                       result.seconds["update"])
+                       "before RL: eval reward (p(class)) {:.4f}, classifier agrees {:.3f}  -> "
+                       "{}\n",
+                       before->reward, before->accuracy, o.run_dir + "/samples_before.png")
                 << std::flush;
-      nlohmann::json line{{"step", step + 1},
-                          {"reward_mean", result.reward_mean},
-                          {"reward_std", result.reward_std},
-                          {"grad_norm", result.grad_norm},
-                          {"lr", o.lr},
-                          {"step_time", seconds}};
-      for (const auto& [name, value] : result.metrics) line[name] = value.item<double>();
-      for (const auto& [phase, s] : result.seconds) line["time_" + phase] = s;
-      metrics << line.dump() << "\n" << std::flush;
     }
   }
+
+  const int64_t groups = o.groups_per_rank * world->size();
+  auto rl_start = Clock::now();
+  for (int64_t step = first_step; step <= o.rl_steps; ++step) {
+    const auto step_start = Clock::now();
+    // Classes cycle through all ten; each rank takes its groups.
+    auto classes = (torch::arange(groups, torch::kLong) + (step - 1) * groups) % 10;
+    auto labels = classes.narrow(0, world->rank() * o.groups_per_rank, o.groups_per_rank)
+                      .repeat_interleave(o.group_size);
+    // Seeded by step, so a resumed run draws the same noise as an uninterrupted one.
+    auto gen =
+        at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 131 + world->rank());
+    auto result = algos::diffusion_rl_step(model, *engine->optimizer(), reward, labels, step - 1,
+                                           rl, gen, &world->group());
+    engine::Metrics metrics{{"reward_mean", result.reward_mean},
+                            {"reward_std", result.reward_std},
+                            {"grad_norm", result.grad_norm},
+                            {"lr", engine->current_lr()}};
+    for (const auto& [name, value] : result.metrics) metrics[name] = value.item<double>();
+    metrics = engine->average_over_ranks(metrics);
+    engine->lr_scheduler_step();
+    for (const auto& [phase, seconds] : result.seconds) metrics["time_" + phase] = seconds;
+    metrics["step_time"] = since(step_start);
+    run.after_step(*engine, step, metrics);
+  }
   const double rl_seconds = since(rl_start);
+  const int64_t rl_steps_run = std::max<int64_t>(o.rl_steps - first_step + 1, 1);
 
   auto after = evaluate(model, classifier, o, rl.rollout, *world);
   if (lead) {
     data::write_png(o.run_dir + "/samples_after.png",
                     data::image_grid(after.images, o.eval_per_class, 2, 3));
+    // The curve of the whole run, resumed parts included, from metrics.jsonl.
+    std::vector<double> reward_curve;
+    std::ifstream lines(o.run_dir + "/metrics.jsonl");
+    for (std::string line; std::getline(lines, line);) {
+      reward_curve.push_back(nlohmann::json::parse(line).value("reward_mean", 0.0));
+    }
     std::vector<double> smooth;
     for (size_t i = 0; i < reward_curve.size(); ++i) {
       const size_t from = i >= 4 ? i - 4 : 0;
-      double s = 0;
-      for (size_t k = from; k <= i; ++k) s += reward_curve[k];
-      smooth.push_back(s / static_cast<double>(i - from + 1));
+      double sum = 0;
+      for (size_t k = from; k <= i; ++k) sum += reward_curve[k];
+      smooth.push_back(sum / static_cast<double>(i - from + 1));
     }
     data::LinePlotOptions plot;
     plot.title = fmt::format("{} reward (p(class)) per step", o.algorithm);
     data::write_png(o.run_dir + "/reward_curve.png", data::line_plot({reward_curve, smooth}, plot));
-    const nlohmann::json summary{
-        {"classifier_seconds", classifier_seconds},
-        {"pretrain_seconds", pretrain_seconds},
-        {"rl_seconds", rl_seconds},
-        {"rl_seconds_per_step", rl_seconds / std::max<int64_t>(o.rl_steps, 1)},
-        {"eval_reward_before", before.reward},
-        {"eval_reward_after", after.reward},
-        {"eval_accuracy_before", before.accuracy},
-        {"eval_accuracy_after", after.accuracy},
-        {"total_seconds", since(t0)}};
+    nlohmann::json summary{{"classifier_seconds", classifier_seconds},
+                           {"pretrain_seconds", pretrain_seconds},
+                           {"rl_seconds", rl_seconds},
+                           {"rl_seconds_per_step", rl_seconds / rl_steps_run},
+                           {"eval_reward_after", after.reward},
+                           {"eval_accuracy_after", after.accuracy},
+                           {"total_seconds", since(t0)}};
+    if (before) {
+      summary["eval_reward_before"] = before->reward;
+      summary["eval_accuracy_before"] = before->accuracy;
+    }
     write_json(o.run_dir + "/summary.json", summary);
-    std::cout
-        << fmt::format(
-               "after RL: eval reward (p(class)) {:.4f} (before {:.4f}), classifier agrees "
-               "{:.3f} (before {:.3f})\n"
-               "timings: classifier {:.1f} s, pretrain {:.1f} s, RL {:.1f} s ({:.2f} s/step), "
-               "total {:.1f} s\n"
-               "wrote {}/samples_before.png, samples_after.png, reward_curve.png, "
-               "metrics.jsonl\n",
-               after.reward, before.reward, after.accuracy, before.accuracy, classifier_seconds,
-               pretrain_seconds, rl_seconds, rl_seconds / std::max<int64_t>(o.rl_steps, 1),
-               since(t0), o.run_dir)
-        << std::flush;
+    std::cout << fmt::format(
+                     "after RL: eval reward (p(class)) {:.4f}{}, classifier agrees {:.3f}\n"
+                     "timings: classifier {:.1f} s, pretrain {:.1f} s, RL {:.1f} s ({:.2f} "
+                     "s/step), total {:.1f} s\n"
+                     "wrote {}/samples_before.png, samples_after.png, reward_curve.png, "
+                     "metrics.jsonl\n",
+                     after.reward,
+                     before ? fmt::format(" (before {:.4f})", before->reward) : std::string(),
+                     after.accuracy, classifier_seconds, pretrain_seconds, rl_seconds,
+                     rl_seconds / rl_steps_run, since(t0), o.run_dir)
+              << std::flush;
   }
   world->group().barrier();
   return 0;
@@ -405,50 +418,54 @@ int run(const Options& o) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  CLI::App app{"Flow-GRPO on Fashion-MNIST: pretrain a DiT, train a reward classifier, RL-tune"};
-  Options o;
-  app.add_option("--data-dir", o.data_dir, "Directory with the Fashion-MNIST IDX files");
-  app.add_option("--run-dir", o.run_dir, "Where PNGs, metrics.jsonl and summary.json go");
-  app.add_option("--cache-dir", o.cache_dir, "Cached classifier and DiT (default RUN_DIR/cache)");
-  app.add_option("--seed", o.seed);
-  app.add_option("--image-size", o.image_size, "Downsample to this size (28: keep)");
-  app.add_option("--patch-size", o.patch_size);
-  app.add_option("--hidden", o.hidden);
-  app.add_option("--depth", o.depth);
-  app.add_option("--heads", o.heads);
-  app.add_option("--classifier-steps", o.classifier_steps);
-  app.add_option("--pretrain-steps", o.pretrain_steps);
-  app.add_option("--pretrain-batch", o.pretrain_batch);
-  app.add_option("--pretrain-lr", o.pretrain_lr);
-  app.add_option("--algorithm", o.algorithm, "flow_grpo, nft or dpo")
-      ->check(CLI::IsMember({"flow_grpo", "nft", "dpo"}));
-  app.add_option("--rl-steps", o.rl_steps);
-  app.add_option("--groups-per-rank", o.groups_per_rank, "Class prompts per rank per step");
-  app.add_option("--group-size", o.group_size, "Samples per class prompt");
-  app.add_option("--micro-batch", o.micro_batch);
-  app.add_option("--mini-batches", o.mini_batches, "Optimizer steps per rollout batch");
-  app.add_option("--sample-steps", o.sample_steps, "Denoising steps");
-  app.add_option("--noise-level", o.noise_level);
-  app.add_option("--guidance", o.guidance, "Classifier-free guidance scale (1: off)");
-  app.add_option("--shift", o.shift, "Schedule shift");
-  app.add_option("--lr", o.lr, "RL learning rate");
-  app.add_option("--lora-r", o.lora_r);
-  app.add_option("--lora-alpha", o.lora_alpha);
-  app.add_option("--beta", o.beta, "Flow-GRPO KL-to-reference weight");
-  app.add_option("--clip-range", o.clip_range);
-  app.add_option("--timestep-fraction", o.timestep_fraction);
-  app.add_option("--nft-beta", o.nft_beta);
-  app.add_option("--dpo-beta", o.dpo_beta);
-  app.add_option("--reward-mode", o.reward_mode, "prob or log_prob")
-      ->check(CLI::IsMember({"prob", "log_prob"}));
-  app.add_option("--eval-per-class", o.eval_per_class);
-  CLI11_PARSE(app, argc, argv);
-  if (o.cache_dir.empty()) o.cache_dir = o.run_dir + "/cache";
-  try {
-    return run(o);
-  } catch (const std::exception& e) {
-    std::cerr << "fmnist_flow_grpo: " << e.what() << std::endl;
-    return 1;
-  }
+nlohmann::json diffusion_rl_defaults() {
+  nlohmann::json d = {
+      {"trainer",
+       {{"task", "diffusion_rl"},
+        {"experiment_name", "fmnist_flow_grpo"},
+        {"default_local_dir", "runs/demo"},
+        {"total_training_steps", 30},
+        {"save_freq", 10},
+        {"max_ckpt_to_keep", 1}}},
+      {"data", {{"data_dir", "/usr/share/datasets/fashion-mnist"}, {"image_size", 28}}},
+      {"reward_model", {{"steps", 400}, {"batch_size", 128}, {"reward_mode", "prob"}}},
+      {"pretrain", {{"steps", 1500}, {"batch_size", 128}, {"lr", 2e-3}, {"cache_dir", ""}}},
+      {"algorithm",
+       {{"name", "flow_grpo"},
+        {"kl_beta", 0.0},
+        {"clip_range", 1e-4},
+        {"timestep_fraction", 1.0},
+        {"nft_beta", 1.0},
+        {"dpo_beta", 100.0}}},
+      {"evaluation", {{"per_class", 8}}},
+      {"actor_rollout_ref", engine_defaults()}};
+  auto& arr = d["actor_rollout_ref"];
+  arr["model"]["family"] = "dit";
+  arr["model"]["config"] = {{"patch_size", 4}, {"hidden_size", 64}, {"depth", 2}, {"num_heads", 4}};
+  arr["model"]["lora_rank"] = 16;
+  arr["model"]["lora_alpha"] = 32.0;
+  arr["model"]["target_modules"] = {"qkv", "proj", "fc1", "fc2"};
+  arr["actor"]["optim"]["lr"] = 1e-3;
+  arr["actor"]["optim"]["weight_decay"] = 1e-4;
+  arr["actor"]["ppo_micro_batch_size_per_gpu"] = 16;
+  arr["actor"]["ppo_mini_batches"] = 1;
+  arr["rollout"] = {{"n", 8},
+                    {"groups_per_gpu", 2},
+                    {"num_steps", 10},
+                    {"noise_level", 0.7},
+                    {"guidance_scale", 1.5},
+                    {"shift", 1.0}};
+  return d;
 }
+
+int run_diffusion_rl(const nlohmann::json& config, std::shared_ptr<dist::World> world) {
+  const Options options(config);
+  if (options.algorithm != "flow_grpo" && options.algorithm != "nft" &&
+      options.algorithm != "dpo") {
+    throw std::invalid_argument("config key 'algorithm.name' must be flow_grpo, nft or dpo, got '" +
+                                options.algorithm + "'");
+  }
+  return run(options, config, std::move(world));
+}
+
+}  // namespace shardrl::trainer
