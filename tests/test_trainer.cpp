@@ -133,5 +133,32 @@ TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
   EXPECT_LT(reference[5]["loss"].get<double>(), reference[0]["loss"].get<double>());
 }
 
+// GRPO for the decoder on single-digit addition, from a supervised stage that gets about half the
+// answers right: the exact-match reward rises.
+TEST(Trainer, LmGrpoRaisesTheArithmeticReward) {
+  const auto dir = make_temp_dir("trainer_grpo");
+  std::vector<std::string> argv = {
+      bin("shardrl"),
+      "train",
+      std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml",
+      "trainer.default_local_dir=" + dir,
+      "trainer.total_training_steps=40",
+      "trainer.save_freq=-1"};
+  auto result = run_process(argv, {}, 300);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  auto metrics = read_jsonl(dir + "/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 40u);
+  for (const char* key : {"reward_mean", "reward_std", "loss", "grad_norm", "lr", "kl", "clipfrac",
+                          "ppo_kl", "response_length", "time_rollout"}) {
+    EXPECT_TRUE(metrics[0].contains(key)) << key << " missing in " << metrics[0].dump();
+  }
+  auto mean_reward = [&](size_t from, size_t to) {
+    double sum = 0;
+    for (size_t i = from; i < to; ++i) sum += metrics[i]["reward_mean"].get<double>();
+    return sum / static_cast<double>(to - from);
+  };
+  EXPECT_GT(mean_reward(30, 40), mean_reward(0, 10) + 0.08);
+}
+
 }  // namespace
 }  // namespace shardrl::testing

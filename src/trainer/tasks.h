@@ -49,5 +49,7 @@ int run_lm_pretrain(const nlohmann::json& config, std::shared_ptr<dist::World> w
 nlohmann::json lm_pretrain_defaults();
 int run_diffusion_rl(const nlohmann::json& config, std::shared_ptr<dist::World> world);
 nlohmann::json diffusion_rl_defaults();
+int run_lm_grpo(const nlohmann::json& config, std::shared_ptr<dist::World> world);
+nlohmann::json lm_grpo_defaults();
 
 }  // namespace shardrl::trainer
