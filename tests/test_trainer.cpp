@@ -108,7 +108,8 @@ TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
   ASSERT_EQ(first.exit_code, 0) << first.output;
   auto metrics = read_jsonl(dir + "/resumed/metrics.jsonl");
   ASSERT_EQ(metrics.size(), 4u);
-  for (const char* key : {"step", "loss", "grad_norm", "lr", "step_time"}) {
+  for (const char* key : {"step", "loss", "grad_norm", "lr", "step_time", "memory_params_gb",
+                          "memory_optimizer_gb", "memory_rss_gb"}) {
     EXPECT_TRUE(metrics[0].contains(key)) << key << " missing in " << metrics[0].dump();
   }
   EXPECT_TRUE(fs::exists(dir + "/resumed/checkpoints/global_step_4"));

@@ -42,7 +42,18 @@ int64_t Run::resume(engine::Engine& engine) {
 
 void Run::after_step(engine::Engine& engine, int64_t step, const engine::Metrics& metrics) {
   TORCH_CHECK(metrics_, "Run::after_step before Run::resume");
-  metrics_->log(step, metrics);
+  // Memory per rank (rank 0's), as verl logs it: sharded state by category and the process.
+  const auto memory = engine.memory();
+  engine::Metrics logged = metrics;
+  logged["memory_params_gb"] = static_cast<double>(memory.params.resident) / 1e9;
+  logged["memory_grads_gb"] = static_cast<double>(memory.grads.resident) / 1e9;
+  logged["memory_optimizer_gb"] = static_cast<double>(memory.optimizer.resident) / 1e9;
+  logged["memory_offloaded_gb"] =
+      static_cast<double>(memory.params.offloaded + memory.grads.offloaded +
+                          memory.optimizer.offloaded) /
+      1e9;
+  logged["memory_rss_gb"] = static_cast<double>(memory.process_rss) / 1e9;
+  metrics_->log(step, logged);
   if ((save_freq_ > 0 && step % save_freq_ == 0) || step == total_steps_) {
     engine.save_checkpoint((fs::path(dir_) / "checkpoints").string(), step);
   }
