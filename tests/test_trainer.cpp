@@ -1,6 +1,7 @@
 // The trainer: config checking, `shardrl train` on real ranks, metrics.jsonl and resume.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 
@@ -159,6 +160,45 @@ TEST(Trainer, LmGrpoRaisesTheArithmeticReward) {
     return sum / static_cast<double>(to - from);
   };
   EXPECT_GT(mean_reward(30, 40), mean_reward(0, 10) + 0.08);
+}
+
+// Pre-empted mid-run (SIGTERM to `shardrl train`, which stops its ranks), then started again with
+// trainer.resume=auto: the run continues from its last checkpoint and every step, the ones it
+// redoes included, logs what an uninterrupted run logs.
+TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
+  const auto dir = make_temp_dir("trainer_grpo_kill");
+  auto argv = [&](const std::string& run) {
+    return std::vector<std::string>{
+        bin("shardrl"),
+        "train",
+        std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml",
+        "trainer.default_local_dir=" + dir + "/" + run,
+        "sft.cache_dir=" + dir + "/cache",
+        "trainer.total_training_steps=24",
+        "trainer.save_freq=5"};
+  };
+  auto straight = run_process(argv("straight"), {}, 300);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+
+  const std::string metrics = dir + "/killed/metrics.jsonl";
+  auto killed = run_process_until(
+      argv("killed"), [&] { return fs::exists(metrics) && read_jsonl(metrics).size() >= 12; },
+      SIGTERM);
+  ASSERT_TRUE(killed.stopped) << killed.output;
+  ASSERT_NE(killed.exit_code, 0) << killed.output;
+  ASSERT_LT(read_jsonl(metrics).size(), 24u) << "the run finished before the kill";
+
+  auto resumed = run_process(argv("killed"), {}, 300);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  auto a = read_jsonl(metrics), b = read_jsonl(dir + "/straight/metrics.jsonl");
+  ASSERT_EQ(a.size(), 24u);
+  ASSERT_EQ(b.size(), 24u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i]["step"], b[i]["step"]);
+    EXPECT_EQ(a[i]["reward_mean"].get<double>(), b[i]["reward_mean"].get<double>()) << i;
+    EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << i;
+  }
 }
 
 }  // namespace

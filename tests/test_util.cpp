@@ -74,8 +74,11 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
-ProcessResult run_process(const std::vector<std::string>& argv,
-                          const std::map<std::string, std::string>& env, double timeout_s) {
+namespace {
+
+ProcessResult run_process_impl(const std::vector<std::string>& argv,
+                               const std::map<std::string, std::string>& env, double timeout_s,
+                               const std::function<bool()>& stop_when, int stop_signal) {
   int pipe_fds[2];
   if (pipe(pipe_fds) != 0) throw std::runtime_error("pipe failed");
   const auto start = std::chrono::steady_clock::now();
@@ -105,6 +108,10 @@ ProcessResult run_process(const std::vector<std::string>& argv,
       kill(-pid, SIGKILL);
       break;
     }
+    if (!result.stopped && stop_when && stop_when()) {
+      kill(-pid, stop_signal);
+      result.stopped = true;
+    }
     pollfd p{pipe_fds[0], POLLIN, 0};
     if (poll(&p, 1, 200) > 0) {
       ssize_t n = read(pipe_fds[0], buf, sizeof(buf));
@@ -125,6 +132,19 @@ ProcessResult run_process(const std::vector<std::string>& argv,
     result.exit_code = 128 + WTERMSIG(status);
   }
   return result;
+}
+
+}  // namespace
+
+ProcessResult run_process(const std::vector<std::string>& argv,
+                          const std::map<std::string, std::string>& env, double timeout_s) {
+  return run_process_impl(argv, env, timeout_s, nullptr, 0);
+}
+
+ProcessResult run_process_until(const std::vector<std::string>& argv,
+                                const std::function<bool()>& stop_when, int stop_signal,
+                                double timeout_s) {
+  return run_process_impl(argv, {}, timeout_s, stop_when, stop_signal);
 }
 
 ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,

@@ -14,12 +14,19 @@ struct ProcessResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr together
   double seconds = 0;
+  bool stopped = false;  // run_process_until sent its signal
 };
 
 // Runs argv with extra environment variables; output captured; killed after timeout_s.
 ProcessResult run_process(const std::vector<std::string>& argv,
                           const std::map<std::string, std::string>& env = {},
                           double timeout_s = 300);
+
+// As run_process, but sends stop_signal to the process group once stop_when() holds (polled about
+// every 200 ms): a pre-emption at a chosen point of a run.
+ProcessResult run_process_until(const std::vector<std::string>& argv,
+                                const std::function<bool()>& stop_when, int stop_signal,
+                                double timeout_s = 300);
 
 // `shardrl launch -n N -- <worker> args...`
 ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,
