@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 
@@ -289,12 +290,31 @@ TEST(RewardClassifier, LearnsFashionMnistQuickly) {
                                  "reward_mode", "logit");
 }
 
-ProcessResult train_demo(const std::vector<std::string>& overrides) {
-  std::vector<std::string> argv = {
-      bin("shardrl"), "train",
-      std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/fmnist_flow_grpo.yaml"};
+std::vector<std::string> demo_argv(const std::vector<std::string>& overrides,
+                                   const std::string& config = "fmnist_flow_grpo.yaml") {
+  std::vector<std::string> argv = {bin("shardrl"), "train",
+                                   std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/" + config};
   argv.insert(argv.end(), overrides.begin(), overrides.end());
-  return run_process(argv, {}, 300);
+  return argv;
+}
+
+ProcessResult train_demo(const std::vector<std::string>& overrides) {
+  return run_process(demo_argv(overrides), {}, 300);
+}
+
+// The main job shrunk to seconds: 14x14 images, a one-block DiT, a few steps of everything.
+std::vector<std::string> tiny_demo(const std::string& dir) {
+  return {"data.image_size=14",
+          "actor_rollout_ref.model.config={patch_size: 2, hidden_size: 32, depth: 1, num_heads: 4}",
+          "reward_model.steps=20",
+          "pretrain.steps=20",
+          "pretrain.cache_dir=" + dir + "/cache",
+          "actor_rollout_ref.rollout.n=4",
+          "actor_rollout_ref.rollout.groups_per_gpu=1",
+          "actor_rollout_ref.rollout.num_steps=3",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+          "evaluation.per_class=2",
+          "trainer.save_freq=1"};
 }
 
 // The main job's config, shrunk: `shardrl train` starts 2 ranks, writes the pictures and one
@@ -302,18 +322,7 @@ ProcessResult train_demo(const std::vector<std::string>& overrides) {
 // after 2 steps and resumed to 3 logs the same rewards as an uninterrupted run of 3.
 TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
   const auto dir = make_temp_dir("fmnist_demo");
-  const std::vector<std::string> tiny = {
-      "data.image_size=14",
-      "actor_rollout_ref.model.config={patch_size: 2, hidden_size: 32, depth: 1, num_heads: 4}",
-      "reward_model.steps=20",
-      "pretrain.steps=20",
-      "pretrain.cache_dir=" + dir + "/cache",
-      "actor_rollout_ref.rollout.n=4",
-      "actor_rollout_ref.rollout.groups_per_gpu=1",
-      "actor_rollout_ref.rollout.num_steps=3",
-      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-      "evaluation.per_class=2",
-      "trainer.save_freq=1"};
+  const auto tiny = tiny_demo(dir);
   auto with = [&](std::vector<std::string> extra) {
     extra.insert(extra.begin(), tiny.begin(), tiny.end());
     return extra;
@@ -353,6 +362,43 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
     EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << i;
   }
 }
+
+// DiffusionNFT and Diffusion-DPO through their example configs: pre-empted with SIGTERM after a
+// few steps, resumed with trainer.resume=auto, every step logs what an uninterrupted run logs
+// (NFT's "old" adapter, which follows by EMA, comes back from the checkpoint too).
+class DemoAlgorithm : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DemoAlgorithm, ResumesAfterAKillBitwise) {
+  const std::string config = "fmnist_" + GetParam() + ".yaml";
+  const auto dir = make_temp_dir("fmnist_" + GetParam());
+  auto overrides = [&](const std::string& run) {
+    auto o = tiny_demo(dir);
+    o.push_back("trainer.default_local_dir=" + dir + "/" + run);
+    o.push_back("trainer.total_training_steps=6");
+    o.push_back("trainer.resume=auto");
+    return o;
+  };
+  auto straight = run_process(demo_argv(overrides("straight"), config), {}, 300);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const std::string metrics = dir + "/killed/metrics.jsonl";
+  auto killed = run_process_until(
+      demo_argv(overrides("killed"), config),
+      [&] { return std::filesystem::exists(metrics) && read_jsonl(metrics).size() >= 3; }, SIGTERM);
+  ASSERT_TRUE(killed.stopped) << killed.output;
+  ASSERT_NE(killed.exit_code, 0) << killed.output;
+  auto resumed = run_process(demo_argv(overrides("killed"), config), {}, 300);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  auto a = read_jsonl(metrics), b = read_jsonl(dir + "/straight/metrics.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i]["reward_mean"].get<double>(), b[i]["reward_mean"].get<double>()) << i;
+    EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(NftAndDpo, DemoAlgorithm, ::testing::Values("nft", "dpo"));
 
 }  // namespace
 }  // namespace shardrl::testing
