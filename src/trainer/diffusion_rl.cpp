@@ -169,73 +169,77 @@ models::DiTConfig dit_config(const Options& o) {
 }
 
 // The supervised stage: flow matching on the training images, sharded; cached.
-std::string pretrained_dit(const Options& o, const data::ImageDataset& train,
-                           const dist::DeviceMesh& mesh, dist::World& world) {
-  const bool lead = world.rank() == 0;
+std::string pretrained_dit(const Options& o, const nlohmann::json& config,
+                           const data::ImageDataset& train,
+                           const std::shared_ptr<dist::World>& world) {
+  const bool lead = world->rank() == 0;
   const std::string dir = o.cache_dir + "/" + dit_key(o);
   if (fs::exists(dir + "/model.safetensors")) {
     if (lead) std::cout << "pretrained DiT: cached " << dir << "\n";
     return dir;
   }
   const auto start = Clock::now();
-  const auto config = dit_config(o);
+  const auto dit = dit_config(o);
+  // The same engine as the RL stage, without adapters and with the supervised stage's schedule.
+  nlohmann::json stage = config;
+  auto& model_json = stage["actor_rollout_ref"]["model"];
+  model_json["config"] = dit.to_json();
+  model_json["lora_rank"] = 0;
+  auto& optim_json = stage["actor_rollout_ref"]["actor"]["optim"];
+  optim_json["lr"] = o.pretrain_lr;
+  optim_json["weight_decay"] = 0.0;
+  optim_json["clip_grad"] = 1.0;
+  optim_json["warmup_style"] = "cosine";
+  optim_json["lr_warmup_steps"] = std::min<int64_t>(50, o.pretrain_steps / 10);
+  optim_json["min_lr_ratio"] = 0.1;
+  stage["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] = 0;
+  stage["trainer"]["total_training_steps"] = o.pretrain_steps;
   torch::manual_seed(o.seed);
-  models::DiT model(config);
-  const int64_t params_total = count_params(*model);
-  models::shard_dit(model, mesh, {});
-  auto sharded = model.fsdp();
-  optim::AdamWConfig adam;
-  adam.lr = o.pretrain_lr;
-  adam.weight_decay = 0.0;
-  auto optimizer = optim::make_adamw(optim::from_sharded(sharded.sharded_parameters()), adam);
-  optim::LRScheduleConfig schedule;
-  schedule.warmup_style = "cosine";
-  schedule.lr_warmup_steps = std::min<int64_t>(50, o.pretrain_steps / 10);
-  schedule.total_training_steps = o.pretrain_steps;
-  schedule.min_lr_ratio = 0.1;
-  optim::LRScheduler lr(*optimizer, schedule);
-  data::DistributedSampler sampler(train.size(), o.pretrain_batch, mesh.data_parallel_rank(),
-                                   mesh.data_parallel_size(), o.seed);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919 + 17 + world.rank());
-  algos::FlowMatchingLossConfig fm;
+  auto engine =
+      engine::EngineRegistry::create(engine_config(stage, "diffusion_model", "actor"), world);
+  auto& model = engine->model<models::DiT>();
+  data::DistributedSampler sampler(train.size(), o.pretrain_batch, engine->data_parallel_rank(),
+                                   engine->data_parallel_size(), o.seed);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919 + 17 + world->rank());
+  const algos::FlowMatchingLossConfig fm;
+  const engine::LossFn flow_matching = [&](engine::Engine&, const engine::MicroBatch& mb) {
+    auto loss =
+        algos::flow_matching_loss(model, mb.data.at("images"), mb.data.at("labels"), fm, gen);
+    return engine::LossOutput{loss / mb.count, {}, {}};
+  };
   if (lead) {
     std::cout << fmt::format(
                      "pretraining DiT ({} params, {} tokens/image) for {} steps, batch {}\n",
-                     params_total, config.grid_size() * config.grid_size(), o.pretrain_steps,
-                     o.pretrain_batch)
+                     count_params(engine->module()), dit.grid_size() * dit.grid_size(),
+                     o.pretrain_steps, o.pretrain_batch)
               << std::flush;
   }
   double window = 0;
   for (int64_t step = 0; step < o.pretrain_steps; ++step) {
     auto idx = sampler.indices(step);
-    sharded.zero_grad();
-    auto loss = algos::flow_matching_loss(model, train.images.index_select(0, idx),
-                                          train.labels.index_select(0, idx), fm, gen);
-    loss.backward();
-    auto result = optim::clip_and_step(sharded, *optimizer, 1.0);
-    lr.step();
-    window += loss.item<double>();
+    auto metrics = engine->train_batch({{"images", train.images.index_select(0, idx)},
+                                        {"labels", train.labels.index_select(0, idx)}},
+                                       flow_matching);
+    window += metrics["loss"];
     if ((step + 1) % 100 == 0 || step + 1 == o.pretrain_steps) {
-      auto mean = torch::tensor({window / ((step % 100) + 1)});
-      world.group().all_reduce(mean);
-      window = 0;
       if (lead) {
         std::cout << fmt::format(
                          "pretrain step {:5d}/{}  loss {:.4f}  grad_norm {:.3f}  {:.1f} s\n",
-                         step + 1, o.pretrain_steps, mean.item<double>() / world.size(),
-                         result.grad_norm, since(start))
+                         step + 1, o.pretrain_steps, window / ((step % 100) + 1),
+                         metrics["grad_norm"], since(start))
                   << std::flush;
       }
+      window = 0;
     }
   }
-  auto params = sharded.full_parameters();
+  auto params = engine->fsdp().full_parameters();
   if (lead) {
-    models::save_dit(params, config, dir + ".tmp");
+    models::save_dit(params, dit, dir + ".tmp");
     fs::remove_all(dir);
     fs::rename(dir + ".tmp", dir);
     std::cout << fmt::format("pretraining took {:.1f} s -> {}\n", since(start), dir) << std::flush;
   }
-  world.group().barrier();
+  world->group().barrier();
   return dir;
 }
 
@@ -289,7 +293,7 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
   auto classifier = reward_model(o, train, test, mesh, *world);
   const double classifier_seconds = since(t_stage);
   t_stage = Clock::now();
-  const auto dit_dir = pretrained_dit(o, train, mesh, *world);
+  const auto dit_dir = pretrained_dit(o, config, train, world);
   const double pretrain_seconds = since(t_stage);
 
   // The RL policy: the pretrained base, frozen, with LoRA adapters (NFT adds its "old" one).
