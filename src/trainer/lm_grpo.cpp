@@ -14,7 +14,6 @@
 #include "shardrl/algos/arithmetic.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/sampling.h"
-#include "shardrl/models/transformer.h"
 #include "tasks.h"
 
 namespace shardrl::trainer {
@@ -66,10 +65,6 @@ json llama_json(const json& config) {
   return model;
 }
 
-torch::Tensor logits_of(engine::Engine& e, const torch::Tensor& tokens) {
-  return e.model<models::LlamaForCausalLM>()(tokens);
-}
-
 // The supervised stage: prompt + answer + eos, padded with eos, next-token loss on all of it.
 std::string supervised_stage(const json& config, const std::shared_ptr<dist::World>& world) {
   const auto steps = get<int64_t>(config, "sft.steps");
@@ -96,11 +91,6 @@ std::string supervised_stage(const json& config, const std::shared_ptr<dist::Wor
   auto engine =
       engine::EngineRegistry::create(engine_config(sft, "language_model", "actor"), world);
   const int64_t local = batch / engine->data_parallel_size();
-  const engine::LossFn next_token = [](engine::Engine& e, const engine::MicroBatch& mb) {
-    const auto& tokens = mb.data.at("tokens");
-    auto loss = models::next_token_loss(logits_of(e, tokens), tokens);
-    return engine::LossOutput{loss / mb.count, {}, {}};
-  };
   const auto width = algos::make_arithmetic_problems(task, 1, 0).front().prompt.size() +
                      static_cast<size_t>(2 * task.digits + 2);
   for (int64_t step = 1; step <= steps; ++step) {
@@ -112,7 +102,7 @@ std::string supervised_stage(const json& config, const std::shared_ptr<dist::Wor
     }
     auto data = engine::slice_batch({{"tokens", encode(texts)}},
                                     engine->data_parallel_rank() * local, local);
-    auto metrics = engine->train_batch(data, next_token);
+    auto metrics = engine->train_batch(data, next_token_loss);
     if (lead && (step % 50 == 0 || step == steps)) {
       std::cout << fmt::format("sft step {:4d}/{}  loss {:.4f}\n", step, steps, metrics["loss"])
                 << std::flush;

@@ -47,15 +47,16 @@ torch::Tensor read_corpus(const std::string& path) {
   return bytes.to(torch::kLong);
 }
 
-// Logits of the registered language-model family, whichever it is.
-torch::Tensor logits_of(engine::Engine& e, const torch::Tensor& tokens) {
-  if (get<std::string>(e.config().model, "family") == "gpt") {
-    return e.model<models::Transformer>()(tokens);
-  }
-  return e.model<models::LlamaForCausalLM>()(tokens);
-}
-
 }  // namespace
+
+engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& mb) {
+  const auto& tokens = mb.data.at("tokens");
+  // The registered language-model family, whichever it is.
+  auto logits = get<std::string>(e.config().model, "family") == "gpt"
+                    ? e.model<models::Transformer>()(tokens)
+                    : e.model<models::LlamaForCausalLM>()(tokens);
+  return {models::next_token_loss(logits, tokens) / mb.count, {}, {}};
+}
 
 json lm_pretrain_defaults() {
   json d = {{"trainer", {{"task", "lm_pretrain"}}},
@@ -88,11 +89,6 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
   }
   const int64_t local = global_batch / dp;
   Run run(config, *world);
-  const engine::LossFn next_token = [](engine::Engine& e, const engine::MicroBatch& mb) {
-    const auto& tokens = mb.data.at("tokens");
-    auto loss = models::next_token_loss(logits_of(e, tokens), tokens);
-    return engine::LossOutput{loss / mb.count, {}, {}};
-  };
   for (int64_t step = run.resume(*engine) + 1; step <= run.total_steps(); ++step) {
     // Each step's windows depend on the seed and step only, so a resumed run sees the same data.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + step);
@@ -101,7 +97,7 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
     engine::Batch batch{{"tokens", corpus.index({windows})}};
     auto start = std::chrono::steady_clock::now();
     auto metrics = engine->train_batch(
-        engine::slice_batch(batch, engine->data_parallel_rank() * local, local), next_token);
+        engine::slice_batch(batch, engine->data_parallel_rank() * local, local), next_token_loss);
     metrics["step_time"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     run.after_step(*engine, step, metrics);

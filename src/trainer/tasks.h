@@ -44,6 +44,9 @@ class Run {
   std::optional<MetricsLogger> metrics_;  // opened by resume(), which knows the first step
 };
 
+// Next-token cross-entropy of the language model on mb.data["tokens"], for the supervised stages.
+engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& mb);
+
 // Tasks.
 int run_lm_pretrain(const nlohmann::json& config, std::shared_ptr<dist::World> world);
 nlohmann::json lm_pretrain_defaults();
