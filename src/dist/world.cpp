@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <malloc.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -46,6 +47,21 @@ void tune_allocator() {
   if (env("GLIBC_TUNABLES")) return;
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
+}
+
+// A write to a socket whose peer has died raises SIGPIPE, and Gloo's pairs and the TCPStore
+// write without MSG_NOSIGNAL. Left at its default the signal kills this rank silently, so a
+// surviving rank dies too instead of reporting which peer is gone. PyTorch never meets this
+// because the Python interpreter ignores SIGPIPE at start-up; a C++ process must do it itself.
+// A handler the application installed is kept.
+void ignore_sigpipe_unless_handled() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) != 0) return;
+  if (current.sa_handler != SIG_DFL) return;
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  sigaction(SIGPIPE, &ignore, nullptr);
 }
 
 }  // namespace
@@ -95,6 +111,9 @@ std::string Liveness::describe_unresponsive(const std::vector<int>& ranks) {
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] != rank_ && after[i] == before[i]) silent.push_back(std::to_string(ranks[i]));
   }
+  // Rank 0 hosts the store: when it exits on this error, peers still diagnosing the same loss
+  // could no longer read heartbeats and would blame rank 0. One more window lets them finish.
+  if (rank_ == 0) std::this_thread::sleep_for(period_ * 6);
   if (silent.empty()) {
     return "every rank of the group is alive, so the collective itself failed or timed out "
            "(ranks calling different collectives, or one rank far slower than the timeout)";
@@ -105,6 +124,7 @@ std::string Liveness::describe_unresponsive(const std::vector<int>& ranks) {
 
 std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
   tune_allocator();
+  ignore_sigpipe_unless_handled();
   std::shared_ptr<World> world(new World());
   world->options_ = options;
   const bool launched = env("RANK") || env("WORLD_SIZE");
