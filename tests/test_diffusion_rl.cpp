@@ -337,8 +337,9 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
   }
   auto metrics = read_jsonl(dir + "/resumed/metrics.jsonl");
   ASSERT_EQ(metrics.size(), 2u);
-  for (const char* key : {"reward_mean", "reward_std", "clipfrac", "grad_norm", "lr", "kl", "loss",
-                          "step_time", "time_rollout"}) {
+  for (const char* key :
+       {"reward_mean", "reward_std", "clipfrac", "grad_norm", "lr", "kl", "loss", "step_time",
+        "time_rollout", "time_reference", "time_update", "time_weight_sync", "time_offload"}) {
     EXPECT_TRUE(metrics[0].contains(key)) << key << " missing in " << metrics[0].dump();
   }
 
@@ -363,9 +364,11 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
   }
 }
 
-// DiffusionNFT and Diffusion-DPO through their example configs: pre-empted with SIGTERM after a
-// few steps, resumed with trainer.resume=auto, every step logs what an uninterrupted run logs
-// (NFT's "old" adapter, which follows by EMA, comes back from the checkpoint too).
+// Flow-GRPO, DiffusionNFT and Diffusion-DPO through their example configs (the trainer's state
+// offloaded to files between phases, the rollout on a weight-synced replica): pre-empted with
+// SIGTERM after a few steps, resumed with trainer.resume=auto, every step logs what an
+// uninterrupted run logs (NFT's "old" adapter, which follows by EMA, comes back from the checkpoint
+// too).
 class DemoAlgorithm : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DemoAlgorithm, ResumesAfterAKillBitwise) {
@@ -398,7 +401,8 @@ TEST_P(DemoAlgorithm, ResumesAfterAKillBitwise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(NftAndDpo, DemoAlgorithm, ::testing::Values("nft", "dpo"));
+INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, DemoAlgorithm,
+                         ::testing::Values("flow_grpo", "nft", "dpo"));
 
 }  // namespace
 }  // namespace shardrl::testing

@@ -102,6 +102,51 @@ TEST(Engine, ForwardOnlyLeavesTheWeightsUntouched) {
     EXPECT_TRUE(torch::equal(after.at(name), tensor)) << name;
 }
 
+// The weight sync a rollout engine loads from: every full tensor as training holds it, or with the
+// LoRA adapter merged (W + 16/4 * B A, no adapter tensors), or in bf16 under a name prefix; with
+// the state offloaded, the sync brings the params in and puts them back, and changes no bit.
+TEST(Engine, WeightSyncStreamsFullMergedAndBf16TensorsAndKeepsTheState) {
+  for (bool offload : {false, true}) {
+    const auto dir = make_temp_dir(offload ? "engine_sync_offload" : "engine_sync");
+    std::vector<std::string> args = {"--mode", "weight_sync", "--out", dir};
+    if (offload) args.push_back("--offload");
+    auto result = launch_workers(2, args, 300, "engine_worker");
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+    const auto before = read_params(dir + "/before"), after = read_params(dir + "/after");
+    const auto plain = read_params(dir + "/plain"), merged = read_params(dir + "/merged");
+    const auto bf16 = read_params(dir + "/bf16");
+    ASSERT_EQ(plain.size(), before.size());
+    ASSERT_EQ(bf16.size(), before.size());
+    int adapters = 0, merged_targets = 0;
+    for (const auto& [name, tensor] : before) {
+      EXPECT_TRUE(torch::equal(after.at(name), tensor)) << name;
+      EXPECT_TRUE(torch::equal(plain.at(name), tensor)) << name;
+      EXPECT_TRUE(
+          torch::equal(bf16.at("model." + name), tensor.to(torch::kBFloat16).to(torch::kFloat)))
+          << name;
+      const auto lora_a = name.find(".lora_A.default.weight");
+      if (lora_a != std::string::npos) {
+        ++adapters;
+        const std::string module = name.substr(0, lora_a);
+        const auto& b = before.at(module + ".lora_B.default.weight");
+        EXPECT_GT(b.abs().max().item<float>(), 0.0f) << "the step left B at zero: " << module;
+        const auto expected = before.at(module + ".weight") + 4.0 * b.matmul(tensor);
+        EXPECT_LT(relative_error(merged.at(module + ".weight"), expected), 1e-6) << module;
+        ++merged_targets;
+      }
+      if (name.find(".lora_") != std::string::npos) {
+        EXPECT_EQ(merged.count(name), 0u) << name;
+      } else if (merged.count(name) && name.find("q_proj") == std::string::npos &&
+                 name.find("v_proj") == std::string::npos) {
+        EXPECT_TRUE(torch::equal(merged.at(name), tensor)) << name;
+      }
+    }
+    EXPECT_EQ(adapters, 4);  // q_proj and v_proj of 2 layers
+    EXPECT_EQ(merged_targets, 4);
+    EXPECT_EQ(merged.size(), before.size() - 2 * 4);
+  }
+}
+
 // Rank 0 holds 4 samples (2 micro-batches of 2), rank 1 holds 2 (1 micro-batch): run as is,
 // rank 0's second backward would wait forever for rank 1. The engine splits rank 1 finer.
 TEST(Engine, EveryRankRunsTheSameNumberOfMicroBatches) {

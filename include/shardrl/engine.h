@@ -110,7 +110,8 @@ class Engine {
   const EngineConfig& config() const { return config_; }
 
   // Brings in what the config offloads (train: params, grads, optimizer state; eval: params) and
-  // offloads it again when the scope ends. Nothing moves when nothing is offloaded.
+  // offloads it again when the scope ends. Nothing moves when nothing is offloaded, so a scope
+  // opened inside another (a checkpoint save inside train_mode) leaves the outer one's state be.
   class ModeScope {
    public:
     ModeScope(Engine& engine, offload::Selection what);
@@ -130,6 +131,9 @@ class Engine {
   void to(offload::Tier tier, offload::Selection what);
   void offload(offload::Selection what = {});
   void onload(offload::Selection what = {});
+  // Wall seconds spent moving state to and from the offload tier since the engine was built,
+  // for the per-phase timing of an RL step.
+  double offload_seconds() const { return offload_seconds_; }
   // Bytes per category, resident and offloaded, and the phase's log line.
   offload::MemoryReport memory() const;
   void log_memory(const std::string& phase) const;
@@ -150,12 +154,22 @@ class Engine {
   // forward_only under NoGradGuard; returns the per-sample outputs.
   Batch infer_batch(const Batch& data, const LossFn& loss_fn, Metrics* metrics = nullptr);
 
-  // Weight sync for a rollout engine: every parameter at full size, one tensor at a time.
-  void get_per_tensor_param(
-      const std::function<void(const std::string&, const torch::Tensor&)>& callback,
-      torch::ScalarType dtype = torch::kBFloat16, const std::string& prefix = "") const;
+  // Weight sync for a rollout engine (verl's get_per_tensor_param): `callback(name, full tensor)`
+  // for every parameter, gathered one tensor at a time; collective over the shard group. Params
+  // that are offloaded come in for the call and go back after it; no training state changes.
+  struct WeightSyncOptions {
+    torch::ScalarType dtype = torch::kBFloat16;
+    std::string prefix;  // prepended to every name, e.g. "transformer."
+    // LoRA: empty sends every tensor as it is (base and adapter tensors, PEFT names). An adapter
+    // name sends each target's weight with scaling * B A of that adapter merged in, and no
+    // adapter tensors: what a rollout engine without LoRA support loads.
+    std::string merge_adapter;
+  };
+  using TensorCallback = std::function<void(const std::string&, const torch::Tensor&)>;
+  void get_per_tensor_param(const TensorCallback& callback, const WeightSyncOptions& options);
 
   // Sharded checkpoint of model, optimizer, LR schedule and RNG, rotated per config.checkpoint.
+  // Offloaded state comes in for the call and goes back after it.
   std::string save_checkpoint(const std::string& root, int64_t step,
                               const nlohmann::json& extra = nlohmann::json::object());
   checkpoint::LoadResult load_checkpoint(const std::string& dir);
@@ -172,6 +186,7 @@ class Engine {
  private:
   int64_t agreed_micro_batch_count(int64_t local_samples);
   offload::Selection offloaded_between_phases(bool train) const;
+  ModeScope offloaded_state_in(bool params_only);
 
   EngineConfig config_;
   std::shared_ptr<dist::World> world_;
@@ -179,6 +194,7 @@ class Engine {
   Model model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<optim::LRScheduler> scheduler_;
+  double offload_seconds_ = 0;
 };
 
 // Model families by (model_type, backend), as verl's EngineRegistry. The built-in families are

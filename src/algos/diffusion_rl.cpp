@@ -316,22 +316,16 @@ std::vector<int64_t> first_steps(int64_t total, double fraction) {
 
 }  // namespace
 
-RLStepResult diffusion_rl_step(models::DiT& model, torch::optim::Optimizer& optimizer,
-                               const RewardFn& reward, const torch::Tensor& labels, int64_t step,
-                               const DiffusionRLConfig& config, at::Generator generator,
-                               dist::ProcessGroup* group) {
+RLStepResult diffusion_rl_rollout(models::DiT& rollout_model, const RewardFn& reward,
+                                  const torch::Tensor& labels, const DiffusionRLConfig& config,
+                                  at::Generator generator, dist::ProcessGroup* group) {
   config.validate();
   const int64_t b = labels.size(0);
   require(b % config.group_size == 0, "labels",
           fmt::format("{} samples do not split into groups of {}", b, config.group_size));
   RLStepResult result;
   auto start = std::chrono::steady_clock::now();
-  {
-    // NFT samples with its behaviour policy, the "old" adapter.
-    std::optional<lora::UseAdapter> behaviour;
-    if (config.algorithm == "nft") behaviour.emplace(*model, "old");
-    result.rollout = sample_with_logprob(model, labels, config.rollout, generator);
-  }
+  result.rollout = sample_with_logprob(rollout_model, labels, config.rollout, generator);
   result.seconds["rollout"] = seconds_since(start);
 
   start = std::chrono::steady_clock::now();
@@ -345,16 +339,41 @@ RLStepResult diffusion_rl_step(models::DiT& model, torch::optim::Optimizer& opti
   }
   std::vector<int64_t> uids(static_cast<size_t>(world * b));
   for (size_t i = 0; i < uids.size(); ++i) uids[i] = static_cast<int64_t>(i) / config.group_size;
-  auto advantages =
+  result.advantages =
       diffusion_group_advantages(all_rewards, uids, config.advantage).narrow(0, rank * b, b);
+  result.group_ids.assign(uids.begin() + rank * b, uids.begin() + (rank + 1) * b);
   result.reward_mean = all_rewards.mean().item<double>();
   result.reward_std = all_rewards.std(/*unbiased=*/false).item<double>();
   result.seconds["reward"] = seconds_since(start);
+  return result;
+}
 
+RLStepResult diffusion_rl_step(models::DiT& model, torch::optim::Optimizer& optimizer,
+                               const RewardFn& reward, const torch::Tensor& labels, int64_t step,
+                               const DiffusionRLConfig& config, at::Generator generator,
+                               dist::ProcessGroup* group) {
+  RLStepResult result;
+  {
+    // NFT samples with its behaviour policy, the "old" adapter.
+    std::optional<lora::UseAdapter> behaviour;
+    if (config.algorithm == "nft") behaviour.emplace(*model, "old");
+    result = diffusion_rl_rollout(model, reward, labels, config, generator, group);
+  }
+  diffusion_rl_update(model, optimizer, result, step, config, generator);
+  return result;
+}
+
+void diffusion_rl_update(models::DiT& model, torch::optim::Optimizer& optimizer,
+                         RLStepResult& result, int64_t step, const DiffusionRLConfig& config,
+                         at::Generator generator) {
+  config.validate();
+  const int64_t b = result.rollout.size();
+  const auto& labels = result.rollout.labels;
+  const auto& advantages = result.advantages;
   const int64_t T = result.rollout.num_steps();
   Metrics sum;
   int64_t counted = 0, optimizer_steps = 0;
-  start = std::chrono::steady_clock::now();
+  auto start = std::chrono::steady_clock::now();
   if (config.algorithm == "flow_grpo") {
     if (config.flow_grpo.beta > 0) {
       compute_reference_means(model, result.rollout, config.rollout, config.micro_batch_size);
@@ -407,9 +426,7 @@ RLStepResult diffusion_rl_step(models::DiT& model, torch::optim::Optimizer& opti
     lora::ema_update(adapter_tensors(model), "old", "default",
                      ema_decay(config.nft_decay_schedule, step));
   } else {
-    auto pairs = dpo_make_pairs(
-        result.rewards,
-        std::vector<int64_t>(uids.begin() + rank * b, uids.begin() + (rank + 1) * b));
+    auto pairs = dpo_make_pairs(result.rewards, result.group_ids);
     const int64_t P = pairs.num_pairs();
     require(P > 0, "group_size", "DPO found no pairs");
     auto idx = pairs.index_tensor();
@@ -442,7 +459,6 @@ RLStepResult diffusion_rl_step(models::DiT& model, torch::optim::Optimizer& opti
                                ? value / static_cast<double>(std::max<int64_t>(optimizer_steps, 1))
                                : value / static_cast<double>(counted);
   }
-  return result;
 }
 
 }  // namespace shardrl::algos

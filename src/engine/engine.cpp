@@ -4,7 +4,11 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
+#include <map>
 #include <stdexcept>
+
+#include "shardrl/models/lora.h"
 
 namespace shardrl::engine {
 
@@ -106,7 +110,12 @@ offload::Selection Engine::offloaded_between_phases(bool train) const {
 }
 
 Engine::ModeScope::ModeScope(Engine& engine, offload::Selection what)
-    : engine_(engine), what_(what), active_(what.model || what.grad || what.optimizer) {
+    : engine_(engine), what_(what), active_(false) {
+  if (!what.model && !what.grad && !what.optimizer) return;
+  // Resident already: an enclosing scope brought it in and will take it out again.
+  const auto report = engine_.memory();
+  active_ = (what.model && report.params.offloaded > 0) ||
+            (what.optimizer && report.optimizer.offloaded > 0);
   if (active_) engine_.onload(what_);
 }
 
@@ -127,13 +136,39 @@ Engine::ModeScope Engine::eval_mode() {
   return ModeScope(*this, offloaded_between_phases(false));
 }
 
+Engine::ModeScope Engine::offloaded_state_in(bool params_only) {
+  // Whatever is offloaded now, between phases or by the training policy: the checkpoint and the
+  // weight sync read the shards' bytes directly, and exactly this goes back afterwards.
+  const auto report = memory();
+  const bool params = report.params.offloaded > 0;
+  return ModeScope(*this, {params, !params_only && params && report.grads.offloaded > 0,
+                           !params_only && report.optimizer.offloaded > 0});
+}
+
+namespace {
+// Adds the wall time of one transfer to `total`, also when it throws.
+class TransferTimer {
+ public:
+  explicit TransferTimer(double& total) : total_(total), start_(Clock::now()) {}
+  ~TransferTimer() { total_ += std::chrono::duration<double>(Clock::now() - start_).count(); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  double& total_;
+  Clock::time_point start_;
+};
+}  // namespace
+
 void Engine::to(offload::Tier tier, offload::Selection what) {
+  TransferTimer timer(offload_seconds_);
   offload::to(tier, model_.fsdp, optimizer_.get(), what);
 }
 void Engine::offload(offload::Selection what) {
+  TransferTimer timer(offload_seconds_);
   offload::offload(model_.fsdp, optimizer_.get(), what);
 }
 void Engine::onload(offload::Selection what) {
+  TransferTimer timer(offload_seconds_);
   offload::onload(model_.fsdp, optimizer_.get(), what);
 }
 offload::MemoryReport Engine::memory() const {
@@ -233,20 +268,67 @@ Batch Engine::infer_batch(const Batch& data, const LossFn& loss_fn, Metrics* met
   return outputs;
 }
 
-void Engine::get_per_tensor_param(
-    const std::function<void(const std::string&, const torch::Tensor&)>& callback,
-    torch::ScalarType dtype, const std::string& prefix) const {
-  checkpoint::for_each_full_parameter(model_.fsdp, dtype, prefix, callback);
+void Engine::get_per_tensor_param(const TensorCallback& callback,
+                                  const WeightSyncOptions& options) {
+  ModeScope params_in = offloaded_state_in(/*params_only=*/true);
+  const auto& sharded = model_.fsdp;
+  if (options.merge_adapter.empty()) {
+    checkpoint::for_each_full_parameter(sharded, options.dtype, options.prefix, callback);
+    return;
+  }
+  struct Target {
+    double scaling = 0;
+    torch::Tensor a, b;
+  };
+  std::map<std::string, Target> targets;                                // by the base weight's name
+  std::map<std::string, std::pair<std::string, bool>> adapter_tensors;  // name -> (weight, is A)
+  for (const auto& [module_name, layer] : models::lora::lora_linears(*model_.module)) {
+    if (!layer->has_adapter(options.merge_adapter)) continue;
+    TORCH_CHECK(layer->merged_adapter().empty(), "get_per_tensor_param: ", module_name,
+                " already has adapter '", layer->merged_adapter(), "' merged into its weight");
+    const std::string base = module_name.empty() ? "" : module_name + ".";
+    targets[base + "weight"].scaling = layer->adapter_config(options.merge_adapter).scaling();
+    adapter_tensors[base + "lora_A." + options.merge_adapter + ".weight"] = {base + "weight", true};
+    adapter_tensors[base + "lora_B." + options.merge_adapter + ".weight"] = {base + "weight",
+                                                                             false};
+  }
+  if (targets.empty()) {
+    throw std::invalid_argument(
+        fmt::format("get_per_tensor_param: merge_adapter '{}' is on no layer of the model",
+                    options.merge_adapter));
+  }
+  // The adapters are small (rank r), so all of them are gathered first; then every base weight is
+  // merged as it streams past, and the peak stays one full tensor plus the adapters.
+  checkpoint::for_each_full_parameter(
+      sharded, torch::kFloat, "",
+      [&](const std::string& name, const torch::Tensor& full) {
+        const auto& [weight, is_a] = adapter_tensors.at(name);
+        (is_a ? targets[weight].a : targets[weight].b) = full.clone();
+      },
+      [&](const std::string& name) { return adapter_tensors.count(name) > 0; });
+  checkpoint::for_each_full_parameter(
+      sharded, torch::kFloat, "",
+      [&](const std::string& name, const torch::Tensor& full) {
+        auto it = targets.find(name);
+        const torch::Tensor out =
+            it == targets.end()
+                ? full
+                : full + models::lora::delta_weight(it->second.a, it->second.b, it->second.scaling);
+        callback(options.prefix + name, out.to(options.dtype));
+      },
+      [&](const std::string& name) { return !models::lora::is_adapter_tensor(name); });
 }
 
 std::string Engine::save_checkpoint(const std::string& root, int64_t step,
                                     const nlohmann::json& extra) {
   TORCH_CHECK(optimizer_, "save_checkpoint: this engine is forward_only (a reference model)");
+  ModeScope state_in = offloaded_state_in(/*params_only=*/false);
   return checkpoint::save(root, step, model_.fsdp, *optimizer_, scheduler_.get(), extra,
                           config_.checkpoint);
 }
 
 checkpoint::LoadResult Engine::load_checkpoint(const std::string& dir) {
+  ModeScope state_in = offloaded_state_in(/*params_only=*/false);
   return checkpoint::load(dir, model_.fsdp, optimizer_.get(), scheduler_.get());
 }
 

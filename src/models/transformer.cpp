@@ -44,16 +44,20 @@ TransformerConfig TransformerConfig::from_json(const nlohmann::json& j) {
 BlockImpl::BlockImpl(const TransformerConfig& c) : n_heads_(c.n_heads) {
   TORCH_CHECK(c.d_model % c.n_heads == 0, "d_model must be divisible by n_heads");
   ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
-  q_proj_ = register_module("q_proj", torch::nn::Linear(c.d_model, c.d_model));
+  q_proj_ =
+      register_module("q_proj", lora::LoraLinear(torch::nn::LinearOptions(c.d_model, c.d_model)));
   // A key bias shifts every score of a query by the same amount, which softmax cancels: its
   // gradient is exactly zero in theory and rounding noise in practice, which Adam would amplify.
   k_proj_ = register_module(
-      "k_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.d_model).bias(false)));
-  v_proj_ = register_module("v_proj", torch::nn::Linear(c.d_model, c.d_model));
-  proj_ = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
+      "k_proj", lora::LoraLinear(torch::nn::LinearOptions(c.d_model, c.d_model).bias(false)));
+  v_proj_ =
+      register_module("v_proj", lora::LoraLinear(torch::nn::LinearOptions(c.d_model, c.d_model)));
+  proj_ = register_module("proj", lora::LoraLinear(torch::nn::LinearOptions(c.d_model, c.d_model)));
   ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
-  fc1_ = register_module("fc1", torch::nn::Linear(c.d_model, c.mlp_ratio * c.d_model));
-  fc2_ = register_module("fc2", torch::nn::Linear(c.mlp_ratio * c.d_model, c.d_model));
+  fc1_ = register_module(
+      "fc1", lora::LoraLinear(torch::nn::LinearOptions(c.d_model, c.mlp_ratio * c.d_model)));
+  fc2_ = register_module(
+      "fc2", lora::LoraLinear(torch::nn::LinearOptions(c.mlp_ratio * c.d_model, c.d_model)));
 }
 
 torch::Tensor BlockImpl::attention(const torch::Tensor& x) {

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <optional>
 
 #include "shardrl/algos/diffusion_rl.h"
@@ -329,11 +330,40 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
   auto reward = [&](const torch::Tensor& images, const torch::Tensor& labels) {
     return models::classifier_reward(classifier, images, labels, o.reward_mode);
   };
+
+  // The rollout engine: an unsharded replica on each rank, so sampling runs without collectives
+  // while the trainer's state waits offloaded (param_offload / optimizer_offload). Before every
+  // rollout the weight sync streams the trainer's params into it with the behaviour policy's
+  // adapter merged, as verl syncs a LoRA actor into a rollout engine without LoRA support.
+  models::DiT rollout_model(dit_config(o));
+  for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+  auto rollout_params = rollout_model->named_parameters();
+  engine::Engine::WeightSyncOptions sync;
+  sync.dtype = torch::kFloat;  // the rollout computes in fp32 on CPU
+  sync.merge_adapter = o.algorithm == "nft" ? "old" : "default";
+  auto sync_weights = [&] {
+    torch::NoGradGuard no_grad;
+    size_t received = 0;
+    engine->get_per_tensor_param(
+        [&](const std::string& name, const torch::Tensor& full) {
+          auto* param = rollout_params.find(name);
+          if (!param) throw std::runtime_error("weight sync: the rollout model has no " + name);
+          param->copy_(full);
+          ++received;
+        },
+        sync);
+    if (received != rollout_params.size()) {
+      throw std::runtime_error(fmt::format("weight sync: {} of the rollout model's {} params came",
+                                           received, rollout_params.size()));
+    }
+  };
+
   Run run(config, *world);
   const int64_t first_step = run.resume(*engine) + 1;
   std::optional<Evaluation> before;
   if (first_step == 1) {
-    before = evaluate(model, classifier, o, rl.rollout, *world);
+    sync_weights();
+    before = evaluate(rollout_model, classifier, o, rl.rollout, *world);
     if (lead) {
       data::write_png(o.run_dir + "/samples_before.png",
                       data::image_grid(before->images, o.eval_per_class, 2, 3));
@@ -356,8 +386,19 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
     // Seeded by step, so a resumed run draws the same noise as an uninterrupted one.
     auto gen =
         at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 131 + world->rank());
-    auto result = algos::diffusion_rl_step(model, *engine->optimizer(), reward, labels, step - 1,
-                                           rl, gen, &world->group());
+    const double offload_before = engine->offload_seconds();
+    const auto sync_start = Clock::now();
+    sync_weights();
+    const double sync_seconds = since(sync_start);
+    const double sync_offload = engine->offload_seconds() - offload_before;
+    auto result =
+        algos::diffusion_rl_rollout(rollout_model, reward, labels, rl, gen, &world->group());
+    {
+      auto training = engine->train_mode();
+      algos::diffusion_rl_update(model, *engine->optimizer(), result, step - 1, rl, gen);
+    }
+    result.seconds["weight_sync"] = sync_seconds - sync_offload;
+    result.seconds["offload"] = engine->offload_seconds() - offload_before;
     engine::Metrics metrics{{"reward_mean", result.reward_mean},
                             {"reward_std", result.reward_std},
                             {"grad_norm", result.grad_norm},
@@ -372,15 +413,28 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
   const double rl_seconds = since(rl_start);
   const int64_t rl_steps_run = std::max<int64_t>(o.rl_steps - first_step + 1, 1);
 
-  auto after = evaluate(model, classifier, o, rl.rollout, *world);
+  sync_weights();
+  auto after = evaluate(rollout_model, classifier, o, rl.rollout, *world);
   if (lead) {
     data::write_png(o.run_dir + "/samples_after.png",
                     data::image_grid(after.images, o.eval_per_class, 2, 3));
     // The curve of the whole run, resumed parts included, from metrics.jsonl.
     std::vector<double> reward_curve;
+    std::map<std::string, double> phase_seconds;  // "time_<phase>" summed over the steps
     std::ifstream lines(o.run_dir + "/metrics.jsonl");
     for (std::string line; std::getline(lines, line);) {
-      reward_curve.push_back(nlohmann::json::parse(line).value("reward_mean", 0.0));
+      const auto step_metrics = nlohmann::json::parse(line);
+      reward_curve.push_back(step_metrics.value("reward_mean", 0.0));
+      for (const auto& [key, value] : step_metrics.items()) {
+        if (key.rfind("time_", 0) == 0) phase_seconds[key.substr(5)] += value.get<double>();
+      }
+    }
+    nlohmann::json phases = nlohmann::json::object();
+    std::string phase_line;
+    for (const auto& [phase, total] : phase_seconds) {
+      const double mean = total / static_cast<double>(std::max<size_t>(reward_curve.size(), 1));
+      phases[phase] = mean;
+      phase_line += fmt::format("{}{} {:.3f}", phase_line.empty() ? "" : ", ", phase, mean);
     }
     std::vector<double> smooth;
     for (size_t i = 0; i < reward_curve.size(); ++i) {
@@ -396,6 +450,7 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
                            {"pretrain_seconds", pretrain_seconds},
                            {"rl_seconds", rl_seconds},
                            {"rl_seconds_per_step", rl_seconds / rl_steps_run},
+                           {"rl_phase_seconds_per_step", phases},
                            {"eval_reward_after", after.reward},
                            {"eval_accuracy_after", after.accuracy},
                            {"total_seconds", since(t0)}};
@@ -408,12 +463,13 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
                      "after RL: eval reward (p(class)) {:.4f}{}, classifier agrees {:.3f}\n"
                      "timings: classifier {:.1f} s, pretrain {:.1f} s, RL {:.1f} s ({:.2f} "
                      "s/step), total {:.1f} s\n"
+                     "RL phases, s/step: {}\n"
                      "wrote {}/samples_before.png, samples_after.png, reward_curve.png, "
                      "metrics.jsonl\n",
                      after.reward,
                      before ? fmt::format(" (before {:.4f})", before->reward) : std::string(),
                      after.accuracy, classifier_seconds, pretrain_seconds, rl_seconds,
-                     rl_seconds / rl_steps_run, since(t0), o.run_dir)
+                     rl_seconds / rl_steps_run, since(t0), phase_line, o.run_dir)
               << std::flush;
   }
   world->group().barrier();

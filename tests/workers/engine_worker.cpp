@@ -2,6 +2,8 @@
 // shard of a fixed global batch with train_batch, and writes the gathered parameters.
 //   --mode train         train --steps steps
 //   --mode forward_only  a reference engine: infer_batch only; writes params before and after
+//   --mode weight_sync   two LoRA steps, then get_per_tensor_param as is, merged and in bf16;
+//                        writes each, and the params gathered before and after the syncs
 #include <CLI/CLI.hpp>
 
 #include <filesystem>
@@ -16,7 +18,7 @@ using namespace shardrl;
 namespace {
 
 engine::EngineConfig config(bool forward_only, int64_t micro_batch, bool offload,
-                            const std::string& offload_dir) {
+                            const std::string& offload_dir, bool lora) {
   engine::EngineConfig c;
   c.model_type = "language_model";
   c.model = {{"family", "gpt"},
@@ -26,6 +28,7 @@ engine::EngineConfig config(bool forward_only, int64_t micro_batch, bool offload
                {"d_model", 32},
                {"n_heads", 4},
                {"n_layers", 2}}}};
+  if (lora) c.model["lora_rank"] = 4;  // on q_proj and v_proj, scaled by 16 / 4
   c.micro_batch_size_per_gpu = micro_batch;
   c.forward_only = forward_only;
   c.offload.param_offload = c.offload.optimizer_offload = offload;
@@ -69,7 +72,8 @@ int main(int argc, char** argv) {
   auto world = dist::World::init_from_env();
   torch::manual_seed(0);  // the same initial weights at every world size
   auto engine = engine::EngineRegistry::create(
-      config(mode == "forward_only", micro_batch, offload, out + "/offload"), world);
+      config(mode == "forward_only", micro_batch, offload, out + "/offload", mode == "weight_sync"),
+      world);
   int64_t local = batch / engine->data_parallel_size();
   int64_t first = engine->data_parallel_rank() * local;
   if (uneven) {
@@ -109,6 +113,35 @@ int main(int argc, char** argv) {
     auto outputs = engine->infer_batch(data, next_token);
     TORCH_CHECK(outputs.at("logits").size(0) == local, "infer_batch lost samples");
     write(out + "/after", gathered());
+  } else if (mode == "weight_sync") {
+    for (int64_t step = 0; step < 2; ++step) {  // the first step's warmup lr is 0
+      auto scope = engine->train_mode();
+      engine->train_batch(engine::slice_batch(global_batch(step, batch), first, local), next_token);
+    }
+    auto gathered_in_scope = [&] {
+      auto scope = engine->train_mode();
+      return gathered();
+    };
+    write(out + "/before", gathered_in_scope());
+    auto sync = [&](const std::string& name, engine::Engine::WeightSyncOptions options) {
+      std::map<std::string, torch::Tensor> received;
+      engine->get_per_tensor_param(
+          [&](const std::string& n, const torch::Tensor& t) {
+            TORCH_CHECK(t.scalar_type() == options.dtype, n, " came as ", t.scalar_type());
+            received[n] = t.to(torch::kFloat);
+          },
+          options);
+      if (offload) {
+        const auto memory = engine->memory();
+        TORCH_CHECK(memory.params.resident == 0 && memory.optimizer.resident == 0,
+                    "the weight sync left state resident");
+      }
+      write(out + "/" + name, received);
+    };
+    sync("plain", {torch::kFloat, "", ""});
+    sync("merged", {torch::kFloat, "", "default"});
+    sync("bf16", {torch::kBFloat16, "model.", ""});
+    write(out + "/after", gathered_in_scope());
   } else {
     throw std::invalid_argument("--mode: unknown mode " + mode);
   }

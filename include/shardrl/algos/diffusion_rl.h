@@ -163,6 +163,8 @@ using RewardFn = std::function<torch::Tensor(const torch::Tensor&, const torch::
 struct RLStepResult {
   DiffusionRollout rollout;                // this rank's samples
   torch::Tensor rewards;                   // [B] this rank's rewards
+  torch::Tensor advantages;                // [B] group-relative, with the global std
+  std::vector<int64_t> group_ids;          // [B] the global group of each sample
   double reward_mean = 0, reward_std = 0;  // over all ranks' samples
   Metrics metrics;                         // means over micro-batches (and timesteps) on this rank
   double grad_norm = 0;                    // of the last optimizer step
@@ -173,9 +175,25 @@ struct RLStepResult {
 // same count. `group` (null: one process) gathers rewards for the advantages' global std. The
 // optimizer must step the model's trainable params (its sharded params when sharded). `step`
 // drives the NFT old adapter's EMA schedule.
+//
+// An RL step is its two halves below, run on one model; NFT samples with the "old" adapter.
 RLStepResult diffusion_rl_step(models::DiT& model, torch::optim::Optimizer& optimizer,
                                const RewardFn& reward, const torch::Tensor& labels, int64_t step,
                                const DiffusionRLConfig& config, at::Generator generator,
                                dist::ProcessGroup* group = nullptr);
+
+// The rollout half: samples with `rollout_model` as it is (the behaviour policy: the trained
+// model, or a rollout replica the engine's weight sync keeps current), scores the samples and
+// computes the advantages. Fills everything but metrics and grad_norm; seconds "rollout" and
+// "reward". Collective over `group` (the reward gather) only.
+RLStepResult diffusion_rl_rollout(models::DiT& rollout_model, const RewardFn& reward,
+                                  const torch::Tensor& labels, const DiffusionRLConfig& config,
+                                  at::Generator generator, dist::ProcessGroup* group = nullptr);
+
+// The update half on the trained model: the reference means (Flow-GRPO with a KL), then the
+// algorithm's optimizer step(s). Fills metrics, grad_norm, seconds "reference" and "update".
+void diffusion_rl_update(models::DiT& model, torch::optim::Optimizer& optimizer,
+                         RLStepResult& result, int64_t step, const DiffusionRLConfig& config,
+                         at::Generator generator);
 
 }  // namespace shardrl::algos

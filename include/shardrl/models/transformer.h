@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shardrl/fsdp.h"
+#include "shardrl/models/lora.h"
 
 namespace shardrl::models {
 
@@ -31,7 +32,8 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor attention(const torch::Tensor& x);
   int64_t n_heads_;
   torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
-  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, proj_{nullptr},
+  // LoraLinear: a torch::nn::Linear until an adapter is added (lora::apply_lora).
+  lora::LoraLinear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, proj_{nullptr},
       fc1_{nullptr}, fc2_{nullptr};
 };
 
