@@ -9,7 +9,7 @@ packages=(
   libtorch-dev libgloo-dev libopenblas0-pthread libblas3
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev libspdlog-dev
   googletest libgtest-dev libbenchmark-dev
-  zlib1g-dev libpng-dev
+  zlib1g-dev libisal-dev libpng-dev
   python3-torch python3-numpy
   dataset-fashion-mnist
 )

@@ -7,6 +7,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include <zlib.h>
+
+#include "checkpoint/io.h"
 #include "shardrl/checkpoint.h"
 #include "test_util.h"
 #include "workers/param_files.h"
@@ -126,6 +129,22 @@ TEST(Safetensors, RoundTripsDtypesAndReadsRowRanges) {
 
 // Loads verify the bytes they read, in the same pass: a damaged byte fails exactly the reads
 // whose blocks hold it, whether they read the block whole or in part, and the header is checked.
+// Checkpoints store zlib's crc32 whichever library computes it (ISA-L when the build found it):
+// the same values in one call and in pieces, so checkpoints of either build load in the other.
+TEST(Safetensors, Crc32IsZlibsInOneCallAndInPieces) {
+  auto bytes = torch::randint(256, {(5 << 20) + 77}, torch::kUInt8);
+  const auto* data = bytes.data_ptr<uint8_t>();
+  const int64_t n = bytes.numel();
+  const uint32_t zlib = static_cast<uint32_t>(::crc32(0, data, static_cast<uInt>(n)));
+  EXPECT_EQ(checkpoint::crc32_update(0, data, n), zlib);
+  uint32_t pieces = 0;
+  for (int64_t done = 0, step = 1; done < n; done += step, step = step * 3 + 1) {
+    pieces = checkpoint::crc32_update(pieces, data + done, std::min(step, n - done));
+  }
+  EXPECT_EQ(pieces, zlib);
+  EXPECT_EQ(checkpoint::crc32_update(0, data, 0), 0u);
+}
+
 TEST(Safetensors, BlockChecksumsVerifyExactlyTheBytesRead) {
   const std::string dir = make_temp_dir("st-blocks");
   const std::string path = dir + "/t.safetensors";
