@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <fstream>
 
 #include "fsdp_run.h"
@@ -138,6 +139,16 @@ TEST(Offload, FileTierReleasesResidentMemoryAndRestoresBitwise) {
   const auto dropped = m["rss_before"].get<int64_t>() - m["rss_after_offload"].get<int64_t>();
   EXPECT_GE(dropped, offloaded * 9 / 10) << m.dump();
   EXPECT_EQ(m["changed_after_onload"], 0) << m.dump();
+  // A second round overwrites the files the first left, and restores bitwise again; once the
+  // model is gone, so are its files.
+  EXPECT_GT(m["scratch_files_after_onload"], 0) << m.dump();
+  EXPECT_EQ(m["changed_after_second_round"], 0) << m.dump();
+  int64_t left = 0;
+  if (std::filesystem::exists(out + "/tier")) {
+    for (const auto& f : std::filesystem::recursive_directory_iterator(out + "/tier"))
+      left += f.is_regular_file() ? 1 : 0;
+  }
+  EXPECT_EQ(left, 0);
 }
 
 TEST(Offload, BadInputIsNamed) {

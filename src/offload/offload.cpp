@@ -10,6 +10,7 @@
 #include <array>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <unordered_set>
 
 #include "fsdp/unit_state.h"
@@ -59,13 +60,13 @@ class Residency : public fsdp::ShardResidency {
         }
       }
     }
+    remove_scratch_files();
     dir_ = dir;
   }
 
   ~Residency() override {
-    records_.clear();  // the stashes remove their files
-    std::error_code ignored;
-    std::filesystem::remove(dir_, ignored);
+    records_.clear();
+    remove_scratch_files();
   }
 
   Options options;
@@ -147,9 +148,19 @@ class Residency : public fsdp::ShardResidency {
     return static_cast<size_t>(std::find(units_.begin(), units_.end(), &unit) - units_.begin());
   }
 
-  std::string path(UnitState& unit, Kind kind) const {
+  // The file stashes' files stay after an onload, to be overwritten by the next offload.
+  std::string path(UnitState& unit, Kind kind) {
     std::filesystem::create_directories(dir_);
-    return fmt::format("{}/unit{}_{}.bin", dir_, index_of(unit), kKindNames[kind]);
+    auto file = fmt::format("{}/unit{}_{}.bin", dir_, index_of(unit), kKindNames[kind]);
+    scratch_files_.insert(file);
+    return file;
+  }
+
+  void remove_scratch_files() {
+    std::error_code ignored;
+    for (const auto& file : scratch_files_) std::filesystem::remove(file, ignored);
+    scratch_files_.clear();
+    std::filesystem::remove(dir_, ignored);  // only when empty: the dir may be the user's
   }
 
   // The tensors holding this kind of state now. Grads and optimizer state can be replaced while
@@ -196,6 +207,7 @@ class Residency : public fsdp::ShardResidency {
   std::vector<UnitState*> units_;
   std::string dir_;
   std::vector<UnitRecord> records_;
+  std::set<std::string> scratch_files_;
 };
 
 // Ranks of one job on one host write apart; so do jobs (the pid) unless the user picks the dir.

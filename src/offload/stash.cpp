@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #ifdef __GLIBC__
 #include <malloc.h>
@@ -23,23 +25,29 @@ std::runtime_error io_error(const std::string& what, const std::string& path) {
   return std::runtime_error(fmt::format("offload: {} {}: {}", what, path, std::strerror(errno)));
 }
 
-// One file per group, written front to back and read back with pread: sequential I/O through
-// the page cache, no fsync (the files are scratch space, removed once restored).
+// One file per group, written front to back and read back in one stream: sequential I/O through
+// the page cache, no fsync. The file is scratch space that outlives the restore: the next
+// offload of the same group overwrites it in place, and whoever owns the directory removes it
+// (offload's Residency). Deleting or truncating it on every onload freed its blocks through the
+// filesystem journal, 10-25 ms per file on ext4, a quarter of a cold onload.
 class FileStash : public Stash {
  public:
   FileStash(Tier tier, std::string path) : Stash(tier), path_(std::move(path)) {}
-  ~FileStash() override { discard(); }
 
  protected:
   void write(const std::vector<Entry>& entries, const std::vector<torch::Tensor>& bytes) override {
-    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0) throw io_error("cannot create", path_);
-    written_ = true;
     try {
+      int64_t size = 0;
       for (size_t i = 0; i < entries.size(); ++i) {
         torch::Tensor host = bytes[i].is_cpu() ? bytes[i] : bytes[i].cpu();
         transfer(fd, host.data_ptr<uint8_t>(), entries[i].nbytes, entries[i].offset, true);
+        size = std::max(size, entries[i].offset + entries[i].nbytes);
       }
+      struct stat st {};
+      if (::fstat(fd, &st) != 0) throw io_error("cannot stat", path_);
+      if (st.st_size != size && ::ftruncate(fd, size) != 0) throw io_error("cannot resize", path_);
     } catch (...) {
       ::close(fd);
       throw;
@@ -61,10 +69,41 @@ class FileStash : public Stash {
     if (!dst.is_cpu()) dst.copy_(host);
   }
 
-  void discard() override {
-    if (written_) ::unlink(path_.c_str());
-    written_ = false;
+  // Runs of entries that lie back to back in the file are read with one preadv each: on a cold
+  // page cache one long sequential read lets the kernel's readahead fetch from disk while earlier
+  // pages are copied (and the fresh storages faulted in); a pread per entry, each with its own
+  // short readahead ramp, left the disk idle during the copies (0.6 of a plain read, cold).
+  void read_all(const std::vector<const Entry*>& entries,
+                const std::vector<torch::Tensor>& dsts) override {
+    if (!dsts.empty() && !dsts.front().is_cpu()) return Stash::read_all(entries, dsts);
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw io_error("cannot open", path_);
+    try {
+      std::vector<iovec> run;
+      int64_t run_offset = 0, run_bytes = 0;
+      auto flush = [&] {
+        read_vector(fd, run, run_offset, run_bytes);
+        run.clear();
+        run_bytes = 0;
+      };
+      for (size_t i = 0; i < entries.size(); ++i) {
+        const Entry& e = *entries[i];
+        if (!run.empty() && (run_offset + run_bytes != e.offset || run.size() == kMaxIovecs)) {
+          flush();
+        }
+        if (run.empty()) run_offset = e.offset;
+        run.push_back({dsts[i].data_ptr(), static_cast<size_t>(e.nbytes)});
+        run_bytes += e.nbytes;
+      }
+      if (!run.empty()) flush();
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    ::close(fd);
   }
+
+  void discard() override {}
 
  private:
   void transfer(int fd, uint8_t* data, int64_t nbytes, int64_t offset, bool writing) {
@@ -82,8 +121,32 @@ class FileStash : public Stash {
     }
   }
 
+  static constexpr size_t kMaxIovecs = 512;  // below IOV_MAX (1024 on Linux)
+
+  // preadv of `bytes` bytes at `offset` into `iov`, resumed after short reads.
+  void read_vector(int fd, std::vector<iovec> iov, int64_t offset, int64_t bytes) {
+    size_t first = 0;
+    int64_t done = 0;
+    while (done < bytes) {
+      const ssize_t n =
+          ::preadv(fd, iov.data() + first, static_cast<int>(iov.size() - first), offset + done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        if (n == 0) errno = EIO;
+        throw io_error("short read from", path_);
+      }
+      done += n;
+      // Skip the buffers filled and trim the one filled in part.
+      size_t left = static_cast<size_t>(n);
+      while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+      if (left > 0) {
+        iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
+        iov[first].iov_len -= left;
+      }
+    }
+  }
+
   std::string path_;
-  bool written_ = false;
 };
 
 // Pinned host buffers filled and drained with asynchronous copies on the current stream; wait()
@@ -143,11 +206,15 @@ void Stash::evict(const std::vector<torch::Tensor>& tensors) {
 }
 
 void Stash::restore(const std::function<bool(const torch::Tensor&)>& keep) {
+  std::vector<const Entry*> kept;
+  std::vector<torch::Tensor> dsts;
   for (const auto& e : entries_) {
     if (!keep(e.tensor)) continue;
     compat::alloc_storage(e.tensor, static_cast<size_t>(e.nbytes));
-    read(e, compat::storage_bytes(e.tensor));
+    kept.push_back(&e);
+    dsts.push_back(compat::storage_bytes(e.tensor));
   }
+  if (!kept.empty()) read_all(kept, dsts);
   wait();
   discard();
   entries_.clear();

@@ -42,6 +42,11 @@ class Stash {
                      const std::vector<torch::Tensor>& bytes) = 0;
   // Fills `dst` (a byte tensor in compute memory) with the entry's saved bytes.
   virtual void read(const Entry& entry, const torch::Tensor& dst) = 0;
+  // read() of several entries, in offset order; a tier may do them as one stream.
+  virtual void read_all(const std::vector<const Entry*>& entries,
+                        const std::vector<torch::Tensor>& dsts) {
+    for (size_t i = 0; i < entries.size(); ++i) read(*entries[i], dsts[i]);
+  }
   // Waits for the copies issued so far (asynchronous tiers).
   virtual void wait() {}
   // Drops the saved copies once restored.

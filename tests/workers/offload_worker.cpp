@@ -5,6 +5,7 @@
 
 #include <malloc.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 
@@ -158,13 +159,22 @@ int memory(testing::Scenario s, const std::string& out, const std::string& dir) 
   offload::onload(fsdp_model, optimizer.get());
   const int64_t rss_onloaded = offload::process_rss_bytes();
   offload::log_memory("after onload", fsdp_model, optimizer.get());
+  const auto changed_after_onload = count_changed(state, before);
+  // The scratch files stay for the next offload, which overwrites them in place.
+  int64_t scratch_files = 0;
+  for (const auto& f : std::filesystem::recursive_directory_iterator(dir))
+    scratch_files += f.is_regular_file() ? 1 : 0;
+  offload::offload(fsdp_model, optimizer.get());
+  offload::onload(fsdp_model, optimizer.get());
   std::ofstream(out + "/memory.json") << nlohmann::json{
       {"rss_before", rss_before},
       {"rss_after_offload", rss_after},
       {"rss_after_onload", rss_onloaded},
       {"offloaded", m.params.offloaded + m.grads.offloaded + m.optimizer.offloaded},
       {"resident", m.params.resident + m.grads.resident + m.optimizer.resident},
-      {"changed_after_onload",
+      {"changed_after_onload", changed_after_onload},
+      {"scratch_files_after_onload", scratch_files},
+      {"changed_after_second_round",
        count_changed(state, before)}}.dump();
   return 0;
 }
