@@ -44,6 +44,8 @@ struct Options {
   bool optimizer_offload = false;
   Tier tier = Tier::kFile;
   // File tier: each rank writes under dir/rank<R>. Empty: <temp dir>/shardrl-offload-<pid>.
+  // The files stay between an onload and the next offload, which overwrites them in place, and
+  // are removed with the model: the disk holds the offloaded bytes from the first offload on.
   std::string dir;
 };
 
