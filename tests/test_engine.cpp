@@ -104,12 +104,13 @@ TEST(Engine, ForwardOnlyLeavesTheWeightsUntouched) {
 
 // The weight sync a rollout engine loads from: every full tensor as training holds it, or with the
 // LoRA adapter merged (W + 16/4 * B A, no adapter tensors), or in bf16 under a name prefix; with
-// the state offloaded, the sync brings the params in and puts them back, and changes no bit.
+// the state offloaded between phases or by the training policy, the sync brings the params in
+// and puts them back, and changes no bit.
 TEST(Engine, WeightSyncStreamsFullMergedAndBf16TensorsAndKeepsTheState) {
-  for (bool offload : {false, true}) {
-    const auto dir = make_temp_dir(offload ? "engine_sync_offload" : "engine_sync");
+  for (const std::string offload : {"", "--offload", "--offload-policy"}) {
+    const auto dir = make_temp_dir("engine_sync" + offload);
     std::vector<std::string> args = {"--mode", "weight_sync", "--out", dir};
-    if (offload) args.push_back("--offload");
+    if (!offload.empty()) args.push_back(offload);
     auto result = launch_workers(2, args, 300, "engine_worker");
     ASSERT_EQ(result.exit_code, 0) << result.output;
     const auto before = read_params(dir + "/before"), after = read_params(dir + "/after");

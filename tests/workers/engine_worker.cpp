@@ -18,7 +18,7 @@ using namespace shardrl;
 namespace {
 
 engine::EngineConfig config(bool forward_only, int64_t micro_batch, bool offload,
-                            const std::string& offload_dir, bool lora) {
+                            const std::string& offload_dir, bool lora, bool policy) {
   engine::EngineConfig c;
   c.model_type = "language_model";
   c.model = {{"family", "gpt"},
@@ -31,7 +31,8 @@ engine::EngineConfig config(bool forward_only, int64_t micro_batch, bool offload
   if (lora) c.model["lora_rank"] = 4;  // on q_proj and v_proj, scaled by 16 / 4
   c.micro_batch_size_per_gpu = micro_batch;
   c.forward_only = forward_only;
-  c.offload.param_offload = c.offload.optimizer_offload = offload;
+  c.offload.param_offload = c.offload.optimizer_offload = offload || policy;
+  c.offload_policy = policy;
   c.offload.dir = offload_dir;
   c.optim.lr = 3e-3;
   c.optim.clip_grad = 1.0;
@@ -67,13 +68,16 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batch", micro_batch);
   app.add_flag("--uneven", uneven, "2 ranks: rank 0 takes 2/3 of the batch, rank 1 the rest");
   app.add_flag("--offload", offload, "param_offload + optimizer_offload with train_mode scopes");
+  bool policy = false;
+  app.add_flag("--offload-policy", policy, "offload_policy: the state stays offloaded in training");
   CLI11_PARSE(app, argc, argv);
 
   auto world = dist::World::init_from_env();
   torch::manual_seed(0);  // the same initial weights at every world size
-  auto engine = engine::EngineRegistry::create(
-      config(mode == "forward_only", micro_batch, offload, out + "/offload", mode == "weight_sync"),
-      world);
+  auto engine =
+      engine::EngineRegistry::create(config(mode == "forward_only", micro_batch, offload,
+                                            out + "/offload", mode == "weight_sync", policy),
+                                     world);
   int64_t local = batch / engine->data_parallel_size();
   int64_t first = engine->data_parallel_rank() * local;
   if (uneven) {
@@ -119,6 +123,12 @@ int main(int argc, char** argv) {
       engine->train_batch(engine::slice_batch(global_batch(step, batch), first, local), next_token);
     }
     auto gathered_in_scope = [&] {
+      if (policy) {  // the policy's state lives in the tier: bring it in by hand
+        engine->onload();
+        auto params = gathered();
+        engine->offload();
+        return params;
+      }
       auto scope = engine->train_mode();
       return gathered();
     };
@@ -131,7 +141,7 @@ int main(int argc, char** argv) {
             received[n] = t.to(torch::kFloat);
           },
           options);
-      if (offload) {
+      if (offload || policy) {
         const auto memory = engine->memory();
         TORCH_CHECK(memory.params.resident == 0 && memory.optimizer.resident == 0,
                     "the weight sync left state resident");
