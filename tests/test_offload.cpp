@@ -151,6 +151,41 @@ TEST(Offload, FileTierReleasesResidentMemoryAndRestoresBitwise) {
   EXPECT_EQ(left, 0);
 }
 
+// An actor and its reference model offloaded at the same time into one directory: each comes
+// back bit for bit (the files are named per model, not only per unit).
+TEST(Offload, TwoModelsShareADirectoryWithoutClobbering) {
+  auto world = dist::World::init_from_env();
+  auto mesh = dist::DeviceMesh::create(*world);
+  Scenario s;
+  s.layers = 2;
+  std::vector<models::Transformer> models;
+  std::vector<std::map<std::string, torch::Tensor>> before;
+  offload::Options options;
+  options.dir = make_temp_dir("offload-shared-dir");
+  for (uint64_t seed : {1u, 2u}) {
+    s.seed = seed;
+    models.push_back(build_model(s));
+    models::shard_transformer(models.back(), mesh, {});
+    before.push_back(models.back().fsdp().full_parameters());
+    auto sharded = models.back().fsdp();  // a handle on the model's FSDP state
+    offload::set_policy(sharded, nullptr, options);
+  }
+  for (auto& m : models) {
+    auto sharded = m.fsdp();
+    offload::offload(sharded, nullptr);
+  }
+  for (auto& m : models) {
+    auto sharded = m.fsdp();
+    offload::onload(sharded, nullptr);
+  }
+  for (size_t i = 0; i < models.size(); ++i) {
+    for (const auto& [name, tensor] : models[i].fsdp().full_parameters()) {
+      EXPECT_TRUE(torch::equal(tensor, before[i].at(name))) << "model " << i << " " << name;
+    }
+  }
+  EXPECT_FALSE(torch::equal(before[0].begin()->second, before[1].begin()->second));
+}
+
 TEST(Offload, BadInputIsNamed) {
   expect_invalid_argument_naming([] { offload::parse_tier("tape", "offload.tier"); },
                                  "offload.tier", "tape");

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -148,10 +149,13 @@ class Residency : public fsdp::ShardResidency {
     return static_cast<size_t>(std::find(units_.begin(), units_.end(), &unit) - units_.begin());
   }
 
-  // The file stashes' files stay after an onload, to be overwritten by the next offload.
+  // The file stashes' files stay after an onload, to be overwritten by the next offload. Named
+  // by process and model, so that models sharing a directory (an actor and its reference, or two
+  // jobs given the same offload_dir) never write into each other's files.
   std::string path(UnitState& unit, Kind kind) {
     std::filesystem::create_directories(dir_);
-    auto file = fmt::format("{}/unit{}_{}.bin", dir_, index_of(unit), kKindNames[kind]);
+    auto file = fmt::format("{}/p{}_model{}_unit{}_{}.bin", dir_, ::getpid(), model_id_,
+                            index_of(unit), kKindNames[kind]);
     scratch_files_.insert(file);
     return file;
   }
@@ -208,6 +212,12 @@ class Residency : public fsdp::ShardResidency {
   std::string dir_;
   std::vector<UnitRecord> records_;
   std::set<std::string> scratch_files_;
+  const int64_t model_id_ = next_model_id();
+
+  static int64_t next_model_id() {
+    static std::atomic<int64_t> count{0};
+    return count++;
+  }
 };
 
 // Ranks of one job on one host write apart; so do jobs (the pid) unless the user picks the dir.
