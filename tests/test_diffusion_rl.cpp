@@ -354,14 +354,8 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
   auto straight = train_demo(
       with({"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=3"}));
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
-  auto a = read_jsonl(dir + "/resumed/metrics.jsonl");
-  auto b = read_jsonl(dir + "/straight/metrics.jsonl");
-  ASSERT_EQ(a.size(), 3u);
-  ASSERT_EQ(b.size(), 3u);
-  for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(a[i]["reward_mean"].get<double>(), b[i]["reward_mean"].get<double>()) << i;
-    EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << i;
-  }
+  expect_same_metrics(dir + "/resumed/metrics.jsonl", dir + "/straight/metrics.jsonl", 3,
+                      {"reward_mean", "grad_norm"});
 }
 
 // Flow-GRPO, DiffusionNFT and Diffusion-DPO through their example configs (the trainer's state
@@ -392,13 +386,7 @@ TEST_P(DemoAlgorithm, ResumesAfterAKillBitwise) {
   auto resumed = run_process(demo_argv(overrides("killed"), config), {}, 300);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  auto a = read_jsonl(metrics), b = read_jsonl(dir + "/straight/metrics.jsonl");
-  ASSERT_EQ(a.size(), 6u);
-  ASSERT_EQ(b.size(), 6u);
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i]["reward_mean"].get<double>(), b[i]["reward_mean"].get<double>()) << i;
-    EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << i;
-  }
+  expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", 6, {"reward_mean", "grad_norm"});
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, DemoAlgorithm,

@@ -123,15 +123,10 @@ TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
       path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6"});
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
 
-  auto resumed = read_jsonl(dir + "/resumed/metrics.jsonl");
+  expect_same_metrics(dir + "/resumed/metrics.jsonl", dir + "/straight/metrics.jsonl", 6,
+                      {"step", "loss"});
   auto reference = read_jsonl(dir + "/straight/metrics.jsonl");
-  ASSERT_EQ(resumed.size(), 6u);
   ASSERT_EQ(reference.size(), 6u);
-  for (size_t i = 0; i < 6; ++i) {
-    EXPECT_EQ(resumed[i]["step"], reference[i]["step"]);
-    EXPECT_EQ(resumed[i]["loss"].get<double>(), reference[i]["loss"].get<double>())
-        << "step " << i + 1;
-  }
   EXPECT_LT(reference[5]["loss"].get<double>(), reference[0]["loss"].get<double>());
 }
 
@@ -191,14 +186,8 @@ TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
   auto resumed = run_process(argv("killed"), {}, 300);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  auto a = read_jsonl(metrics), b = read_jsonl(dir + "/straight/metrics.jsonl");
-  ASSERT_EQ(a.size(), 24u);
-  ASSERT_EQ(b.size(), 24u);
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i]["step"], b[i]["step"]);
-    EXPECT_EQ(a[i]["reward_mean"].get<double>(), b[i]["reward_mean"].get<double>()) << i;
-    EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << i;
-  }
+  expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", 24,
+                      {"step", "reward_mean", "loss"});
 }
 
 }  // namespace

@@ -38,6 +38,16 @@ std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   return values;
 }
 
+void expect_same_metrics(const std::string& resumed_jsonl, const std::string& straight_jsonl,
+                         size_t lines, const std::vector<std::string>& keys) {
+  auto a = read_jsonl(resumed_jsonl), b = read_jsonl(straight_jsonl);  // [] on a missing key: null
+  ASSERT_EQ(a.size(), lines) << resumed_jsonl;
+  ASSERT_EQ(b.size(), lines) << straight_jsonl;
+  for (size_t i = 0; i < lines; ++i) {
+    for (const auto& key : keys) EXPECT_EQ(a[i][key], b[i][key]) << key << ", line " << i + 1;
+  }
+}
+
 std::string bin(const std::string& name) {
   return std::string(SHARDRL_BIN_DIR) + "/" + name;
 }

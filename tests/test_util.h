@@ -40,6 +40,10 @@ void expect_invalid_argument_naming(const std::function<void()>& fn, const std::
 std::string bin(const std::string& name);
 // One JSON value per line, as metrics.jsonl holds them.
 std::vector<nlohmann::json> read_jsonl(const std::string& path);
+// A resumed run against an uninterrupted one: both metrics.jsonl files have `lines` lines, and
+// every `keys` value of each line is exactly the same (bitwise for floats).
+void expect_same_metrics(const std::string& resumed_jsonl, const std::string& straight_jsonl,
+                         size_t lines, const std::vector<std::string>& keys);
 std::string make_temp_dir(const std::string& tag);
 int free_port();
 
