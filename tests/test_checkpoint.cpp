@@ -407,18 +407,21 @@ TEST(Checkpoint, ExportReadsBackWithAnIndependentReader) {
     }
     if (dtype == "fp32") {
       // Back in at another world size, over a model built from another seed: every rank reading,
-      // and rank 0 reading and sending the others their rows.
-      for (const std::string from_rank0 : {"", "--from-rank0"}) {
+      // rank 0 reading and sending the others their rows, and that into a model built empty.
+      for (const std::vector<std::string>& how :
+           {std::vector<std::string>{}, {"--from-rank0"}, {"--from-rank0", "--empty-init"}}) {
         const std::string params = make_temp_dir("init-hf");
         std::vector<std::string> args = {"init", "--unused-params", "--seed", "99", "--hf",
                                          out,    "--out",           params};
-        if (!from_rank0.empty()) args.push_back(from_rank0);
+        args.insert(args.end(), how.begin(), how.end());
+        std::string label;
+        for (const auto& flag : how) label += flag + " ";
         auto init = launch_workers(3, args, 300, "ckpt_worker");
         ASSERT_EQ(init.exit_code, 0) << init.output;
         const auto loaded = read_params(params);
         EXPECT_EQ(loaded.size(), trained.params.size());
         for (const auto& [name, tensor] : loaded) {
-          EXPECT_TRUE(torch::equal(tensor, trained.params.at(name))) << from_rank0 << " " << name;
+          EXPECT_TRUE(torch::equal(tensor, trained.params.at(name))) << label << name;
         }
       }
     }

@@ -5,6 +5,9 @@
 
 #include "model_test_util.h"
 #include "shardrl/engine.h"
+#include "shardrl/models/lora.h"
+#include "shardrl/models/transformer.h"
+#include "shardrl/models/weights.h"
 #include "test_util.h"
 #include "workers/param_files.h"
 
@@ -100,6 +103,51 @@ TEST(Engine, ForwardOnlyLeavesTheWeightsUntouched) {
   ASSERT_FALSE(before.empty());
   for (const auto& [name, tensor] : before)
     EXPECT_TRUE(torch::equal(after.at(name), tensor)) << name;
+}
+
+// model.path for a language model: every rank builds the model empty (fsdp::EmptyInit), rank 0
+// reads the file and sends each rank its rows; the LoRA adapters are created as usual and train.
+TEST(Engine, PretrainedLanguageModelIsReadByRankZeroIntoAnEmptyBuild) {
+  const auto dir = make_temp_dir("engine_pretrained");
+  torch::manual_seed(7);
+  models::Transformer source(models::TransformerConfig{97, 16, 32, 4, 2, 4});
+  const auto weights = models::state_dict(*source);
+  models::save_weights(weights, dir + "/model.safetensors", torch::kFloat);
+  auto result =
+      launch_workers(3, {"--mode", "pretrained", "--pretrained", dir, "--batch", "6", "--out", dir},
+                     300, "engine_worker");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto loaded = read_params(dir + "/loaded"), trained = read_params(dir + "/trained");
+  int adapters = 0;
+  for (const auto& [name, tensor] : loaded) {
+    if (models::lora::is_adapter_tensor(name)) {
+      ++adapters;
+      // B starts at zero and A is drawn (kaiming uniform), so the model starts as the file; B is
+      // what the first step with a non-zero lr moves (A's gradient is B^T times something).
+      if (name.find("lora_B") != std::string::npos) {
+        EXPECT_EQ(tensor.abs().max().item<float>(), 0) << name;
+        EXPECT_FALSE(torch::equal(trained.at(name), tensor)) << name << " did not train";
+      } else {
+        EXPECT_GT(tensor.abs().max().item<float>(), 0) << name;
+      }
+    } else {
+      EXPECT_TRUE(torch::equal(tensor, weights.at(name))) << name;
+      EXPECT_TRUE(torch::equal(trained.at(name), tensor)) << name << " is frozen";
+    }
+  }
+  EXPECT_EQ(adapters, 2 * 2 * 2);  // q_proj and v_proj of 2 blocks, A and B each
+  EXPECT_EQ(loaded.size() - adapters, weights.size());
+
+  // A file that lacks a tensor is an error naming the file and the tensor, on every rank.
+  const auto partial = make_temp_dir("engine_pretrained_partial");
+  auto missing = weights;
+  missing.erase("head.weight");
+  models::save_weights(missing, partial + "/model.safetensors", torch::kFloat);
+  auto bad = launch_workers(2, {"--mode", "pretrained", "--pretrained", partial, "--out", partial},
+                            300, "engine_worker");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("head.weight"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find(partial), std::string::npos) << bad.output;
 }
 
 // The weight sync a rollout engine loads from: every full tensor as training holds it, or with the

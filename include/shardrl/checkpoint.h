@@ -218,19 +218,24 @@ std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::strin
                                    const ExportOptions& options = {});
 
 // Collective. Initialises the shards from Hugging Face-style safetensors (a directory with
-// model.safetensors.index.json or model.safetensors, tensors named prefix + parameter name): the
+// model.safetensors.index.json or model.safetensors, or one .safetensors file; tensors named
+// prefix + parameter name): the
 // first rank of each shard group reads one tensor at a time and broadcasts it; every rank keeps its
-// rows. At most one full tensor is held per rank. Optimizer and RNG are left alone.
-void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::string& prefix = "");
+// rows. At most one full tensor is held per rank. Optimizer and RNG are left alone. With `select`,
+// only the params it accepts are loaded (it must answer the same on every rank), e.g. all but
+// LoRA adapters; the others are left as they are. Params built under fsdp::EmptyInit count as
+// loaded afterwards.
+void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::string& prefix = "",
+             const std::function<bool(const std::string& name)>& select = nullptr);
 
 // Collective. As load_hf, for initialising from a full model without any other rank holding a
 // full tensor: only the first rank of each shard group reads (one tensor at a time) and sends every
 // other rank just its rows, as one shard-sized broadcast per rank, received into the shard itself.
-// The other ranks hold their shards plus one shard-sized buffer. (Constructing the model still
-// allocates every param unsharded until fully_shard() frees it: the C++ modules have no meta-device
-// construction in LibTorch 1.13.)
+// The other ranks hold their shards plus one shard-sized buffer; build the model under
+// fsdp::EmptyInit so that constructing it allocates nothing unsharded either.
 void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
-                        const std::string& prefix = "");
+                        const std::string& prefix = "",
+                        const std::function<bool(const std::string& name)>& select = nullptr);
 
 // Collective over model.mesh()'s shard group. Calls `callback(prefix + name, full tensor)` for
 // every parameter (or those `select` accepts; it must answer the same on every rank), gathered one

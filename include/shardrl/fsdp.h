@@ -109,6 +109,11 @@ class FSDPModule {
   void reset_bytes_sent();
   // Frees the gathered params (and ends an unshard()).
   void reshard();
+  // Params created under EmptyInit whose shards no loader has filled yet (qualified names). Any
+  // all-gather (a forward, unshard()) errors while one is left.
+  std::vector<std::string> awaiting_load() const;
+  // Loaders call this, on every rank of the shard group, once they wrote the shards of `names`.
+  void mark_loaded(const std::vector<std::string>& names);
   // FSDP2's unshard(): all-gathers every unit in scope now, one collective each, and keeps them
   // gathered until reshard(): forwards and backwards in between gather nothing (e.g. a reference
   // forward with adapters disabled and the policy forward on the same micro-batch). Prefer
@@ -211,6 +216,34 @@ class UnshardScope {
  private:
   FSDPModule module_;
 };
+
+// Deferred initialisation: FSDP2 builds a large model on the meta device, shards it, then loads
+// it; LibTorch's C++ modules cannot be built on the meta device, so this is the C++ equivalent.
+// While an EmptyInit is alive on this thread, new_parameter() gives each param its shape and no
+// bytes and skips its initialiser: the model is built without allocating anything unsharded.
+// fully_shard() then allocates only this rank's shard of such a param (zeros), and a loader fills
+// it (checkpoint::load_hf_from_rank0, load_hf, checkpoint::load). Layers that create their params
+// otherwise (LibTorch's own modules, LoRA adapters) allocate and initialise them as usual.
+//
+//   models::LlamaForCausalLM model{nullptr};
+//   { fsdp::EmptyInit empty; model = models::LlamaForCausalLM(config); }
+//   models::shard_llama(model, mesh, options);
+//   checkpoint::load_hf_from_rank0(hf_dir, model.fsdp());   // rank 0 reads, the others receive
+class EmptyInit {
+ public:
+  EmptyInit();
+  ~EmptyInit();
+  EmptyInit(const EmptyInit&) = delete;
+  EmptyInit& operator=(const EmptyInit&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// A parameter tensor of `shape` (fp32, CPU) filled by `init`; inside an EmptyInit scope, one with
+// the shape and no storage bytes, `init` not called.
+torch::Tensor new_parameter(c10::IntArrayRef shape,
+                            const std::function<void(torch::Tensor&)>& init);
 
 // Shards the parameters of `unit` that no already-sharded unit below it owns. Shard children
 // first, then the root, as with FSDP2.

@@ -140,6 +140,12 @@ std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const std::string& ro
 
 // A tensor shaped like p's shard whose padding rows are zero and whose valid rows are left for a
 // read to fill (zeroing them too would write every loaded byte twice).
+std::vector<std::string> names_of(const std::vector<fsdp::ShardedParameter>& params) {
+  std::vector<std::string> names;
+  for (const auto& p : params) names.push_back(p.name);
+  return names;
+}
+
 torch::Tensor empty_with_zero_padding(const fsdp::ShardedParameter& p) {
   torch::Tensor t = torch::empty_like(p.shard.detach());
   if (t.dim() == 0) return t;
@@ -403,6 +409,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
     }
 
     for (size_t i = 0; i < params.size(); ++i) params[i].shard.detach().copy_(shards[i]);
+    model.mark_loaded(names_of(params));
     if (optimizer) {
       for (auto& [key, state] : states) optimizer->state()[key] = std::move(state);
     }
@@ -428,7 +435,7 @@ class HfTensors {
  public:
   HfTensors(const std::string& hf_dir, const std::string& prefix,
             const std::vector<fsdp::ShardedParameter>& params)
-      : dir_(hf_dir), prefix_(prefix) {
+      : source_(hf_dir), dir_(hf_dir), prefix_(prefix) {
     const fs::path index_path = fs::path(hf_dir) / "model.safetensors.index.json";
     if (fs::exists(index_path)) {
       json index;
@@ -440,8 +447,12 @@ class HfTensors {
         throw std::runtime_error(fmt::format("{} is damaged: {}", index_path.string(), e.what()));
       }
     } else {
-      const std::string single = "model.safetensors";
-      auto reader = std::make_unique<SafetensorsReader>((fs::path(hf_dir) / single).string());
+      // One file: the directory's model.safetensors, or the file hf_dir names.
+      const fs::path file =
+          fs::is_regular_file(hf_dir) ? fs::path(hf_dir) : fs::path(hf_dir) / "model.safetensors";
+      dir_ = file.parent_path().string();
+      const std::string single = file.filename().string();
+      auto reader = std::make_unique<SafetensorsReader>(file.string());
       for (const auto& name : reader->names()) file_of_[name] = single;
       files_.emplace(single, std::move(reader));
     }
@@ -467,7 +478,7 @@ class HfTensors {
     auto it = file_of_.find(name);
     if (it == file_of_.end()) {
       throw std::runtime_error(
-          fmt::format("{}: no tensor '{}' for parameter '{}'", dir_, name, p.name));
+          fmt::format("{}: no tensor '{}' for parameter '{}'", source_, name, p.name));
     }
     auto& reader = files_[it->second];
     if (!reader) {
@@ -476,7 +487,7 @@ class HfTensors {
     return *reader;
   }
 
-  std::string dir_, prefix_;
+  std::string source_, dir_, prefix_;           // source_: as given, for errors
   std::map<std::string, std::string> file_of_;  // tensor -> file
   std::map<std::string, std::unique_ptr<SafetensorsReader>> files_;
 };
@@ -494,6 +505,17 @@ std::unique_ptr<HfTensors> open_hf_on_group_leader(
   return tensors;
 }
 
+std::vector<fsdp::ShardedParameter> selected_parameters(
+    const fsdp::FSDPModule& model, const std::function<bool(const std::string&)>& select) {
+  auto params = model.sharded_parameters();
+  if (select) {
+    params.erase(std::remove_if(params.begin(), params.end(),
+                                [&](const fsdp::ShardedParameter& p) { return !select(p.name); }),
+                 params.end());
+  }
+  return params;
+}
+
 // [chunk rows, row numel] view of a shard (a scalar's shard is one row).
 torch::Tensor shard_rows(const fsdp::ShardedParameter& p) {
   const torch::Tensor shard = p.shard.detach();
@@ -502,10 +524,11 @@ torch::Tensor shard_rows(const fsdp::ShardedParameter& p) {
 
 }  // namespace
 
-void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::string& prefix) {
+void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::string& prefix,
+             const std::function<bool(const std::string&)>& select) {
   const auto& mesh = model.mesh();
   auto& group = mesh.shard_group();
-  const auto params = model.sharded_parameters();
+  const auto params = selected_parameters(model, select);
   auto tensors = open_hf_on_group_leader(hf_dir, prefix, model, params, "load_hf");
   torch::NoGradGuard no_grad;
   for (const auto& p : params) {
@@ -520,14 +543,16 @@ void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::stri
     shard.narrow(0, 0, p.valid_rows).copy_(full.narrow(0, p.row_offset, p.valid_rows));
     shard.narrow(0, p.valid_rows, shard.size(0) - p.valid_rows).zero_();
   }
+  model.mark_loaded(names_of(params));
 }
 
 void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
-                        const std::string& prefix) {
+                        const std::string& prefix,
+                        const std::function<bool(const std::string&)>& select) {
   const auto& mesh = model.mesh();
   auto& group = mesh.shard_group();
   const int me = group.rank(), n = group.size();
-  const auto params = model.sharded_parameters();
+  const auto params = selected_parameters(model, select);
   auto tensors = open_hf_on_group_leader(hf_dir, prefix, model, params, "load_hf_from_rank0");
   torch::NoGradGuard no_grad;
   for (const auto& p : params) {
@@ -553,6 +578,7 @@ void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
       group.broadcast(buffer, 0);
     }
   }
+  model.mark_loaded(names_of(params));
 }
 
 std::optional<std::string> find_latest(const std::string& root) {

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "shardrl/checkpoint.h"
 #include "shardrl/engine.h"
 #include "shardrl/models/dit.h"
 #include "shardrl/models/llama.h"
@@ -46,17 +47,42 @@ AdapterPlan adapter_plan(const json& j, std::vector<std::string> default_targets
   return plan;
 }
 
-// Pretrained base weights (model.path: a directory with model.safetensors) are loaded before the
-// adapters exist, so the file holds exactly the base model's tensors.
-void load_pretrained(torch::nn::Module& module, const json& j) {
+// Pretrained base weights, model.path: a directory with model.safetensors (or the file itself).
+std::string pretrained_path(const json& j) {
   const auto path = field<std::string>(j, "path", "");
-  if (path.empty()) return;
+  if (path.empty()) return path;
   const fs::path file =
       fs::is_directory(path) ? fs::path(path) / "model.safetensors" : fs::path(path);
   if (!fs::exists(file)) {
     throw std::invalid_argument(fmt::format("model.path: '{}' does not exist", file.string()));
   }
-  models::load_weights(module, file.string());
+  return path;
+}
+
+// Loaded on every rank before the adapters exist, so the file holds exactly the base model's
+// tensors (the DiT family: small models, built by LibTorch's own modules).
+void load_pretrained(torch::nn::Module& module, const json& j) {
+  const auto path = pretrained_path(j);
+  if (path.empty()) return;
+  models::load_weights(module, fs::is_directory(path) ? path + "/model.safetensors" : path);
+}
+
+// The language model families build under fsdp::EmptyInit when they load weights: nothing is
+// allocated unsharded, and after fully_shard the first rank of each shard group reads the file
+// (or an HF directory with model.safetensors.index.json) and sends every rank its rows.
+template <class Holder>
+Holder build_for_loading(const std::string& path, const std::function<Holder()>& build) {
+  if (path.empty()) return build();
+  fsdp::EmptyInit empty;
+  return build();
+}
+
+void load_sharded(const std::string& path, const fsdp::FSDPModule& sharded) {
+  if (path.empty()) return;
+  fsdp::FSDPModule model = sharded;
+  checkpoint::load_hf_from_rank0(path, model, "", [](const std::string& name) {
+    return !models::lora::is_adapter_tensor(name);
+  });
 }
 
 void add_adapters(torch::nn::Module& module, const AdapterPlan& plan) {
@@ -81,19 +107,24 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
   const auto family = field<std::string>(j, "family", "llama");
   const json config = j.value("config", json::object());
   const bool checkpointing = field<bool>(j, "enable_activation_checkpointing", false);
+  const auto path = pretrained_path(j);
   if (family == "gpt") {
-    models::Transformer model(models::TransformerConfig::from_json(config));
-    load_pretrained(*model, j);
+    const auto c = models::TransformerConfig::from_json(config);
+    auto model =
+        build_for_loading<models::Transformer>(path, [&] { return models::Transformer(c); });
     add_adapters(*model, adapter_plan(j, {"q_proj", "v_proj"}));
     models::shard_transformer(model, mesh, options);
+    load_sharded(path, model.fsdp());
     return finish(model, model.fsdp());
   }
   if (family == "llama") {
-    models::LlamaForCausalLM model(models::LlamaConfig::from_json(config));
-    load_pretrained(*model, j);
+    const auto c = models::LlamaConfig::from_json(config);
+    auto model = build_for_loading<models::LlamaForCausalLM>(
+        path, [&] { return models::LlamaForCausalLM(c); });
     add_adapters(*model, adapter_plan(j, {"q_proj", "k_proj", "v_proj", "o_proj"}));
     model->set_activation_checkpointing(checkpointing);
     models::shard_llama(model, mesh, options);
+    load_sharded(path, model.fsdp());
     return finish(model, model.fsdp());
   }
   throw std::invalid_argument(

@@ -40,6 +40,13 @@ Registry& registry() {
 // The root whose forward is running on this thread.
 thread_local RootContext* t_active_root = nullptr;
 
+thread_local bool t_empty_init = false;
+
+// A param built under EmptyInit: a shape with no bytes behind it.
+bool has_no_values(const torch::Tensor& param) {
+  return param.numel() > 0 && param.storage().nbytes() == 0;
+}
+
 UnitState* unit_from(AutogradContext* ctx) {
   return reinterpret_cast<UnitState*>(ctx->saved_data["unit"].toInt());
 }
@@ -161,6 +168,7 @@ void UnitState::shard_parameters(const std::vector<std::pair<std::string, torch:
     slot.row_numel = slot.rows == 0 ? 0 : param.numel() / slot.rows;
     slot.chunk_rows = (slot.rows + world - 1) / world;
     slot.offset = total;
+    slot.awaiting_load = has_no_values(param);
     total += slot.shard_numel();
     params.push_back(std::move(slot));
   }
@@ -173,7 +181,7 @@ void UnitState::shard_parameters(const std::vector<std::pair<std::string, torch:
     shape[0] = slot.chunk_rows;
     torch::Tensor view = flat_shard.narrow(0, slot.offset, slot.shard_numel()).view(shape);
     const int64_t valid = slot.valid_rows_on(rank);
-    if (valid > 0) {
+    if (valid > 0 && !slot.awaiting_load) {
       torch::Tensor full = slot.unsharded.detach().reshape({slot.rows, slot.row_numel});
       view.view({slot.chunk_rows, slot.row_numel})
           .narrow(0, 0, valid)
@@ -185,6 +193,29 @@ void UnitState::shard_parameters(const std::vector<std::pair<std::string, torch:
         torch::empty(slot.shape, torch::dtype(options.mixed_precision.param_dtype).device(device)));
     compat::free_storage(slot.unsharded);
   }
+}
+
+EmptyInit::EmptyInit() : previous_(t_empty_init) {
+  t_empty_init = true;
+}
+
+EmptyInit::~EmptyInit() {
+  t_empty_init = previous_;
+}
+
+torch::Tensor new_parameter(c10::IntArrayRef shape,
+                            const std::function<void(torch::Tensor&)>& init) {
+  torch::NoGradGuard no_grad;
+  if (t_empty_init) {
+    // Sized like the param but with an empty storage, the state fully_shard leaves an unsharded
+    // param in: reading it throws ("data is not allocated yet") instead of reading garbage.
+    torch::Tensor empty = torch::empty({0});
+    empty.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+    return empty;
+  }
+  torch::Tensor param = torch::empty(shape);
+  init(param);
+  return param;
 }
 
 namespace detail {
@@ -282,6 +313,27 @@ std::vector<ShardedParameter> FSDPModule::sharded_parameters() const {
     }
   }
   return out;
+}
+
+std::vector<std::string> FSDPModule::awaiting_load() const {
+  const auto names = qualified_names(*state_->module);
+  std::vector<std::string> out;
+  for (UnitState* unit : scoped_units(state_)) {
+    for (const auto& slot : unit->params) {
+      if (slot.awaiting_load) out.push_back(names.at(slot.unsharded.unsafeGetTensorImpl()));
+    }
+  }
+  return out;
+}
+
+void FSDPModule::mark_loaded(const std::vector<std::string>& loaded) {
+  const std::unordered_set<std::string> wanted(loaded.begin(), loaded.end());
+  const auto names = qualified_names(*state_->module);
+  for (UnitState* unit : scoped_units(state_)) {
+    for (auto& slot : unit->params) {
+      if (wanted.count(names.at(slot.unsharded.unsafeGetTensorImpl()))) slot.awaiting_load = false;
+    }
+  }
 }
 
 void FSDPModule::set_requires_gradient_sync(bool sync) {

@@ -17,8 +17,9 @@ struct ParamSlot {
   int64_t row_numel = 1;   // elements per dim-0 row
   int64_t chunk_rows = 1;  // rows per rank, padded: ceil(rows / N)
   int64_t shard_numel() const { return chunk_rows * row_numel; }
-  int64_t offset = 0;   // of this param's shard in the unit's flat shard buffer
-  torch::Tensor shard;  // fp32 leaf view into the flat buffer, [chunk_rows, ...]
+  int64_t offset = 0;          // of this param's shard in the unit's flat shard buffer
+  torch::Tensor shard;         // fp32 leaf view into the flat buffer, [chunk_rows, ...]
+  bool awaiting_load = false;  // created under EmptyInit; its shard holds no values yet
   int64_t valid_rows_on(int rank) const {
     return std::max<int64_t>(0, std::min(chunk_rows, rows - rank * chunk_rows));
   }

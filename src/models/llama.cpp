@@ -141,7 +141,8 @@ void LlamaConfig::save(const std::string& path) const {
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
-  weight = register_parameter("weight", torch::ones({dim}));
+  weight = register_parameter("weight",
+                              fsdp::new_parameter({dim}, [](torch::Tensor& w) { w.fill_(1); }));
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
@@ -245,8 +246,8 @@ torch::Tensor LlamaDecoderLayerImpl::compute(const torch::Tensor& x_in, const to
 }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config_(c) {
-  embed_tokens = register_module("embed_tokens",
-                                 fsdp::Unit<torch::nn::EmbeddingImpl>(c.vocab_size, c.hidden_size));
+  embed_tokens =
+      register_module("embed_tokens", fsdp::Unit<EmbeddingImpl>(c.vocab_size, c.hidden_size));
   auto list = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     layers.emplace_back(c, static_cast<size_t>(i));
@@ -270,8 +271,8 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
   model = register_module("model", LlamaModel(c));
   if (!c.tie_word_embeddings) {
     lm_head = register_module(
-        "lm_head", fsdp::Unit<torch::nn::LinearImpl>(
-                       torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
+        "lm_head",
+        fsdp::Unit<LinearImpl>(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
   }
 }
 

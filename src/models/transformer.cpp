@@ -43,7 +43,7 @@ TransformerConfig TransformerConfig::from_json(const nlohmann::json& j) {
 
 BlockImpl::BlockImpl(const TransformerConfig& c) : n_heads_(c.n_heads) {
   TORCH_CHECK(c.d_model % c.n_heads == 0, "d_model must be divisible by n_heads");
-  ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  ln1_ = register_module("ln1", LayerNorm(c.d_model));
   q_proj_ =
       register_module("q_proj", lora::LoraLinear(torch::nn::LinearOptions(c.d_model, c.d_model)));
   // A key bias shifts every score of a query by the same amount, which softmax cancels: its
@@ -53,7 +53,7 @@ BlockImpl::BlockImpl(const TransformerConfig& c) : n_heads_(c.n_heads) {
   v_proj_ =
       register_module("v_proj", lora::LoraLinear(torch::nn::LinearOptions(c.d_model, c.d_model)));
   proj_ = register_module("proj", lora::LoraLinear(torch::nn::LinearOptions(c.d_model, c.d_model)));
-  ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  ln2_ = register_module("ln2", LayerNorm(c.d_model));
   fc1_ = register_module(
       "fc1", lora::LoraLinear(torch::nn::LinearOptions(c.d_model, c.mlp_ratio * c.d_model)));
   fc2_ = register_module(
@@ -77,16 +77,16 @@ torch::Tensor BlockImpl::forward(torch::Tensor x) {
 }
 
 TransformerImpl::TransformerImpl(const TransformerConfig& c) : config_(c) {
-  tok_emb_ = register_module("tok_emb", torch::nn::Embedding(c.vocab_size, c.d_model));
-  pos_emb_ = register_module("pos_emb", torch::nn::Embedding(c.max_seq_len, c.d_model));
+  tok_emb_ = register_module("tok_emb", Embedding(c.vocab_size, c.d_model));
+  pos_emb_ = register_module("pos_emb", Embedding(c.max_seq_len, c.d_model));
   auto list = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layers; ++i) {
     blocks_.emplace_back(c);
     list->push_back(blocks_.back().ptr());
   }
-  ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
-  head_ = register_module(
-      "head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+  ln_f_ = register_module("ln_f", LayerNorm(c.d_model));
+  head_ = register_module("head",
+                          Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
 }
 
 torch::Tensor TransformerImpl::forward(torch::Tensor tokens) {

@@ -3,7 +3,9 @@
 //          saving where told; writes losses, LRs, RNG probes and the gathered parameters.
 //   load:  loads a checkpoint (for the damage tests) and reports its step.
 //   init:  initialises a freshly built model from HF-style safetensors (load_hf, or
-//          load_hf_from_rank0 with --from-rank0) and writes its parameters.
+//          load_hf_from_rank0 with --from-rank0; built under fsdp::EmptyInit with --empty-init,
+//          checking that nothing was allocated unsharded and nothing runs before the load) and
+//          writes its parameters.
 //   sync:  streams the model's full parameters with for_each_full_parameter and checks each
 //          against full_parameters() and that training state is unchanged.
 #include <CLI/CLI.hpp>
@@ -39,6 +41,7 @@ struct Args {
   int64_t die_save_step = -1, die_after_bytes = 0;
   int fsdp_size = -1;
   bool from_rank0 = false;
+  bool empty_init = false;
 };
 
 optim::LRScheduleConfig schedule() {
@@ -63,7 +66,17 @@ struct Trainer {
     init.timeout = std::chrono::seconds(30);
     world = dist::World::init_from_env(init);
     mesh = dist::DeviceMesh::create(*world, a.fsdp_size);
-    model = testing::build_model(a.s);
+    if (a.empty_init) {
+      fsdp::EmptyInit empty;
+      model = testing::build_model(a.s);
+      for (const auto& item : model->named_parameters()) {
+        if (item.value().storage().nbytes() != 0) {
+          throw std::runtime_error("EmptyInit allocated parameter " + item.key());
+        }
+      }
+    } else {
+      model = testing::build_model(a.s);
+    }
     models::shard_transformer(model, mesh, fsdp::Options{});
     optim::AdamWConfig adam;
     adam.lr = a.s.lr;
@@ -182,10 +195,26 @@ int sync(const Args& a) {
 int init_from_hf(const Args& a) {
   Trainer t(a);
   auto fsdp_model = t.model.fsdp();
+  if (a.empty_init) {
+    const size_t params = t.model->parameters().size();
+    if (fsdp_model.awaiting_load().size() != params) {
+      throw std::runtime_error("EmptyInit: " + std::to_string(fsdp_model.awaiting_load().size()) +
+                               " of " + std::to_string(params) + " params await a load");
+    }
+    try {
+      t.model(torch::zeros({1, 4}, torch::kLong));
+      throw std::logic_error("a forward before the load ran");
+    } catch (const c10::Error& e) {
+      if (std::string(e.what()).find("fsdp::EmptyInit") == std::string::npos) throw;
+    }
+  }
   if (a.from_rank0) {
     checkpoint::load_hf_from_rank0(a.hf_dir, fsdp_model);
   } else {
     checkpoint::load_hf(a.hf_dir, fsdp_model);
+  }
+  if (!fsdp_model.awaiting_load().empty()) {
+    throw std::runtime_error("still awaiting a load: " + fsdp_model.awaiting_load().front());
   }
   auto full = fsdp_model.full_parameters();
   if (t.world->rank() == 0) testing::write_params(full, a.out);
@@ -227,6 +256,7 @@ int main(int argc, char** argv) {
   common(init_cmd);
   init_cmd->add_option("--hf", a.hf_dir)->required();
   init_cmd->add_flag("--from-rank0", a.from_rank0, "Only rank 0 reads; the others get their rows");
+  init_cmd->add_flag("--empty-init", a.empty_init, "Build the model under fsdp::EmptyInit");
   app.require_subcommand(1);
   CLI11_PARSE(app, argc, argv);
   try {

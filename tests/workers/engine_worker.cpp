@@ -4,6 +4,8 @@
 //   --mode forward_only  a reference engine: infer_batch only; writes params before and after
 //   --mode weight_sync   two LoRA steps, then get_per_tensor_param as is, merged and in bf16;
 //                        writes each, and the params gathered before and after the syncs
+//   --mode pretrained    LoRA on the weights of --pretrained (model.path): writes the params as
+//                        loaded, then trains one step
 #include <CLI/CLI.hpp>
 
 #include <filesystem>
@@ -70,14 +72,16 @@ int main(int argc, char** argv) {
   app.add_flag("--offload", offload, "param_offload + optimizer_offload with train_mode scopes");
   bool policy = false;
   app.add_flag("--offload-policy", policy, "offload_policy: the state stays offloaded in training");
+  std::string pretrained;
+  app.add_option("--pretrained", pretrained, "model.path");
   CLI11_PARSE(app, argc, argv);
 
   auto world = dist::World::init_from_env();
   torch::manual_seed(0);  // the same initial weights at every world size
-  auto engine =
-      engine::EngineRegistry::create(config(mode == "forward_only", micro_batch, offload,
-                                            out + "/offload", mode == "weight_sync", policy),
-                                     world);
+  auto engine_config = config(mode == "forward_only", micro_batch, offload, out + "/offload",
+                              mode == "weight_sync" || mode == "pretrained", policy);
+  if (!pretrained.empty()) engine_config.model["path"] = pretrained;
+  auto engine = engine::EngineRegistry::create(engine_config, world);
   int64_t local = batch / engine->data_parallel_size();
   int64_t first = engine->data_parallel_rank() * local;
   if (uneven) {
@@ -152,6 +156,15 @@ int main(int argc, char** argv) {
     sync("merged", {torch::kFloat, "", "default"});
     sync("bf16", {torch::kBFloat16, "model.", ""});
     write(out + "/after", gathered_in_scope());
+  } else if (mode == "pretrained") {
+    write(out + "/loaded", gathered());
+    auto scope = engine->train_mode();
+    for (int64_t step = 0; step < 2; ++step) {  // the first step's warmup lr is 0
+      auto metrics = engine->train_batch(
+          engine::slice_batch(global_batch(step, batch), first, local), next_token);
+      TORCH_CHECK(std::isfinite(metrics.at("loss")), "loss ", metrics.at("loss"));
+    }
+    write(out + "/trained", gathered());
   } else {
     throw std::invalid_argument("--mode: unknown mode " + mode);
   }

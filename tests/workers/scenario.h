@@ -36,8 +36,10 @@ inline models::Transformer build_model(const Scenario& s) {
   torch::manual_seed(s.seed);
   models::Transformer model(model_config(s));
   if (s.unused_params) {
-    model->register_parameter("unused_root", torch::randn({5, 3}));
-    model->blocks()[0]->register_parameter("unused_in_block", torch::randn({7}));
+    // Through new_parameter, so they are built empty under fsdp::EmptyInit like the layers' own.
+    auto randn = [](torch::Tensor& t) { t.normal_(); };
+    model->register_parameter("unused_root", fsdp::new_parameter({5, 3}, randn));
+    model->blocks()[0]->register_parameter("unused_in_block", fsdp::new_parameter({7}, randn));
   }
   if (!s.freeze.empty()) {
     for (auto& item : model->named_parameters()) {

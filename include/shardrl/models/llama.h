@@ -108,7 +108,7 @@ class LlamaModelImpl : public torch::nn::Module {
  public:
   explicit LlamaModelImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache);  // -> hidden states
-  fsdp::Unit<torch::nn::EmbeddingImpl> embed_tokens{nullptr};
+  fsdp::Unit<EmbeddingImpl> embed_tokens{nullptr};
   std::vector<fsdp::Unit<LlamaDecoderLayerImpl>> layers;
   RMSNorm norm{nullptr};
 
@@ -128,7 +128,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   void set_activation_checkpointing(bool enabled);
 
   LlamaModel model{nullptr};
-  fsdp::Unit<torch::nn::LinearImpl> lm_head{nullptr};  // null when tie_word_embeddings
+  fsdp::Unit<LinearImpl> lm_head{nullptr};  // null when tie_word_embeddings
 
  private:
   LlamaConfig config_;

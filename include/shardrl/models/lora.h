@@ -1,10 +1,12 @@
 // LoRA with several named adapters on one frozen base, as RL tuning needs: "default" is trained,
 // "old" (the NFT behaviour policy) follows it by EMA, and disabling adapters gives the reference.
 //
-// Models declare their projections as LoraLinear, which is a torch::nn::Linear (same "weight" and
-// "bias" names, same output) until an adapter is added. Adapter params are named as PEFT names
-// them, `<module>.lora_A.<adapter>.weight` [r, in] and `<module>.lora_B.<adapter>.weight`
-// [out, r], so they travel with the base through fully_shard like any other param.
+// Models declare their projections as LoraLinear, which is a models::Linear (torch::nn::Linear's
+// "weight" and "bias" names and output; built empty under fsdp::EmptyInit) until an adapter is
+// added. Adapters are always allocated and initialised, EmptyInit or not. Adapter params are named
+// as PEFT names them, `<module>.lora_A.<adapter>.weight` [r, in] and
+// `<module>.lora_B.<adapter>.weight` [out, r], so they travel with the base through fully_shard
+// like any other param.
 //
 //   lora::LoraConfig config{.r = 8, .alpha = 16, .target_modules = {"q_proj", "v_proj"}};
 //   lora::apply_lora(*model, config, "default");                      // freezes everything else
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "shardrl/fsdp.h"
+#include "shardrl/models/layers.h"
 
 namespace shardrl::models::lora {
 
@@ -41,9 +44,9 @@ struct LoraConfig {
 };
 
 // A linear layer whose frozen base weight can carry named low-rank adapters.
-class LoraLinearImpl : public torch::nn::LinearImpl {
+class LoraLinearImpl : public LinearImpl {
  public:
-  using torch::nn::LinearImpl::LinearImpl;
+  using LinearImpl::LinearImpl;
 
   // base(x) + scaling * B(A(dropout(x))) for the active adapter unless disabled or merged. The
   // adapter path runs in the adapters' dtype and is cast back, so a bf16 base can carry fp32

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shardrl/fsdp.h"
+#include "shardrl/models/layers.h"
 #include "shardrl/models/lora.h"
 
 namespace shardrl::models {
@@ -31,8 +32,8 @@ class BlockImpl : public torch::nn::Module {
  private:
   torch::Tensor attention(const torch::Tensor& x);
   int64_t n_heads_;
-  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
-  // LoraLinear: a torch::nn::Linear until an adapter is added (lora::apply_lora).
+  LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  // LoraLinear: a models::Linear until an adapter is added (lora::apply_lora).
   lora::LoraLinear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, proj_{nullptr},
       fc1_{nullptr}, fc2_{nullptr};
 };
@@ -47,10 +48,10 @@ class TransformerImpl : public torch::nn::Module {
 
  private:
   TransformerConfig config_;
-  torch::nn::Embedding tok_emb_{nullptr}, pos_emb_{nullptr};
+  Embedding tok_emb_{nullptr}, pos_emb_{nullptr};
   std::vector<fsdp::Unit<BlockImpl>> blocks_;
-  torch::nn::LayerNorm ln_f_{nullptr};
-  torch::nn::Linear head_{nullptr};
+  LayerNorm ln_f_{nullptr};
+  Linear head_{nullptr};
 };
 
 using Transformer = fsdp::Unit<TransformerImpl>;

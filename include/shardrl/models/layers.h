@@ -1,0 +1,49 @@
+// Linear, Embedding and LayerNorm as torch::nn's (same param names, initialisation and output),
+// with their params created through fsdp::new_parameter(), so a model built from them inside an
+// fsdp::EmptyInit scope allocates nothing unsharded. LibTorch's own modules always allocate and
+// initialise their params on construction. Llama and the GPT Transformer are built from these.
+#pragma once
+
+#include <torch/torch.h>
+
+namespace shardrl::models {
+
+class LinearImpl : public torch::nn::Module {
+ public:
+  // Kaiming-uniform weight and uniform bias, drawn in torch::nn::Linear's order.
+  explicit LinearImpl(const torch::nn::LinearOptions& options);
+  LinearImpl(int64_t in_features, int64_t out_features)
+      : LinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
+  torch::Tensor forward(const torch::Tensor& input);
+
+  torch::nn::LinearOptions options;
+  torch::Tensor weight;  // [out, in]
+  torch::Tensor bias;    // [out], undefined without bias
+};
+TORCH_MODULE(Linear);
+
+class EmbeddingImpl : public torch::nn::Module {
+ public:
+  // N(0, 1) weight, as torch::nn::Embedding.
+  EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim);
+  torch::Tensor forward(const torch::Tensor& indices);
+
+  torch::Tensor weight;  // [num_embeddings, embedding_dim]
+};
+TORCH_MODULE(Embedding);
+
+class LayerNormImpl : public torch::nn::Module {
+ public:
+  // Normalises the last dim; weight ones and bias zeros.
+  explicit LayerNormImpl(int64_t dim, double eps = 1e-5);
+  torch::Tensor forward(const torch::Tensor& input);
+
+  torch::Tensor weight, bias;  // [dim]
+
+ private:
+  int64_t dim_;
+  double eps_;
+};
+TORCH_MODULE(LayerNorm);
+
+}  // namespace shardrl::models

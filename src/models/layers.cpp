@@ -1,0 +1,49 @@
+#include "shardrl/models/layers.h"
+
+#include <cmath>
+
+#include "shardrl/fsdp.h"
+
+namespace shardrl::models {
+
+namespace F = torch::nn::functional;
+
+LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_in) : options(options_in) {
+  const int64_t in = options.in_features(), out = options.out_features();
+  weight = register_parameter("weight", fsdp::new_parameter({out, in}, [](torch::Tensor& w) {
+                                torch::nn::init::kaiming_uniform_(w, std::sqrt(5.0));
+                              }));
+  if (options.bias()) {
+    const double bound = in > 0 ? 1.0 / std::sqrt(static_cast<double>(in)) : 0.0;
+    bias = register_parameter("bias", fsdp::new_parameter({out}, [bound](torch::Tensor& b) {
+                                torch::nn::init::uniform_(b, -bound, bound);
+                              }));
+  }
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
+  return F::linear(input, weight, bias);
+}
+
+EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
+  weight = register_parameter(
+      "weight", fsdp::new_parameter({num_embeddings, embedding_dim},
+                                    [](torch::Tensor& w) { torch::nn::init::normal_(w); }));
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& indices) {
+  return torch::embedding(weight, indices);
+}
+
+LayerNormImpl::LayerNormImpl(int64_t dim, double eps) : dim_(dim), eps_(eps) {
+  weight = register_parameter("weight",
+                              fsdp::new_parameter({dim}, [](torch::Tensor& w) { w.fill_(1); }));
+  bias =
+      register_parameter("bias", fsdp::new_parameter({dim}, [](torch::Tensor& b) { b.zero_(); }));
+}
+
+torch::Tensor LayerNormImpl::forward(const torch::Tensor& input) {
+  return torch::layer_norm(input, {dim_}, weight, bias, eps_);
+}
+
+}  // namespace shardrl::models
