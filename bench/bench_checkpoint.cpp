@@ -1,8 +1,8 @@
 // Checkpoint benchmark: sharded save and load throughput against a plain sequential write and read
 // of the same bytes on the same disk in the same run, and per-rank memory during the consolidated
 // export, the streaming weight sync and the initialisation from the exported model (load_hf, every
-// rank reading, against load_hf_from_rank0) against one full tensor and the rank's shards. Run one
-// process per rank:
+// rank reading, against load_hf_from_rank0; then a fresh model built as usual against one built
+// under fsdp::EmptyInit) against one full tensor and the rank's shards. Run one process per rank:
 //
 //   shardrl launch -n 2 --threads 1 -- build/bin/bench_checkpoint --json-out ckpt.json
 //
@@ -108,6 +108,13 @@ class RssSampler {
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
+
+// Resets VmHWM to the current RSS (Linux >= 4.0), so that it measures the peak of what follows.
+void reset_peak_rss() {
+  std::ofstream clear_refs("/proc/self/clear_refs");
+  clear_refs << "5";
+  if (!clear_refs.flush()) throw std::runtime_error("cannot reset VmHWM via /proc/self/clear_refs");
+}
 
 // Returns free heap pages to the kernel so that an RSS increase shows fresh memory rather than
 // being hidden by blocks the previous phase freed (the malloc policy keeps large blocks resident).
@@ -358,8 +365,34 @@ int run(const Args& a) {
     sync_rss_peak = sampler.stop();
   }
 
+  // ---- a fresh model initialised from the export: built as usual, then under EmptyInit -------
+  // Peak RSS over the phase (VmHWM reset through /proc/self/clear_refs), above the RSS before it.
+  auto init_fresh = [&](bool empty) {
+    group.barrier();
+    const int64_t before = trimmed_rss();
+    reset_peak_rss();
+    const auto start = Clock::now();
+    {
+      models::Transformer fresh{nullptr};
+      if (empty) {
+        fsdp::EmptyInit no_allocation;
+        fresh = models::Transformer(config);
+      } else {
+        fresh = models::Transformer(config);
+      }
+      models::shard_transformer(fresh, mesh, fsdp::Options{});
+      auto fresh_fsdp = fresh.fsdp();
+      checkpoint::load_hf_from_rank0(hf_dir, fresh_fsdp);
+      group.barrier();
+    }
+    const double seconds = seconds_since(start);
+    return std::pair<double, int64_t>(seconds, proc_status_bytes("VmHWM") - before);
+  };
+  const auto [fresh_eager_s, fresh_eager_inc] = init_fresh(false);
+  const auto [fresh_empty_s, fresh_empty_inc] = init_fresh(true);
+
   // Per-rank figures to rank 0: [rank][field].
-  constexpr int kFields = 10;
+  constexpr int kFields = 14;
   auto per_rank = torch::zeros({N, kFields}, torch::kDouble);
   per_rank[rank][0] = static_cast<double>(mine);
   per_rank[rank][1] = static_cast<double>(sync_rss_before);
@@ -371,6 +404,10 @@ int run(const Args& a) {
   per_rank[rank][7] = static_cast<double>(init_all_inc);
   per_rank[rank][8] = init_r0_s;
   per_rank[rank][9] = static_cast<double>(init_r0_inc);
+  per_rank[rank][10] = fresh_eager_s;
+  per_rank[rank][11] = static_cast<double>(fresh_eager_inc);
+  per_rank[rank][12] = fresh_empty_s;
+  per_rank[rank][13] = static_cast<double>(fresh_empty_inc);
   group.all_reduce(per_rank);
 
   if (!a.keep) {
@@ -419,7 +456,17 @@ int run(const Args& a) {
                      {"init_from_rank0_rss_increase_over_shard",
                       per_rank[r][9].item<double>() / per_rank[r][4].item<double>()},
                      {"init_from_rank0_rss_increase_over_full_fp32",
-                      per_rank[r][9].item<double>() / full_fp32}});
+                      per_rank[r][9].item<double>() / full_fp32},
+                     {"fresh_init_eager_s", per_rank[r][10].item<double>()},
+                     {"fresh_init_eager_peak_increase", per_rank[r][11].item<double>()},
+                     {"fresh_init_eager_peak_over_shard",
+                      per_rank[r][11].item<double>() / per_rank[r][4].item<double>()},
+                     {"fresh_init_empty_s", per_rank[r][12].item<double>()},
+                     {"fresh_init_empty_peak_increase", per_rank[r][13].item<double>()},
+                     {"fresh_init_empty_peak_over_shard",
+                      per_rank[r][13].item<double>() / per_rank[r][4].item<double>()},
+                     {"fresh_init_empty_over_eager_peak",
+                      per_rank[r][13].item<double>() / per_rank[r][11].item<double>()}});
   }
   const double export_inc = static_cast<double>(export_rss_peak - export_rss_before);
   json j = {{"benchmark", "bench_checkpoint"},
@@ -498,6 +545,16 @@ int run(const Args& a) {
         r["init_load_hf_from_rank0_s"].get<double>(),
         r["init_load_hf_from_rank0_rss_increase"].get<double>() / 1e6,
         r["init_from_rank0_rss_increase_over_shard"].get<double>());
+    std::printf(
+        "rank %d: fresh model from the export via load_hf_from_rank0: built as usual %.2f s, peak "
+        "+%.1f MB (x%.2f of its shards); built under EmptyInit %.2f s, peak +%.1f MB (x%.2f of "
+        "its shards, x%.2f of the usual build's)\n",
+        r["rank"].get<int>(), r["fresh_init_eager_s"].get<double>(),
+        r["fresh_init_eager_peak_increase"].get<double>() / 1e6,
+        r["fresh_init_eager_peak_over_shard"].get<double>(), r["fresh_init_empty_s"].get<double>(),
+        r["fresh_init_empty_peak_increase"].get<double>() / 1e6,
+        r["fresh_init_empty_peak_over_shard"].get<double>(),
+        r["fresh_init_empty_over_eager_peak"].get<double>());
   }
   // Rank 0 hosts the store: the others must not find it gone while they finish.
   group.barrier();
