@@ -335,9 +335,10 @@ struct LlamaRun {
   std::map<std::string, torch::Tensor> params;
 };
 
-LlamaRun train_llama_sharded(const LlamaScenario& s) {
+LlamaRun train_llama_sharded(const LlamaScenario& s, const std::string& from_hf = "") {
   const std::string dir = make_temp_dir("llama-train");
   std::vector<std::string> args = {"--out", dir, "--steps", std::to_string(s.steps)};
+  if (!from_hf.empty()) args.insert(args.end(), {"--from-hf", from_hf});
   if (s.lora) args.push_back("--lora");
   if (s.checkpoint) args.push_back("--checkpoint");
   auto result = launch_workers(2, args, 300, "llama_worker");
@@ -380,6 +381,16 @@ void expect_same_training(const LlamaRun& sharded, const LlamaRun& reference) {
     ASSERT_TRUE(sharded.params.count(name)) << name;
     EXPECT_LE(relative_error(sharded.params.at(name), expected), 1e-5) << name;
   }
+}
+
+// Built under fsdp::EmptyInit on both ranks (no param allocated unsharded, nothing drawn), loaded
+// by load_hf_from_rank0 from the reference model's weights: training is the reference's.
+TEST(Llama, EmptyBuildLoadedFromRankZeroTrainsAsTheUnshardedModel) {
+  const LlamaScenario s;
+  const std::string hf = make_temp_dir("llama-hf");
+  models::save_weights(models::state_dict(*build_llama(s)), hf + "/model.safetensors",
+                       torch::kFloat);
+  expect_same_training(train_llama_sharded(s, hf), train_llama_reference(s));
 }
 
 TEST(Llama, ShardedTrainingOnTwoRanksMatchesUnsharded) {

@@ -228,7 +228,8 @@ class UnshardScope {
 //   models::LlamaForCausalLM model{nullptr};
 //   { fsdp::EmptyInit empty; model = models::LlamaForCausalLM(config); }
 //   models::shard_llama(model, mesh, options);
-//   checkpoint::load_hf_from_rank0(hf_dir, model.fsdp());   // rank 0 reads, the others receive
+//   auto sharded = model.fsdp();
+//   checkpoint::load_hf_from_rank0(hf_dir, sharded);   // rank 0 reads, the others receive
 class EmptyInit {
  public:
   EmptyInit();

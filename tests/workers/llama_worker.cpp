@@ -1,11 +1,13 @@
 // One rank of the LLaMA parity test: next-token training of the LLaMA scenario with FSDP; writes
-// the per-step losses and, at the end, the gathered parameters.
+// the per-step losses and, at the end, the gathered parameters. With --from-hf DIR the model is
+// built under fsdp::EmptyInit and its weights come from DIR through load_hf_from_rank0.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <fstream>
 #include <iostream>
 
+#include "shardrl/checkpoint.h"
 #include "shardrl/dist.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/optim.h"
@@ -16,12 +18,19 @@ using namespace shardrl;
 
 namespace {
 
-int train(const testing::LlamaScenario& s, const std::string& out) {
+int train(const testing::LlamaScenario& s, const std::string& out, const std::string& from_hf) {
   auto world = dist::World::init_from_env();
   auto mesh = dist::DeviceMesh::create(*world);
-  auto model = testing::build_llama(s);
+  models::LlamaForCausalLM model{nullptr};
+  if (from_hf.empty()) {
+    model = testing::build_llama(s);
+  } else {
+    fsdp::EmptyInit empty;
+    model = testing::build_llama(s);
+  }
   models::shard_llama(model, mesh, models::WrapPolicy(fsdp::Options{}, s.checkpoint));
   auto fsdp_model = model.fsdp();
+  if (!from_hf.empty()) checkpoint::load_hf_from_rank0(from_hf, fsdp_model);
   optim::AdamWConfig adam;
   adam.lr = s.lr;
   auto optimizer = optim::make_adamw(optim::from_sharded(fsdp_model.sharded_parameters()), adam);
@@ -61,14 +70,15 @@ int train(const testing::LlamaScenario& s, const std::string& out) {
 int main(int argc, char** argv) {
   CLI::App app{"ShardRL LLaMA multi-rank test worker"};
   testing::LlamaScenario s;
-  std::string out = ".";
+  std::string out = ".", from_hf;
   app.add_option("--steps", s.steps);
+  app.add_option("--from-hf", from_hf, "Build empty and load these weights from rank 0");
   app.add_option("--out", out);
   app.add_flag("--lora", s.lora);
   app.add_flag("--checkpoint", s.checkpoint);
   CLI11_PARSE(app, argc, argv);
   try {
-    return train(s, out);
+    return train(s, out, from_hf);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;
