@@ -13,8 +13,8 @@ void UnitState::start_gather() {
   if (stage != Stage::kSharded || params.empty()) return;
   for (const auto& slot : params) {
     // Every rank has the same flags, so every rank stops here before the collective.
-    TORCH_CHECK(!slot.awaiting_load, "FSDP: parameter '", slot.name,
-                "' was created under fsdp::EmptyInit and has no values yet: load the model "
+    TORCH_CHECK(!slot.awaiting_load, "FSDP: parameter '", slot.name, "' of unit ", module->name(),
+                " was created under fsdp::EmptyInit and has no values yet: load the model "
                 "(checkpoint::load_hf_from_rank0, load_hf or checkpoint::load) before using it");
   }
   const auto dtype = options.mixed_precision.param_dtype;
