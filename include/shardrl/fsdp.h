@@ -232,7 +232,8 @@ class UnshardScope {
 //   checkpoint::load_hf_from_rank0(hf_dir, sharded);   // rank 0 reads, the others receive
 class EmptyInit {
  public:
-  EmptyInit();
+  // enabled = false: a scope that changes nothing (for code that builds empty only sometimes).
+  explicit EmptyInit(bool enabled = true);
   ~EmptyInit();
   EmptyInit(const EmptyInit&) = delete;
   EmptyInit& operator=(const EmptyInit&) = delete;

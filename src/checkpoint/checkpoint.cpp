@@ -138,14 +138,14 @@ std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const std::string& ro
   return out;
 }
 
-// A tensor shaped like p's shard whose padding rows are zero and whose valid rows are left for a
-// read to fill (zeroing them too would write every loaded byte twice).
 std::vector<std::string> names_of(const std::vector<fsdp::ShardedParameter>& params) {
   std::vector<std::string> names;
   for (const auto& p : params) names.push_back(p.name);
   return names;
 }
 
+// A tensor shaped like p's shard whose padding rows are zero and whose valid rows are left for a
+// read to fill (zeroing them too would write every loaded byte twice).
 torch::Tensor empty_with_zero_padding(const fsdp::ShardedParameter& p) {
   torch::Tensor t = torch::empty_like(p.shard.detach());
   if (t.dim() == 0) return t;

@@ -47,14 +47,19 @@ AdapterPlan adapter_plan(const json& j, std::vector<std::string> default_targets
   return plan;
 }
 
-// Pretrained base weights, model.path: a directory with model.safetensors (or the file itself).
+// Pretrained base weights, model.path: a file, or a directory with model.safetensors (or, for the
+// language models, Hugging Face's sharded model.safetensors.index.json).
 std::string pretrained_path(const json& j) {
   const auto path = field<std::string>(j, "path", "");
   if (path.empty()) return path;
-  const fs::path file =
-      fs::is_directory(path) ? fs::path(path) / "model.safetensors" : fs::path(path);
-  if (!fs::exists(file)) {
-    throw std::invalid_argument(fmt::format("model.path: '{}' does not exist", file.string()));
+  const bool found = fs::is_directory(path)
+                         ? fs::exists(fs::path(path) / "model.safetensors") ||
+                               fs::exists(fs::path(path) / "model.safetensors.index.json")
+                         : fs::exists(path);
+  if (!found) {
+    throw std::invalid_argument(fmt::format(
+        "model.path: '{}' is neither a safetensors file nor a directory with model.safetensors",
+        path));
   }
   return path;
 }
@@ -67,19 +72,11 @@ void load_pretrained(torch::nn::Module& module, const json& j) {
   models::load_weights(module, fs::is_directory(path) ? path + "/model.safetensors" : path);
 }
 
-// The language model families build under fsdp::EmptyInit when they load weights: nothing is
-// allocated unsharded, and after fully_shard the first rank of each shard group reads the file
-// (or an HF directory with model.safetensors.index.json) and sends every rank its rows.
-template <class Holder>
-Holder build_for_loading(const std::string& path, const std::function<Holder()>& build) {
-  if (path.empty()) return build();
-  fsdp::EmptyInit empty;
-  return build();
-}
-
-void load_sharded(const std::string& path, const fsdp::FSDPModule& sharded) {
+// The language models are built under fsdp::EmptyInit when they load weights, so nothing is
+// allocated unsharded; once sharded, the first rank of each shard group reads the weights and
+// sends every rank its rows. Adapters are not in the file: they keep their fresh values.
+void load_sharded(const std::string& path, fsdp::FSDPModule model) {
   if (path.empty()) return;
-  fsdp::FSDPModule model = sharded;
   checkpoint::load_hf_from_rank0(path, model, "", [](const std::string& name) {
     return !models::lora::is_adapter_tensor(name);
   });
@@ -110,8 +107,11 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
   const auto path = pretrained_path(j);
   if (family == "gpt") {
     const auto c = models::TransformerConfig::from_json(config);
-    auto model =
-        build_for_loading<models::Transformer>(path, [&] { return models::Transformer(c); });
+    models::Transformer model{nullptr};
+    {
+      fsdp::EmptyInit empty(/*enabled=*/!path.empty());
+      model = models::Transformer(c);
+    }
     add_adapters(*model, adapter_plan(j, {"q_proj", "v_proj"}));
     models::shard_transformer(model, mesh, options);
     load_sharded(path, model.fsdp());
@@ -119,8 +119,11 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
   }
   if (family == "llama") {
     const auto c = models::LlamaConfig::from_json(config);
-    auto model = build_for_loading<models::LlamaForCausalLM>(
-        path, [&] { return models::LlamaForCausalLM(c); });
+    models::LlamaForCausalLM model{nullptr};
+    {
+      fsdp::EmptyInit empty(/*enabled=*/!path.empty());
+      model = models::LlamaForCausalLM(c);
+    }
     add_adapters(*model, adapter_plan(j, {"q_proj", "k_proj", "v_proj", "o_proj"}));
     model->set_activation_checkpointing(checkpointing);
     models::shard_llama(model, mesh, options);

@@ -195,8 +195,8 @@ void UnitState::shard_parameters(const std::vector<std::pair<std::string, torch:
   }
 }
 
-EmptyInit::EmptyInit() : previous_(t_empty_init) {
-  t_empty_init = true;
+EmptyInit::EmptyInit(bool enabled) : previous_(t_empty_init) {
+  t_empty_init = previous_ || enabled;
 }
 
 EmptyInit::~EmptyInit() {
