@@ -1,4 +1,5 @@
-// models/layers.h: torch::nn's Linear, Embedding and LayerNorm, buildable under fsdp::EmptyInit.
+// models/layers.h: torch::nn's Linear, Embedding, LayerNorm and Conv2d, buildable under
+// fsdp::EmptyInit.
 #include <gtest/gtest.h>
 
 #include "shardrl/fsdp.h"
@@ -42,6 +43,15 @@ TEST(Layers, InitialiseAndComputeAsTorchNn) {
     our_norm->bias.copy_(their_norm->bias);
   }
   EXPECT_TRUE(torch::allclose(our_norm(x), their_norm(x), 0, 1e-6));
+
+  torch::manual_seed(5);
+  torch::nn::Conv2d their_conv(torch::nn::Conv2dOptions(3, 8, 2).stride(2));
+  torch::manual_seed(5);
+  models::Conv2d our_conv(3, 8, 2, 2);
+  EXPECT_TRUE(torch::equal(our_conv->weight, their_conv->weight));
+  EXPECT_TRUE(torch::equal(our_conv->bias, their_conv->bias));
+  auto images = torch::randn({2, 3, 6, 6});
+  EXPECT_TRUE(torch::allclose(our_conv(images), their_conv(images), 0, 1e-6));
 }
 
 // Under EmptyInit a param has its shape and no bytes, its initialiser does not run (no random
@@ -74,6 +84,9 @@ TEST(Layers, EmptyInitGivesShapesWithoutBytesOrRandomDraws) {
   EXPECT_GT(layer->lora_A("default").abs().max().item<float>(), 0);
   models::Linear eager(8, 4);
   EXPECT_GT(eager->weight.storage().nbytes(), 0u);
+  models::zero_unless_empty(eager->weight);
+  EXPECT_EQ(eager->weight.abs().max().item<float>(), 0);
+  models::zero_unless_empty(layer->weight);  // nothing to zero, and no error
 }
 
 }  // namespace

@@ -47,8 +47,8 @@ AdapterPlan adapter_plan(const json& j, std::vector<std::string> default_targets
   return plan;
 }
 
-// Pretrained base weights, model.path: a file, or a directory with model.safetensors (or, for the
-// language models, Hugging Face's sharded model.safetensors.index.json).
+// Pretrained base weights, model.path: a safetensors file, or a directory with model.safetensors
+// or Hugging Face's sharded model.safetensors.index.json.
 std::string pretrained_path(const json& j) {
   const auto path = field<std::string>(j, "path", "");
   if (path.empty()) return path;
@@ -64,17 +64,9 @@ std::string pretrained_path(const json& j) {
   return path;
 }
 
-// Loaded on every rank before the adapters exist, so the file holds exactly the base model's
-// tensors (the DiT family: small models, built by LibTorch's own modules).
-void load_pretrained(torch::nn::Module& module, const json& j) {
-  const auto path = pretrained_path(j);
-  if (path.empty()) return;
-  models::load_weights(module, fs::is_directory(path) ? path + "/model.safetensors" : path);
-}
-
-// The language models are built under fsdp::EmptyInit when they load weights, so nothing is
-// allocated unsharded; once sharded, the first rank of each shard group reads the weights and
-// sends every rank its rows. Adapters are not in the file: they keep their fresh values.
+// Models that load weights are built under fsdp::EmptyInit, so nothing is allocated unsharded;
+// once sharded, the first rank of each shard group reads the weights and sends every rank its
+// rows. Adapters are not in the file: they keep their fresh values.
 void load_sharded(const std::string& path, fsdp::FSDPModule model) {
   if (path.empty()) return;
   checkpoint::load_hf_from_rank0(path, model, "", [](const std::string& name) {
@@ -142,13 +134,19 @@ ModelBuilder dit_builder(std::vector<std::string> frozen_adapters) {
       throw std::invalid_argument(
           fmt::format("model.family: '{}' is not a diffusion model family (dit)", family));
     }
-    models::DiT model(models::DiTConfig::from_json(j.value("config", json::object())));
-    load_pretrained(*model, j);
+    const auto c = models::DiTConfig::from_json(j.value("config", json::object()));
+    const auto path = pretrained_path(j);
+    models::DiT model{nullptr};
+    {
+      fsdp::EmptyInit empty(/*enabled=*/!path.empty());
+      model = models::DiT(c);
+    }
     auto plan = adapter_plan(j, {"qkv", "proj", "fc1", "fc2"});
     plan.frozen_copies = frozen_adapters;
     add_adapters(*model, plan);
     model->set_activation_checkpointing(field<bool>(j, "enable_activation_checkpointing", false));
     models::shard_dit(model, mesh, options);
+    load_sharded(path, model.fsdp());
     return finish(model, model.fsdp());
   };
 }

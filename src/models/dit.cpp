@@ -25,10 +25,9 @@ nn::LayerNorm plain_norm(int64_t dim) {
 
 // adaLN: SiLU then a zero-initialised linear, so every block starts as the identity (adaLN-Zero).
 nn::Sequential zero_modulation(int64_t dim, int64_t chunks) {
-  nn::Linear linear(dim, chunks * dim);
-  torch::NoGradGuard no_grad;
-  linear->weight.zero_();
-  linear->bias.zero_();
+  Linear linear(dim, chunks * dim);
+  zero_unless_empty(linear->weight);
+  zero_unless_empty(linear->bias);
   return nn::Sequential(nn::SiLU(), linear);
 }
 
@@ -154,16 +153,13 @@ torch::Tensor DiTBlockImpl::compute(const torch::Tensor& x_in, const torch::Tens
 DiTImpl::DiTImpl(const DiTConfig& c) : config_(c) {
   c.validate();
   const int64_t d = c.hidden_size;
-  x_proj_ =
-      holder(*this, "x_embedder")
-          ->register_module(
-              "proj",
-              nn::Conv2d(nn::Conv2dOptions(c.in_channels, d, c.patch_size).stride(c.patch_size)));
+  x_proj_ = holder(*this, "x_embedder")
+                ->register_module("proj", Conv2d(c.in_channels, d, c.patch_size, c.patch_size));
   t_mlp_ = holder(*this, "t_embedder")
-               ->register_module("mlp", nn::Sequential(nn::Linear(c.frequency_embedding_size, d),
-                                                       nn::SiLU(), nn::Linear(d, d)));
+               ->register_module("mlp", nn::Sequential(Linear(c.frequency_embedding_size, d),
+                                                       nn::SiLU(), Linear(d, d)));
   y_table_ = holder(*this, "y_embedder")
-                 ->register_module("embedding_table", nn::Embedding(c.num_classes + 1, d));
+                 ->register_module("embedding_table", Embedding(c.num_classes + 1, d));
   auto list = register_module("blocks", nn::ModuleList());
   for (int64_t i = 0; i < c.depth; ++i) {
     blocks.emplace_back(c);
@@ -172,14 +168,11 @@ DiTImpl::DiTImpl(const DiTConfig& c) : config_(c) {
   auto final_layer = holder(*this, "final_layer");
   final_norm_ = final_layer->register_module("norm_final", plain_norm(d));
   final_linear_ = final_layer->register_module(
-      "linear", nn::Linear(d, c.patch_size * c.patch_size * c.in_channels));
+      "linear", Linear(d, c.patch_size * c.patch_size * c.in_channels));
   final_modulation_ = final_layer->register_module("adaLN_modulation", zero_modulation(d, 2));
-  {
-    // The zero head of adaLN-Zero: the initial velocity is 0.
-    torch::NoGradGuard no_grad;
-    final_linear_->weight.zero_();
-    final_linear_->bias.zero_();
-  }
+  // The zero head of adaLN-Zero: the initial velocity is 0.
+  zero_unless_empty(final_linear_->weight);
+  zero_unless_empty(final_linear_->bias);
   pos_embed_ = sincos_pos_embed_2d(d, c.grid_size()).unsqueeze(0);
 }
 

@@ -46,4 +46,28 @@ torch::Tensor LayerNormImpl::forward(const torch::Tensor& input) {
   return torch::layer_norm(input, {dim_}, weight, bias, eps_);
 }
 
+Conv2dImpl::Conv2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride)
+    : stride_(stride) {
+  weight = register_parameter(
+      "weight",
+      fsdp::new_parameter({out_channels, in_channels, kernel, kernel}, [](torch::Tensor& w) {
+        torch::nn::init::kaiming_uniform_(w, std::sqrt(5.0));
+      }));
+  const int64_t fan_in = in_channels * kernel * kernel;
+  const double bound = fan_in > 0 ? 1.0 / std::sqrt(static_cast<double>(fan_in)) : 0.0;
+  bias = register_parameter("bias", fsdp::new_parameter({out_channels}, [bound](torch::Tensor& b) {
+                              torch::nn::init::uniform_(b, -bound, bound);
+                            }));
+}
+
+torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
+  return torch::conv2d(input, weight, bias, stride_);
+}
+
+void zero_unless_empty(const torch::Tensor& param) {
+  if (param.numel() == 0 || param.storage().nbytes() == 0) return;
+  torch::NoGradGuard no_grad;
+  param.detach().zero_();
+}
+
 }  // namespace shardrl::models

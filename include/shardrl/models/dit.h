@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "shardrl/fsdp.h"
+#include "shardrl/models/layers.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/weights.h"
 #include "shardrl/models/wrap_policy.h"
@@ -80,11 +81,11 @@ class DiTImpl : public torch::nn::Module {
 
  private:
   DiTConfig config_;
-  torch::nn::Conv2d x_proj_{nullptr};                // x_embedder.proj
+  Conv2d x_proj_{nullptr};                           // x_embedder.proj
   torch::nn::Sequential t_mlp_{nullptr};             // t_embedder.mlp
-  torch::nn::Embedding y_table_{nullptr};            // y_embedder.embedding_table
-  torch::nn::LayerNorm final_norm_{nullptr};         // final_layer.norm_final
-  torch::nn::Linear final_linear_{nullptr};          // final_layer.linear
+  Embedding y_table_{nullptr};                       // y_embedder.embedding_table
+  torch::nn::LayerNorm final_norm_{nullptr};         // final_layer.norm_final (no params)
+  Linear final_linear_{nullptr};                     // final_layer.linear
   torch::nn::Sequential final_modulation_{nullptr};  // final_layer.adaLN_modulation
   torch::Tensor pos_embed_;                          // fixed, not a parameter
 };

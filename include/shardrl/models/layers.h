@@ -1,7 +1,8 @@
-// Linear, Embedding and LayerNorm as torch::nn's (same param names, initialisation and output),
-// with their params created through fsdp::new_parameter(), so a model built from them inside an
-// fsdp::EmptyInit scope allocates nothing unsharded. LibTorch's own modules always allocate and
-// initialise their params on construction. Llama and the GPT Transformer are built from these.
+// Linear, Embedding, LayerNorm and Conv2d as torch::nn's (same param names, initialisation and
+// output), with their params created through fsdp::new_parameter(), so a model built from them
+// inside an fsdp::EmptyInit scope allocates nothing unsharded. LibTorch's own modules always
+// allocate and initialise their params on construction. Llama, the GPT Transformer and the DiT
+// are built from these.
 #pragma once
 
 #include <torch/torch.h>
@@ -45,5 +46,24 @@ class LayerNormImpl : public torch::nn::Module {
   double eps_;
 };
 TORCH_MODULE(LayerNorm);
+
+class Conv2dImpl : public torch::nn::Module {
+ public:
+  // Square kernel, no padding, no dilation or groups (a patch embedding when stride == kernel);
+  // kaiming-uniform weight and uniform bias, as torch::nn::Conv2d.
+  Conv2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride = 1);
+  torch::Tensor forward(const torch::Tensor& input);
+
+  torch::Tensor weight;  // [out, in, kernel, kernel]
+  torch::Tensor bias;    // [out]
+
+ private:
+  int64_t stride_;
+};
+TORCH_MODULE(Conv2d);
+
+// Zeroes a param after its layer drew its usual initial values (adaLN-Zero's zero layers), so
+// the random draws stay those of torch::nn; a param built under EmptyInit has no values to zero.
+void zero_unless_empty(const torch::Tensor& param);
 
 }  // namespace shardrl::models
