@@ -247,6 +247,10 @@ class EmptyInit {
 torch::Tensor new_parameter(c10::IntArrayRef shape,
                             const std::function<void(torch::Tensor&)>& init);
 
+// Whether `param` has elements but no bytes behind them: built under EmptyInit (or an unsharded
+// param that fully_shard has freed).
+bool has_no_values(const torch::Tensor& param);
+
 // Shards the parameters of `unit` that no already-sharded unit below it owns. Shard children
 // first, then the root, as with FSDP2.
 template <class M>

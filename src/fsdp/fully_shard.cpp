@@ -42,11 +42,6 @@ thread_local RootContext* t_active_root = nullptr;
 
 thread_local bool t_empty_init = false;
 
-// A param built under EmptyInit: a shape with no bytes behind it.
-bool has_no_values(const torch::Tensor& param) {
-  return param.numel() > 0 && param.storage().nbytes() == 0;
-}
-
 UnitState* unit_from(AutogradContext* ctx) {
   return reinterpret_cast<UnitState*>(ctx->saved_data["unit"].toInt());
 }
@@ -201,6 +196,10 @@ EmptyInit::EmptyInit(bool enabled) : previous_(t_empty_init) {
 
 EmptyInit::~EmptyInit() {
   t_empty_init = previous_;
+}
+
+bool has_no_values(const torch::Tensor& param) {
+  return param.numel() > 0 && param.storage().nbytes() == 0;
 }
 
 torch::Tensor new_parameter(c10::IntArrayRef shape,

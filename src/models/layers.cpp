@@ -65,7 +65,7 @@ torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
 }
 
 void zero_unless_empty(const torch::Tensor& param) {
-  if (param.numel() == 0 || param.storage().nbytes() == 0) return;
+  if (fsdp::has_no_values(param)) return;
   torch::NoGradGuard no_grad;
   param.detach().zero_();
 }
