@@ -1,9 +1,15 @@
 # Entry points: `make demo` and `make test` work on a fresh Debian machine.
 BUILD ?= build
+CUDA_BUILD ?= build-cuda
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
+# What the CUDA build compiles here, where no GPU runs it: the library and the programs a user
+# runs, linked against torch_cuda and NCCL. `make test-cuda` on a GPU machine builds the rest.
+CUDA_CHECK_TARGETS ?= shardrl dist_worker
+# The tests that run on one GPU: World picks NCCL and cuda:LOCAL_RANK when a GPU is visible.
+CUDA_TESTS ?= WorldSizes/ParityTest.*/0$$
 
-.PHONY: deps configure build test demo bench format clean
+.PHONY: deps configure build test demo bench format clean build-cuda test-cuda
 
 deps:
 	@scripts/install-deps.sh
@@ -23,8 +29,19 @@ demo: build
 bench: build
 	@scripts/bench.sh $(BUILD)
 
+# The CUDA/NCCL build: compiles and links here (CUDA 13 toolkit at /usr/local/cuda, no GPU).
+build-cuda: deps
+	@cmake -S . -B $(CUDA_BUILD) $(CMAKE_FLAGS) -DSHARDRL_CUDA=ON >/dev/null
+	@cmake --build $(CUDA_BUILD) -j $(JOBS) --target $(CUDA_CHECK_TARGETS)
+
+# On a GPU machine: the whole CUDA build, then the tests that run on one GPU with NCCL.
+test-cuda: deps
+	@cmake -S . -B $(CUDA_BUILD) $(CMAKE_FLAGS) -DSHARDRL_CUDA=ON >/dev/null
+	@cmake --build $(CUDA_BUILD) -j $(JOBS)
+	cd $(CUDA_BUILD) && ctest --output-on-failure --timeout 900 -R '$(CUDA_TESTS)'
+
 format:
 	clang-format -i $$(git ls-files '*.cpp' '*.h')
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(CUDA_BUILD)

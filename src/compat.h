@@ -1,10 +1,13 @@
-// Every difference between LibTorch 1.13 (Debian, CPU) and 2.x (CUDA/NCCL clusters) lives here.
+// The LibTorch internals ShardRL relies on beyond the C++ frontend's public API (c10d backends,
+// raw storages, optimizer state keys), in one place so that a LibTorch upgrade is checked here.
+// LibTorch 2.x only.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
-#include <c10/util/string_utils.h>
+#include <torch/optim/optimizer.h>
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef USE_C10D_NCCL
@@ -13,21 +16,15 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <sstream>
 #include <string>
+#include <type_traits>
+
+static_assert(TORCH_VERSION_MAJOR >= 2, "ShardRL needs LibTorch 2.x");
 
 namespace shardrl::compat {
 
-// 2.0 split transports out of ProcessGroup into c10d::Backend; the collective methods kept their
-// names and signatures, so the rest of the code programs against this alias.
-#if TORCH_VERSION_MAJOR >= 2
 using Backend = c10d::Backend;
-#else
-using Backend = c10d::ProcessGroup;
-#endif
-
-// Gloo learnt bf16 in 2.2; before that any bf16 tensor throws "Invalid scalar type".
-constexpr bool kGlooHasBf16 = TORCH_VERSION_MAJOR > 2 ||
-                              (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2);
 
 inline std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_addr) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
@@ -51,10 +48,17 @@ inline c10::intrusive_ptr<Backend> make_gloo(const c10::intrusive_ptr<c10d::Stor
 
 #ifdef USE_C10D_NCCL
 inline c10::intrusive_ptr<Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                             int size, std::chrono::milliseconds timeout) {
+                                             int size, std::chrono::milliseconds timeout,
+                                             const at::Device& device) {
   auto options = c10d::ProcessGroupNCCL::Options::create();
+  // The watchdog's bound on every collective. The host waits with the same timeout where it
+  // needs a result (ProcessGroup's blocking collectives), so a hang ends in the same
+  // CollectiveError naming the rank as on Gloo.
   options->timeout = timeout;
-  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+  auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+  // Bound to this rank's GPU: the communicator is created eagerly there, not guessed later.
+  backend->setBoundDeviceId(device);
+  return backend;
 }
 #endif
 
@@ -67,10 +71,12 @@ inline void free_storage(const at::Tensor& t) {
   impl->set_nbytes(0);
 }
 
-// Gives t's storage `nbytes` fresh bytes (offload restores storages that other tensors view).
+// Gives t's storage `nbytes` fresh bytes on t's device (the CUDA allocator allocates on the
+// current device, hence the guard), for storages that other tensors view.
 inline void alloc_storage(const at::Tensor& t, size_t nbytes) {
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
   if (impl->nbytes() == nbytes) return;
+  c10::DeviceGuard on_device(t.device());
   impl->set_data_ptr_noswap(c10::GetAllocator(t.device().type())->allocate(nbytes));
   impl->set_nbytes(nbytes);
 }
@@ -80,24 +86,27 @@ inline void alloc_storage(const at::Tensor& t) {
 }
 
 // The whole storage behind t as a flat byte tensor on t's device (empty once freed). Through the
-// StorageImpl's DataPtr, whose get() is a mutable pointer in every version (Storage::data() is
-// const from 2.1 on).
+// StorageImpl's DataPtr, whose get() is a mutable pointer (Storage::data() is const).
 inline at::Tensor storage_bytes(const at::Tensor& t) {
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
   return at::from_blob(impl->data_ptr().get(), {static_cast<int64_t>(impl->nbytes())},
                        at::TensorOptions().dtype(at::kByte).device(t.device()));
 }
 
-// Optimizer::state() is keyed by the parameter's TensorImpl address: printed as a string in 1.x,
-// the pointer itself in 2.x. Checkpoints restore optimizer state through this key.
-#if TORCH_VERSION_MAJOR >= 2
-inline void* optimizer_state_key(const at::Tensor& param) {
-  return param.unsafeGetTensorImpl();
+// Optimizer::state() is keyed by the parameter's TensorImpl: the pointer itself since LibTorch
+// 2.2, its address printed as a string before. The key type is read off the map, not the version.
+using OptimizerStateKey =
+    typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+
+template <class Key = OptimizerStateKey>
+Key optimizer_state_key(const at::Tensor& param) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream address;
+    address << param.unsafeGetTensorImpl();
+    return address.str();
+  } else {
+    return param.unsafeGetTensorImpl();
+  }
 }
-#else
-inline std::string optimizer_state_key(const at::Tensor& param) {
-  return c10::guts::to_string(param.unsafeGetTensorImpl());
-}
-#endif
 
 }  // namespace shardrl::compat

@@ -29,10 +29,10 @@ inline void expect_same_grads(torch::nn::Module& plain, torch::nn::Module& recom
   }
 }
 
-// Debian's python3-torch: the independent reference the model tests compare against.
+// PyTorch (the venv's torch 2.11): the independent reference the model tests compare against.
 inline ProcessResult run_python_reference(const std::string& script,
                                           const std::vector<std::string>& args) {
-  std::vector<std::string> argv = {"/usr/bin/python3",
+  std::vector<std::string> argv = {SHARDRL_PYTHON,
                                    std::string(SHARDRL_SOURCE_DIR) + "/tests/python/" + script};
   argv.insert(argv.end(), args.begin(), args.end());
   // No __pycache__ in the source tree.

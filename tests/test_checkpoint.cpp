@@ -379,7 +379,7 @@ TEST(Checkpoint, ExportReadsBackWithAnIndependentReader) {
                                  "--max-shard-size", std::to_string(max_shard)});
     ASSERT_EQ(exported.exit_code, 0) << exported.output;
     auto read =
-        run_process({"/usr/bin/python3",
+        run_process({SHARDRL_PYTHON,
                      std::string(SHARDRL_SOURCE_DIR) + "/tests/python/read_safetensors.py", out});
     ASSERT_EQ(read.exit_code, 0) << read.output;
     const json got = json::parse(read.output);

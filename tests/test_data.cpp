@@ -125,7 +125,7 @@ TEST(Data, PngRoundTripsGreyAndRgb) {
   EXPECT_TRUE(is(255, 127, 14));
   // Python's zlib reads the same pixels back (independent of libpng's reader).
   const auto check =
-      run_process({"/usr/bin/python3", "-c",
+      run_process({SHARDRL_PYTHON, "-c",
                    "import sys,zlib,struct\n"
                    "d=open(sys.argv[1],'rb').read(); assert d[:8]==b'\\x89PNG\\r\\n\\x1a\\n'\n"
                    "i=8; idat=b''\n"

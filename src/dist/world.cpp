@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <malloc.h>
 #include <signal.h>
 
@@ -149,6 +150,9 @@ std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
 #ifdef USE_C10D_NCCL
     world->use_nccl_ = true;
     world->device_ = torch::Device(torch::kCUDA, world->local_rank_ % torch::cuda::device_count());
+    // Each rank computes on its own GPU: allocations, kernels and NCCL's communicator follow the
+    // current device, which would otherwise be GPU 0 for every rank of the host.
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(world->device_);
 #else
     if (options.backend == "nccl") {
       throw std::invalid_argument("backend='nccl' but this build of LibTorch has no NCCL");
@@ -241,8 +245,8 @@ std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks,
         c10::make_intrusive<c10d::PrefixStore>(fmt::format("{}pg/{}", kKeyPrefix, tag), store_);
 #ifdef USE_C10D_NCCL
     if (use_nccl_) {
-      impl->backend =
-          compat::make_nccl(prefixed, impl->rank, static_cast<int>(ranks.size()), options_.timeout);
+      impl->backend = compat::make_nccl(prefixed, impl->rank, static_cast<int>(ranks.size()),
+                                        options_.timeout, device_);
     }
 #endif
     if (!impl->backend) {

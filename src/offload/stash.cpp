@@ -150,10 +150,11 @@ class FileStash : public Stash {
 };
 
 // Pinned host buffers filled and drained with asynchronous copies on the current stream; wait()
-// is the one synchronisation per group, before device storages are freed or buffers dropped.
+// is the one synchronisation per group, before device storages are freed or buffers dropped. It
+// synchronises the device the state lives on, which need not be the current one.
 class HostStash : public Stash {
  public:
-  using Stash::Stash;
+  HostStash(Tier tier, torch::Device device) : Stash(tier), device_(device) {}
   ~HostStash() override { discard(); }
 
  protected:
@@ -171,7 +172,7 @@ class HostStash : public Stash {
     dst.copy_(buffers_.at(index_.at(entry.offset)), /*non_blocking=*/true);
   }
 
-  void wait() override { torch::cuda::synchronize(); }
+  void wait() override { torch::cuda::synchronize(device_.index()); }
 
   void discard() override {
     if (buffers_.empty()) return;
@@ -181,6 +182,7 @@ class HostStash : public Stash {
   }
 
  private:
+  torch::Device device_;
   std::vector<torch::Tensor> buffers_;
   std::map<int64_t, size_t> index_;
 };
@@ -255,7 +257,7 @@ std::unique_ptr<Stash> make_stash(Tier tier, const torch::Device& device, const 
             "memory already): use the 'file' tier",
             device.str()));
       }
-      return std::make_unique<HostStash>(tier);
+      return std::make_unique<HostStash>(tier, device);
     case Tier::kCompute:
       break;
   }

