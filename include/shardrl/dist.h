@@ -38,7 +38,11 @@ struct InitOptions {
 class ProcessGroup;
 
 // A collective in flight. wait() completes it (running any local post-processing, such as the sum
-// of a reduce-scatter) and turns transport failures into CollectiveError.
+// of a reduce-scatter) and turns transport failures into CollectiveError. On Gloo wait() blocks
+// until the data is there, at most the group's timeout. On NCCL the collective runs on NCCL's own
+// stream and wait() orders the current stream after it without blocking the host, so compute
+// overlaps communication as in FSDP2; the blocking collectives (all_reduce, broadcast, barrier)
+// wait on the host, bounded by the timeout, so a hang still ends in a named CollectiveError.
 class Pending {
  public:
   Pending() = default;
@@ -51,6 +55,7 @@ class Pending {
   std::string op_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::function<void()> finish_;
+  bool host_waits_ = true;
 };
 
 enum class ReduceOp { kSum, kMax };
@@ -80,7 +85,10 @@ class ProcessGroup {
   void reduce_scatter(const torch::Tensor& input, torch::Tensor out) {
     reduce_scatter_async(input, out).wait();
   }
+  // In place; blocks until the result is there (at most the timeout).
   void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // In place; on NCCL, wait() only orders the current stream after it.
+  Pending all_reduce_async(torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   void broadcast(torch::Tensor& tensor, int root);
   void barrier();
 
@@ -100,7 +108,8 @@ class ProcessGroup {
  private:
   friend class Pending;
   Pending make_pending(std::string op, std::vector<c10::intrusive_ptr<c10d::Work>> works,
-                       std::function<void()> finish = nullptr);
+                       std::function<void()> finish = nullptr, bool host_needs_result = false);
+  Pending start_all_reduce(torch::Tensor& tensor, ReduceOp op, bool host_needs_result);
   c10::intrusive_ptr<c10d::Work> launch(const std::string& op,
                                         const std::function<c10::intrusive_ptr<c10d::Work>()>& f);
 

@@ -73,6 +73,34 @@ enum class ShardUse {
   kStep,    // params, grads and the optimizer state: an optimizer step
 };
 
+// One unit of a sharded model as layers above FSDP (offload) see it: its sharded storage, not its
+// schedule. Compares equal for the same unit.
+class ShardedUnit {
+ public:
+  explicit ShardedUnit(UnitState* state) : state_(state) {}
+  // This rank's fp32 shards of every param of the unit, back to back (undefined: no params).
+  torch::Tensor flat_shard() const;
+  // The params' shard leaves, views into flat_shard in order; their .grad() are the grad shards.
+  std::vector<torch::Tensor> shards() const;
+  bool operator==(const ShardedUnit& other) const { return state_ == other.state_; }
+
+ private:
+  UnitState* state_;
+};
+
+// Where a unit's sharded state lives while a layer above FSDP keeps it out of compute memory.
+// FSDP asks for it only where it reads or writes the shards; the offload layer implements it.
+class ShardResidency {
+ public:
+  virtual ~ShardResidency() = default;
+  // This rank's flat shard in compute memory as the all-gather input: the shard itself, or a
+  // temporary copy while the shard stays offloaded.
+  virtual torch::Tensor gather_input(const ShardedUnit& unit) = 0;
+  // Brings what `use` needs into compute memory; release() sends it back where it belongs.
+  virtual void acquire(const ShardedUnit& unit, ShardUse use) = 0;
+  virtual void release(const ShardedUnit& unit, ShardUse use) = 0;
+};
+
 // The factor clip_grad_norm_ scales grads by for this total norm (>= 1: no clipping).
 inline double clip_coefficient(double total_norm, double max_norm) {
   return max_norm / (total_norm + 1e-6);
@@ -99,7 +127,11 @@ class FSDPModule {
   void for_each_resident(ShardUse use,
                          const std::function<void(std::vector<ShardedParameter>&)>& fn);
   // The units this handle covers (root first), for layers that extend FSDP such as offload.
-  std::vector<UnitState*> units() const;
+  std::vector<ShardedUnit> units() const;
+  bool is_root() const;
+  // Hands every unit in scope to `residency` (null: all shards resident again).
+  void set_residency(const std::shared_ptr<ShardResidency>& residency) const;
+  ShardResidency* residency() const;
   void zero_grad();
   // Every parameter at full size, gathered one tensor at a time (fp32 masters).
   std::map<std::string, torch::Tensor> full_parameters() const;
@@ -128,10 +160,11 @@ class FSDPModule {
 namespace detail {
 std::shared_ptr<UnitState> shard_module(const std::shared_ptr<torch::nn::Module>& module,
                                         const dist::DeviceMesh& mesh, const Options& options);
-// Gathers params, casts and wraps the inputs; returns them in the same order.
-std::vector<torch::Tensor> before_forward(UnitState& unit, std::vector<torch::Tensor> inputs);
+// Gathers params, moves the inputs to the mesh's device, casts and wraps them; returns them in
+// the same order.
+std::vector<torch::Tensor> pre_forward(UnitState& unit, std::vector<torch::Tensor> inputs);
 // Wraps outputs so their backward re-gathers, reshards; returns them in the same order.
-std::vector<torch::Tensor> after_forward(UnitState& unit, std::vector<torch::Tensor> outputs);
+std::vector<torch::Tensor> post_forward(UnitState& unit, std::vector<torch::Tensor> outputs);
 
 template <class T>
 constexpr bool is_tensor_v = std::is_same_v<std::decay_t<T>, torch::Tensor>;
@@ -176,13 +209,13 @@ class Unit : public torch::nn::ModuleHolder<ModuleImpl> {
     std::tuple<std::decay_t<Args>...> values(std::forward<Args>(args)...);
     std::vector<torch::Tensor> inputs;
     detail::collect_tensors(inputs, values);
-    inputs = detail::before_forward(*state_, std::move(inputs));
+    inputs = detail::pre_forward(*state_, std::move(inputs));
     size_t next = 0;
     detail::replace_tensors(values, inputs, next);
     auto result = std::apply([this](auto&... a) { return this->get()->forward(a...); }, values);
     std::vector<torch::Tensor> outputs;
     detail::collect_tensors(outputs, result);
-    outputs = detail::after_forward(*state_, std::move(outputs));
+    outputs = detail::post_forward(*state_, std::move(outputs));
     next = 0;
     detail::replace_tensors(result, outputs, next);
     return result;

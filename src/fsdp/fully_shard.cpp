@@ -7,7 +7,6 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "compat.h"
 #include "fsdp/unit_state.h"
 
 namespace shardrl::fsdp {
@@ -150,46 +149,6 @@ torch::ScalarType parse_dtype(const std::string& name, const std::string& field)
   return it->second;
 }
 
-void UnitState::shard_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& named) {
-  const int world = mesh.shard_size();
-  const int rank = mesh.shard_group().rank();
-  int64_t total = 0;
-  for (const auto& [name, param] : named) {
-    ParamSlot slot;
-    slot.name = name;
-    slot.unsharded = param;
-    slot.shape = param.sizes().vec();
-    slot.rows = param.dim() == 0 ? 1 : param.size(0);
-    slot.row_numel = slot.rows == 0 ? 0 : param.numel() / slot.rows;
-    slot.chunk_rows = (slot.rows + world - 1) / world;
-    slot.offset = total;
-    slot.awaiting_load = has_no_values(param);
-    total += slot.shard_numel();
-    params.push_back(std::move(slot));
-  }
-  torch::NoGradGuard no_grad;
-  const auto device = mesh.device();
-  flat_shard = torch::zeros({total}, torch::dtype(torch::kFloat).device(device));
-  for (auto& slot : params) {
-    std::vector<int64_t> shape = slot.shape;
-    if (shape.empty()) shape = {1};
-    shape[0] = slot.chunk_rows;
-    torch::Tensor view = flat_shard.narrow(0, slot.offset, slot.shard_numel()).view(shape);
-    const int64_t valid = slot.valid_rows_on(rank);
-    if (valid > 0 && !slot.awaiting_load) {
-      torch::Tensor full = slot.unsharded.detach().reshape({slot.rows, slot.row_numel});
-      view.view({slot.chunk_rows, slot.row_numel})
-          .narrow(0, 0, valid)
-          .copy_(full.narrow(0, rank * slot.chunk_rows, valid));
-    }
-    slot.shard = view.detach().set_requires_grad(slot.unsharded.requires_grad());
-    // A fresh, exclusive storage in the compute dtype; freed right away, refilled by all-gathers.
-    slot.unsharded.set_data(
-        torch::empty(slot.shape, torch::dtype(options.mixed_precision.param_dtype).device(device)));
-    compat::free_storage(slot.unsharded);
-  }
-}
-
 EmptyInit::EmptyInit(bool enabled) : previous_(t_empty_init) {
   t_empty_init = previous_ || enabled;
 }
@@ -237,11 +196,17 @@ std::shared_ptr<UnitState> shard_module(const std::shared_ptr<torch::nn::Module>
   }
   auto unit = std::make_shared<UnitState>(module, mesh, options);
   unit->shard_parameters(mine);
+  // Buffers live where the unit computes (parameters get there through their shards).
+  torch::NoGradGuard no_grad;
+  for (auto& buffer : module->buffers(/*recurse=*/true)) {
+    if (buffer.defined() && buffer.device() != mesh.device())
+      buffer.set_data(buffer.to(mesh.device()));
+  }
   registry().add(module.get(), unit);
   return unit;
 }
 
-std::vector<torch::Tensor> before_forward(UnitState& unit, std::vector<torch::Tensor> inputs) {
+std::vector<torch::Tensor> pre_forward(UnitState& unit, std::vector<torch::Tensor> inputs) {
   if (unit.is_root && t_active_root == unit.root)
     t_active_root = nullptr;  // an earlier forward threw
   if (!t_active_root) {
@@ -256,14 +221,16 @@ std::vector<torch::Tensor> before_forward(UnitState& unit, std::vector<torch::Te
   TORCH_CHECK(
       unit.root == t_active_root,
       "FSDP unit called from a root it does not belong to (shard children before the root)");
-  unit.finish_gather();
+  unit.wait_for_unshard();
   if (!unit.is_root) unit.root->forward_order.push_back(&unit);
   unit.root->prefetch_after_in_forward(&unit);
 
   const auto param_dtype = unit.options.mixed_precision.param_dtype;
+  const auto device = unit.mesh.device();
   for (auto& t : inputs) {
-    if (t.defined() && t.is_floating_point() && t.scalar_type() != param_dtype)
-      t = t.to(param_dtype);
+    if (!t.defined()) continue;
+    if (t.device() != device) t = t.to(device, /*non_blocking=*/true);
+    if (t.is_floating_point() && t.scalar_type() != param_dtype) t = t.to(param_dtype);
   }
   if (torch::GradMode::is_enabled()) {
     inputs = wrap_requiring_grad(std::move(inputs), unit, apply_post_backward);
@@ -271,7 +238,7 @@ std::vector<torch::Tensor> before_forward(UnitState& unit, std::vector<torch::Te
   return inputs;
 }
 
-std::vector<torch::Tensor> after_forward(UnitState& unit, std::vector<torch::Tensor> outputs) {
+std::vector<torch::Tensor> post_forward(UnitState& unit, std::vector<torch::Tensor> outputs) {
   bool needs_backward = false;
   if (torch::GradMode::is_enabled()) {
     for (const auto& t : outputs) needs_backward |= t.defined() && t.requires_grad();
@@ -303,10 +270,10 @@ std::vector<ShardedParameter> FSDPModule::sharded_parameters() const {
   for (UnitState* unit : scoped_units(state_)) {
     for (const auto& slot : unit->params) {
       ShardedParameter p;
-      p.name = names.at(slot.unsharded.unsafeGetTensorImpl());
-      p.shard = slot.shard;
-      p.global_shape = slot.shape;
-      p.row_offset = std::min(slot.rows, rank * slot.chunk_rows);
+      p.name = names.at(slot.unsharded().unsafeGetTensorImpl());
+      p.shard = slot.shard();
+      p.global_shape = slot.shape();
+      p.row_offset = slot.row_offset_on(rank);
       p.valid_rows = slot.valid_rows_on(rank);
       out.push_back(std::move(p));
     }
@@ -319,7 +286,7 @@ std::vector<std::string> FSDPModule::awaiting_load() const {
   std::vector<std::string> out;
   for (UnitState* unit : scoped_units(state_)) {
     for (const auto& slot : unit->params) {
-      if (slot.awaiting_load) out.push_back(names.at(slot.unsharded.unsafeGetTensorImpl()));
+      if (slot.awaiting_load) out.push_back(names.at(slot.unsharded().unsafeGetTensorImpl()));
     }
   }
   return out;
@@ -330,7 +297,8 @@ void FSDPModule::mark_loaded(const std::vector<std::string>& loaded) {
   const auto names = qualified_names(*state_->module);
   for (UnitState* unit : scoped_units(state_)) {
     for (auto& slot : unit->params) {
-      if (wanted.count(names.at(slot.unsharded.unsafeGetTensorImpl()))) slot.awaiting_load = false;
+      if (wanted.count(names.at(slot.unsharded().unsafeGetTensorImpl())))
+        slot.awaiting_load = false;
     }
   }
 }
@@ -389,21 +357,46 @@ void FSDPModule::for_each_resident(ShardUse use,
                                          all.begin() + next + unit->params.size());
     next += unit->params.size();
     if (shards.empty()) continue;
-    if (unit->residency) unit->residency->acquire(*unit, use);
+    if (unit->residency) unit->residency->acquire(unit->view(), use);
     fn(shards);
-    if (unit->residency) unit->residency->release(*unit, use);
+    if (unit->residency) unit->residency->release(unit->view(), use);
   }
 }
 
-std::vector<UnitState*> FSDPModule::units() const {
-  return scoped_units(state_);
+std::vector<ShardedUnit> FSDPModule::units() const {
+  std::vector<ShardedUnit> out;
+  for (UnitState* unit : scoped_units(state_)) out.push_back(unit->view());
+  return out;
+}
+
+bool FSDPModule::is_root() const {
+  root_of(state_);
+  return state_->is_root;
+}
+
+void FSDPModule::set_residency(const std::shared_ptr<ShardResidency>& residency) const {
+  for (UnitState* unit : scoped_units(state_)) unit->residency = residency;
+}
+
+ShardResidency* FSDPModule::residency() const {
+  return state_->residency.get();
+}
+
+torch::Tensor ShardedUnit::flat_shard() const {
+  return state_->params.empty() ? torch::Tensor() : state_->flat_shard;
+}
+
+std::vector<torch::Tensor> ShardedUnit::shards() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& slot : state_->params) out.push_back(slot.shard());
+  return out;
 }
 
 void FSDPModule::zero_grad() {
   for (UnitState* unit : scoped_units(state_)) {
     for (auto& slot : unit->params) {
-      slot.shard.mutable_grad() = torch::Tensor();
-      slot.unsharded.mutable_grad() = torch::Tensor();
+      slot.shard().mutable_grad() = torch::Tensor();
+      slot.unsharded().mutable_grad() = torch::Tensor();
     }
   }
 }
@@ -415,17 +408,14 @@ std::map<std::string, torch::Tensor> FSDPModule::full_parameters() const {
   std::map<std::string, torch::Tensor> out;
   for (UnitState* unit : scoped_units(state_)) {
     // Offloaded shards come in one unit at a time; the gathered copies are new tensors.
-    if (unit->residency) unit->residency->acquire(*unit, ShardUse::kParams);
+    if (unit->residency) unit->residency->acquire(unit->view(), ShardUse::kParams);
     for (const auto& slot : unit->params) {
       torch::Tensor gathered =
-          torch::empty({group.size() * slot.shard_numel()}, slot.shard.options());
-      group.all_gather(slot.shard.detach().reshape(-1), gathered);
-      out[names.at(slot.unsharded.unsafeGetTensorImpl())] =
-          gathered.view({group.size() * slot.chunk_rows, slot.row_numel})
-              .narrow(0, 0, slot.rows)
-              .reshape(slot.shape);
+          torch::empty({group.size() * slot.shard_numel()}, slot.shard().options());
+      group.all_gather(slot.shard().detach().reshape(-1), gathered);
+      out[names.at(slot.unsharded().unsafeGetTensorImpl())] = slot.full_from_gathered(gathered);
     }
-    if (unit->residency) unit->residency->release(*unit, ShardUse::kParams);
+    if (unit->residency) unit->residency->release(unit->view(), ShardUse::kParams);
   }
   return out;
 }
@@ -438,9 +428,9 @@ MemoryStats FSDPModule::memory() const {
   for (UnitState* unit : scoped_units(state_)) {
     stats.sharded_param_bytes += bytes(unit->flat_shard);
     for (const auto& slot : unit->params) {
-      stats.sharded_grad_bytes += bytes(slot.shard.grad());
-      stats.unsharded_param_bytes += bytes(slot.unsharded);
-      stats.unsharded_grad_bytes += bytes(slot.unsharded.grad());
+      stats.sharded_grad_bytes += bytes(slot.shard().grad());
+      stats.unsharded_param_bytes += bytes(slot.unsharded());
+      stats.unsharded_grad_bytes += bytes(slot.unsharded().grad());
     }
   }
   return stats;
@@ -468,9 +458,9 @@ void FSDPModule::reshard() {
 void FSDPModule::unshard() {
   const auto units = scoped_units(state_);
   // Every gather is in flight before the first wait, so they overlap.
-  for (UnitState* unit : units) unit->start_gather();
+  for (UnitState* unit : units) unit->unshard();
   for (UnitState* unit : units) {
-    unit->finish_gather();
+    unit->wait_for_unshard();
     unit->held_unsharded = true;
   }
 }

@@ -14,15 +14,14 @@
 #include <set>
 #include <unordered_set>
 
-#include "fsdp/unit_state.h"
 #include "offload/stash.h"
 #include "shardrl/optim.h"
 
 namespace shardrl::offload {
 namespace {
 
+using fsdp::ShardedUnit;
 using fsdp::ShardUse;
-using fsdp::UnitState;
 
 enum Kind { kParams, kGrads, kOptimizer, kKinds };
 constexpr std::array<const char*, kKinds> kKindNames = {"params", "grads", "optimizer"};
@@ -46,7 +45,7 @@ std::vector<Kind> kinds_for(ShardUse use) {
 
 class Residency : public fsdp::ShardResidency {
  public:
-  Residency(std::vector<UnitState*> units, std::string dir)
+  Residency(std::vector<ShardedUnit> units, std::string dir)
       : units_(std::move(units)), dir_(std::move(dir)), records_(units_.size()) {}
 
   // The file tier's directory, fixed once state is in it.
@@ -73,17 +72,17 @@ class Residency : public fsdp::ShardResidency {
   Options options;
   torch::optim::Optimizer* optimizer = nullptr;
 
-  const std::vector<UnitState*>& units() const { return units_; }
+  const std::vector<ShardedUnit>& units() const { return units_; }
 
-  torch::Tensor gather_input(UnitState& unit) override {
+  torch::Tensor gather_input(const ShardedUnit& unit) override {
     auto& stash = record(unit).stash[kParams];
-    if (!stash) return unit.flat_shard;
-    torch::Tensor input = torch::empty_like(unit.flat_shard);
-    stash->copy_out(unit.flat_shard, input);
+    if (!stash) return unit.flat_shard();
+    torch::Tensor input = torch::empty_like(unit.flat_shard());
+    stash->copy_out(unit.flat_shard(), input);
     return input;
   }
 
-  void acquire(UnitState& unit, ShardUse use) override {
+  void acquire(const ShardedUnit& unit, ShardUse use) override {
     auto& rec = record(unit);
     for (Kind kind : kinds_for(use)) {
       rec.acquired_from[kind].reset();
@@ -93,7 +92,7 @@ class Residency : public fsdp::ShardResidency {
     }
   }
 
-  void release(UnitState& unit, ShardUse use) override {
+  void release(const ShardedUnit& unit, ShardUse use) override {
     auto& rec = record(unit);
     for (Kind kind : kinds_for(use)) {
       std::optional<Tier> home = rec.acquired_from[kind];
@@ -104,7 +103,7 @@ class Residency : public fsdp::ShardResidency {
   }
 
   // Moves one kind of one unit's state to `tier`; a no-op when it is all there already.
-  void move(UnitState& unit, Kind kind, Tier tier) {
+  void move(const ShardedUnit& unit, Kind kind, Tier tier) {
     auto& stash = record(unit).stash[kind];
     const auto current = tensors(unit, kind, optimizer);
     bool any_resident = false;
@@ -116,12 +115,12 @@ class Residency : public fsdp::ShardResidency {
     if (!any_resident && (!stash || stash->tier() == tier)) return;
     // Mixed (a new grad beside evicted ones) or another tier: one group again, all in `tier`.
     if (stash) restore(unit, kind);
-    auto fresh = make_stash(tier, unit.flat_shard.device(), path(unit, kind));
+    auto fresh = make_stash(tier, unit.flat_shard().device(), path(unit, kind));
     fresh->evict(current);
     stash = std::move(fresh);
   }
 
-  Bytes bytes(UnitState& unit, Kind kind, torch::optim::Optimizer* opt) {
+  Bytes bytes(const ShardedUnit& unit, Kind kind, torch::optim::Optimizer* opt) {
     Bytes out;
     std::unordered_set<const c10::StorageImpl*> seen;
     for (const auto& t : tensors(unit, kind, opt)) {
@@ -138,21 +137,21 @@ class Residency : public fsdp::ShardResidency {
     return kind == kOptimizer ? options.optimizer_offload : options.param_offload;
   }
 
-  UnitRecord& record(UnitState& unit) {
+  UnitRecord& record(const ShardedUnit& unit) {
     for (size_t i = 0; i < units_.size(); ++i) {
-      if (units_[i] == &unit) return records_[i];
+      if (units_[i] == unit) return records_[i];
     }
     throw std::logic_error("offload: a unit outside the model it was set up for");
   }
 
-  size_t index_of(UnitState& unit) const {
-    return static_cast<size_t>(std::find(units_.begin(), units_.end(), &unit) - units_.begin());
+  size_t index_of(const ShardedUnit& unit) const {
+    return static_cast<size_t>(std::find(units_.begin(), units_.end(), unit) - units_.begin());
   }
 
   // The file stashes' files stay after an onload, to be overwritten by the next offload. Named
   // by process and model, so that models sharing a directory (an actor and its reference, or two
   // jobs given the same offload_dir) never write into each other's files.
-  std::string path(UnitState& unit, Kind kind) {
+  std::string path(const ShardedUnit& unit, Kind kind) {
     std::filesystem::create_directories(dir_);
     auto file = fmt::format("{}/p{}_model{}_unit{}_{}.bin", dir_, ::getpid(), model_id_,
                             index_of(unit), kKindNames[kind]);
@@ -169,20 +168,20 @@ class Residency : public fsdp::ShardResidency {
 
   // The tensors holding this kind of state now. Grads and optimizer state can be replaced while
   // offloaded (zero_grad, a checkpoint load): evicted tensors no longer among these are dropped.
-  static std::vector<torch::Tensor> tensors(UnitState& unit, Kind kind,
+  static std::vector<torch::Tensor> tensors(const ShardedUnit& unit, Kind kind,
                                             torch::optim::Optimizer* opt) {
     std::vector<torch::Tensor> out;
     if (kind == kParams) {
-      if (!unit.params.empty()) out.push_back(unit.flat_shard);
+      if (unit.flat_shard().defined()) out.push_back(unit.flat_shard());
     } else if (kind == kGrads) {
-      for (const auto& slot : unit.params) {
-        if (slot.shard.grad().defined()) out.push_back(slot.shard.grad());
+      for (const auto& shard : unit.shards()) {
+        if (shard.grad().defined()) out.push_back(shard.grad());
       }
     } else if (opt) {
       // Every sub-optimizer, whatever the top-level state shows (verl's grouped-optimizer bug).
       for (auto* leaf : optim::leaf_optimizers(*opt)) {
-        for (const auto& slot : unit.params) {
-          if (auto* state = optim::find_state(*leaf, slot.shard)) {
+        for (const auto& shard : unit.shards()) {
+          if (auto* state = optim::find_state(*leaf, shard)) {
             for (auto& t : optim::state_tensors(*state)) out.push_back(std::move(t));
           }
         }
@@ -191,7 +190,7 @@ class Residency : public fsdp::ShardResidency {
     return out;
   }
 
-  static std::function<bool(const torch::Tensor&)> current_in(UnitState& unit, Kind kind,
+  static std::function<bool(const torch::Tensor&)> current_in(const ShardedUnit& unit, Kind kind,
                                                               torch::optim::Optimizer* opt) {
     auto storages = std::make_shared<std::unordered_set<const c10::StorageImpl*>>();
     for (const auto& t : tensors(unit, kind, opt)) {
@@ -202,13 +201,13 @@ class Residency : public fsdp::ShardResidency {
     };
   }
 
-  void restore(UnitState& unit, Kind kind) {
+  void restore(const ShardedUnit& unit, Kind kind) {
     auto& stash = record(unit).stash[kind];
     stash->restore(current_in(unit, kind, optimizer));
     stash.reset();
   }
 
-  std::vector<UnitState*> units_;
+  std::vector<ShardedUnit> units_;
   std::string dir_;
   std::vector<UnitRecord> records_;
   std::set<std::string> scratch_files_;
@@ -231,13 +230,12 @@ std::string rank_dir(const std::string& dir, int rank) {
 
 // The model's offload state, created on first use; units share one.
 Residency& residency_of(const fsdp::FSDPModule& model) {
-  auto units = model.units();
-  TORCH_CHECK(!units.empty() && units.front()->is_root,
+  TORCH_CHECK(model.is_root(),
               "offload: pass the root module (the one fully_shard() was applied to last)");
-  if (auto* existing = dynamic_cast<Residency*>(units.front()->residency.get())) return *existing;
-  const int rank = units.front()->mesh.data_parallel_rank();
-  auto created = std::make_shared<Residency>(units, rank_dir("", rank));
-  for (auto* unit : units) unit->residency = created;
+  if (auto* existing = dynamic_cast<Residency*>(model.residency())) return *existing;
+  const int rank = model.mesh().data_parallel_rank();
+  auto created = std::make_shared<Residency>(model.units(), rank_dir("", rank));
+  model.set_residency(created);
   return *created;
 }
 
@@ -296,10 +294,10 @@ void to(Tier tier, fsdp::FSDPModule& model, torch::optim::Optimizer* optimizer, 
   Residency& residency = residency_of(model);
   if (optimizer) residency.optimizer = optimizer;
   torch::NoGradGuard no_grad;
-  for (UnitState* unit : residency.units()) {
-    if (what.model) residency.move(*unit, kParams, tier);
-    if (what.grad) residency.move(*unit, kGrads, tier);
-    if (what.optimizer && optimizer) residency.move(*unit, kOptimizer, tier);
+  for (const ShardedUnit& unit : residency.units()) {
+    if (what.model) residency.move(unit, kParams, tier);
+    if (what.grad) residency.move(unit, kGrads, tier);
+    if (what.optimizer && optimizer) residency.move(unit, kOptimizer, tier);
   }
   if (tier != Tier::kCompute) release_free_memory();
   if (spdlog::should_log(spdlog::level::debug)) {
@@ -324,10 +322,10 @@ MemoryReport memory(const fsdp::FSDPModule& model, const torch::optim::Optimizer
     total.resident += more.resident;
     total.offloaded += more.offloaded;
   };
-  for (UnitState* unit : residency.units()) {
-    add(report.params, residency.bytes(*unit, kParams, opt));
-    add(report.grads, residency.bytes(*unit, kGrads, opt));
-    add(report.optimizer, residency.bytes(*unit, kOptimizer, opt));
+  for (const ShardedUnit& unit : residency.units()) {
+    add(report.params, residency.bytes(unit, kParams, opt));
+    add(report.grads, residency.bytes(unit, kGrads, opt));
+    add(report.optimizer, residency.bytes(unit, kOptimizer, opt));
   }
   const auto stats = model.memory();
   report.unsharded = stats.unsharded_param_bytes + stats.unsharded_grad_bytes;

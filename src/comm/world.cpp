@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <optional>
 
-#include "dist/process_group_impl.h"
+#include "comm/process_group_impl.h"
 
 namespace shardrl::dist {
 namespace {

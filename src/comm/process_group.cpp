@@ -1,4 +1,4 @@
-#include "dist/process_group_impl.h"
+#include "comm/process_group_impl.h"
 
 #include <fmt/format.h>
 
@@ -40,12 +40,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::launch(
 
 Pending ProcessGroup::make_pending(std::string op,
                                    std::vector<c10::intrusive_ptr<c10d::Work>> works,
-                                   std::function<void()> finish) {
+                                   std::function<void()> finish, bool host_needs_result) {
   Pending p;
   p.group_ = this;
   p.op_ = std::move(op);
   p.works_ = std::move(works);
   p.finish_ = std::move(finish);
+  p.host_waits_ = !impl_->is_nccl || host_needs_result;
   return p;
 }
 
@@ -56,7 +57,11 @@ void Pending::wait() {
   const auto start = std::chrono::steady_clock::now();
   for (auto& work : works_) {
     try {
-      work->wait(group->timeout());
+      if (host_waits_) {
+        work->wait(group->timeout());
+      } else {
+        work->wait();  // NCCL: the current stream waits for NCCL's, the host goes on
+      }
     } catch (const std::exception& e) {
       group->raise_failure(op_, e.what());
     }
@@ -68,15 +73,15 @@ void Pending::wait() {
 }
 
 Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor out) {
-  const int world = size();
+  const int group_size = size();
   const int64_t n = shard.numel();
-  TORCH_CHECK(out.is_contiguous() && out.numel() == n * world,
+  TORCH_CHECK(out.is_contiguous() && out.numel() == n * group_size,
               "all_gather: output must be contiguous with world_size * shard numel elements");
   TORCH_CHECK(out.scalar_type() == shard.scalar_type(), "all_gather: dtype mismatch");
   torch::Tensor flat_out = out.view(-1);
   torch::Tensor flat_in = shard.reshape(-1);
-  bytes_sent_ += static_cast<uint64_t>(world - 1) * nbytes(shard);
-  if (world == 1) {
+  bytes_sent_ += static_cast<uint64_t>(group_size - 1) * nbytes(shard);
+  if (group_size == 1) {
     if (flat_out.data_ptr() != flat_in.data_ptr()) flat_out.copy_(flat_in);
     return make_pending("all_gather", {});
   }
@@ -91,8 +96,8 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
   // output were measured faster here and send the same (W-1)/W of the bytes.
   torch::Tensor mine = flat_out.narrow(0, rank() * n, n);
   if (mine.data_ptr() != flat_in.data_ptr()) mine.copy_(flat_in);
-  auto views = std::make_shared<std::vector<std::vector<at::Tensor>>>(world);
-  for (int r = 0; r < world; ++r) {
+  auto views = std::make_shared<std::vector<std::vector<at::Tensor>>>(group_size);
+  for (int r = 0; r < group_size; ++r) {
     (*views)[r] = {flat_out.narrow(0, r * n, n)};
     c10d::BroadcastOptions opts;
     opts.rootRank = r;
@@ -104,12 +109,12 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
 }
 
 Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Tensor out) {
-  const int world = size();
+  const int group_size = size();
   const int64_t n = out.numel();
-  TORCH_CHECK(input.is_contiguous() && input.numel() == n * world,
+  TORCH_CHECK(input.is_contiguous() && input.numel() == n * group_size,
               "reduce_scatter: input must be contiguous with world_size * output numel elements");
-  bytes_sent_ += static_cast<uint64_t>(world - 1) * n * input.element_size();
-  if (world == 1) {
+  bytes_sent_ += static_cast<uint64_t>(group_size - 1) * n * input.element_size();
+  if (group_size == 1) {
     out.view(-1).copy_(input.view(-1));
     return make_pending("reduce_scatter", {});
   }
@@ -133,8 +138,8 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
     return impl_->backend->alltoall_base(recv, send, equal_splits, equal_splits, opts);
   }));
   return make_pending(
-      "reduce_scatter", std::move(works), [received, out, send, world, n]() mutable {
-        torch::Tensor rows = received.view({world, n});
+      "reduce_scatter", std::move(works), [received, out, send, group_size, n]() mutable {
+        torch::Tensor rows = received.view({group_size, n});
         if (rows.scalar_type() == torch::kFloat || rows.scalar_type() == torch::kDouble) {
           if (out.scalar_type() == rows.scalar_type() && out.is_contiguous()) {
             torch::Tensor flat = out.view(-1);
@@ -149,15 +154,23 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
       });
 }
 
-void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
-  if (size() == 1) return;
+Pending ProcessGroup::start_all_reduce(torch::Tensor& tensor, ReduceOp op, bool host_needs_result) {
+  if (size() == 1) return make_pending("all_reduce", {});
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
   opts.timeout = timeout();
   bytes_sent_ += 2 * nbytes(tensors[0]) * (size() - 1) / size();
   auto work = launch("all_reduce", [&] { return impl_->backend->allreduce(tensors, opts); });
-  make_pending("all_reduce", {work}).wait();
+  return make_pending("all_reduce", {work}, nullptr, host_needs_result);
+}
+
+void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
+  start_all_reduce(tensor, op, /*host_needs_result=*/true).wait();
+}
+
+Pending ProcessGroup::all_reduce_async(torch::Tensor& tensor, ReduceOp op) {
+  return start_all_reduce(tensor, op, /*host_needs_result=*/false);
 }
 
 void ProcessGroup::broadcast(torch::Tensor& tensor, int root) {
@@ -168,7 +181,7 @@ void ProcessGroup::broadcast(torch::Tensor& tensor, int root) {
   opts.timeout = timeout();
   if (rank() == root) bytes_sent_ += nbytes(tensor) * (size() - 1);
   auto work = launch("broadcast", [&] { return impl_->backend->broadcast(tensors, opts); });
-  make_pending("broadcast", {work}).wait();
+  make_pending("broadcast", {work}, nullptr, /*host_needs_result=*/true).wait();
 }
 
 void ProcessGroup::barrier() {
@@ -176,7 +189,7 @@ void ProcessGroup::barrier() {
   c10d::BarrierOptions opts;
   opts.timeout = timeout();
   auto work = launch("barrier", [&] { return impl_->backend->barrier(opts); });
-  make_pending("barrier", {work}).wait();
+  make_pending("barrier", {work}, nullptr, /*host_needs_result=*/true).wait();
 }
 
 void ProcessGroup::raise_failure(const std::string& op, const std::string& cause) {

@@ -1,0 +1,59 @@
+#include "fsdp/collectives.h"
+
+namespace shardrl::fsdp {
+
+torch::Tensor all_gather_input(const torch::Tensor& flat_shard, torch::ScalarType param_dtype) {
+  return flat_shard.scalar_type() == param_dtype ? flat_shard : flat_shard.to(param_dtype);
+}
+
+void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& output,
+                         int group_size) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor by_rank = output.view({group_size, -1});
+  for (auto& slot : params) slot.copy_out(by_rank);
+}
+
+ReduceScatterPack reduce_scatter_copy_in(const std::vector<ParamSlot*>& trainable, int group_size,
+                                         torch::ScalarType reduce_dtype) {
+  ReduceScatterPack pack;
+  pack.params = trainable;
+  int64_t width = 0;
+  for (const ParamSlot* slot : trainable) {
+    pack.columns.push_back(width);
+    width += slot->shard_numel();
+  }
+  pack.flags_at = width;
+  width += static_cast<int64_t>(trainable.size());
+
+  torch::NoGradGuard no_grad;
+  const auto device = trainable.front()->shard().device();
+  pack.input = torch::zeros({group_size, width}, torch::dtype(reduce_dtype).device(device));
+  for (size_t k = 0; k < trainable.size(); ++k) {
+    if (!trainable[k]->copy_in_grad(pack.input, pack.columns[k])) continue;
+    pack.input.select(1, pack.flags_at + static_cast<int64_t>(k)).fill_(1);
+    trainable[k]->unsharded().mutable_grad() = torch::Tensor();
+  }
+  pack.output = torch::empty({width}, pack.input.options());
+  return pack;
+}
+
+CreatedGrads reduce_scatter_copy_out(const ReduceScatterPack& pack, const torch::Tensor& summed) {
+  torch::NoGradGuard no_grad;
+  CreatedGrads out;
+  out.flags = summed.narrow(0, pack.flags_at, static_cast<int64_t>(pack.params.size())).clone();
+  for (size_t k = 0; k < pack.params.size(); ++k) {
+    const ParamSlot& slot = *pack.params[k];
+    torch::Tensor grad =
+        summed.narrow(0, pack.columns[k], slot.shard_numel()).view(slot.shard().sizes());
+    // A param no rank used adds zeros (exact) to an existing grad shard.
+    if (slot.shard().grad().defined()) {
+      slot.shard().mutable_grad().add_(grad);
+    } else {
+      slot.shard().mutable_grad() = grad.clone();
+      out.created.emplace_back(pack.params[k], static_cast<int64_t>(k));
+    }
+  }
+  return out;
+}
+
+}  // namespace shardrl::fsdp

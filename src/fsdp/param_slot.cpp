@@ -1,0 +1,81 @@
+#include "fsdp/param_slot.h"
+
+#include "compat.h"
+#include "shardrl/fsdp.h"
+
+namespace shardrl::fsdp {
+
+ParamSlot::ParamSlot(std::string name, torch::Tensor param, int shard_group_size)
+    : name_(std::move(name)),
+      unsharded_(std::move(param)),
+      shape_(unsharded_.sizes().vec()),
+      rows_(unsharded_.dim() == 0 ? 1 : unsharded_.size(0)),
+      group_size_(shard_group_size) {
+  row_numel_ = rows_ == 0 ? 0 : unsharded_.numel() / rows_;
+  chunk_rows_ = (rows_ + group_size_ - 1) / group_size_;
+  awaiting_load = has_no_values(unsharded_);
+}
+
+int64_t ParamSlot::valid_rows_on(int rank) const {
+  return std::max<int64_t>(0, std::min(chunk_rows_, rows_ - rank * chunk_rows_));
+}
+
+int64_t ParamSlot::row_offset_on(int rank) const {
+  return std::min(rows_, rank * chunk_rows_);
+}
+
+void ParamSlot::shard_into(const torch::Tensor& flat_shard, int64_t offset, int rank,
+                           torch::ScalarType param_dtype) {
+  torch::NoGradGuard no_grad;
+  offset_ = offset;
+  std::vector<int64_t> shard_shape = shape_.empty() ? std::vector<int64_t>{1} : shape_;
+  shard_shape[0] = chunk_rows_;
+  torch::Tensor view = flat_shard.narrow(0, offset_, shard_numel()).view(shard_shape);
+  const int64_t valid = valid_rows_on(rank);
+  if (valid > 0 && !awaiting_load) {
+    view.view({chunk_rows_, row_numel_})
+        .narrow(0, 0, valid)
+        .copy_(
+            unsharded_.detach().reshape({rows_, row_numel_}).narrow(0, row_offset_on(rank), valid));
+  }
+  shard_ = view.detach().set_requires_grad(unsharded_.requires_grad());
+  // A fresh, exclusive storage in the compute dtype on the shard's device; freed right away,
+  // refilled by all-gathers.
+  unsharded_.set_data(torch::empty(shape_, torch::dtype(param_dtype).device(flat_shard.device())));
+  compat::free_storage(unsharded_);
+}
+
+void ParamSlot::copy_out(const torch::Tensor& gathered_by_rank) {
+  compat::alloc_storage(unsharded_);
+  // variable_data() does not share the version counter: refilling the storage must not look
+  // like an in-place edit to the views autograd saved in forward.
+  torch::Tensor dst = unsharded_.variable_data().view({rows_, row_numel_});
+  for (int r = 0; r < group_size_; ++r) {
+    const int64_t valid = valid_rows_on(r);
+    if (valid == 0) continue;
+    dst.narrow(0, row_offset_on(r), valid)
+        .copy_(
+            gathered_by_rank[r].narrow(0, offset_, valid * row_numel_).view({valid, row_numel_}));
+  }
+}
+
+bool ParamSlot::copy_in_grad(const torch::Tensor& send_by_rank, int64_t column) const {
+  const torch::Tensor& grad = unsharded_.grad();
+  if (!grad.defined()) return false;
+  torch::Tensor grad_rows = grad.reshape({rows_, row_numel_});
+  for (int r = 0; r < group_size_; ++r) {
+    const int64_t valid = valid_rows_on(r);
+    if (valid == 0) continue;
+    send_by_rank[r]
+        .narrow(0, column, valid * row_numel_)
+        .view({valid, row_numel_})
+        .copy_(grad_rows.narrow(0, row_offset_on(r), valid));
+  }
+  return true;
+}
+
+torch::Tensor ParamSlot::full_from_gathered(const torch::Tensor& gathered) const {
+  return gathered.view({group_size_ * chunk_rows_, row_numel_}).narrow(0, 0, rows_).reshape(shape_);
+}
+
+}  // namespace shardrl::fsdp
