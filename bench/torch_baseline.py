@@ -1,18 +1,22 @@
-#!/usr/bin/python3
-"""PyTorch DDP baseline for bench_fsdp: the same transformer, optimizer and step in Python.
+#!/usr/bin/env python3
+"""PyTorch baselines for bench_fsdp: the same transformer, optimizer and step in Python.
 
-Run it with Debian's torch (1.13, CPU) under the same launcher as the C++ ranks, so both get the
-same rendezvous and thread limits:
+  --mode fsdp2   PyTorch FSDP2 (fully_shard on each block, then the root; MixedPrecisionPolicy
+                 with --param-dtype and fp32 reduce), the yardstick ShardRL's FSDP is measured by
+  --mode ddp     DistributedDataParallel (replicated state, one all-reduce of the grads)
+  --mode local   one process, no process group
 
-    build/bin/shardrl launch -n 2 --threads 1 -- /usr/bin/python3 bench/ddp_baseline.py --batch 8
+Run it with the venv's torch (scripts/install-deps.sh) under the same launcher as the C++ ranks,
+so both get the same rendezvous and thread limits:
 
-Without RANK/WORLD_SIZE in the environment it runs as a single process with no process group.
+    build/bin/shardrl launch -n 2 --threads 1 -- ~/.cache/shardrl/venv/bin/python \
+        bench/torch_baseline.py --mode fsdp2 --batch 8
 """
 import argparse
 import json
-import math
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -20,63 +24,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+from transformer_twin import Transformer  # noqa: E402
+
 MAX_NORM = 1.0
 MODEL_SEED, DATA_SEED = 1234, 4321
-
-
-# Mirrors src/models/transformer.cpp module for module, so parameter names, shapes and the
-# computation (manual causal attention, exact GELU) are the same as the C++ model's.
-class Block(nn.Module):
-    def __init__(self, d_model, n_heads, mlp_ratio):
-        super().__init__()
-        assert d_model % n_heads == 0, "d_model must be divisible by n_heads"
-        self.n_heads = n_heads
-        self.ln1 = nn.LayerNorm(d_model)
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model, bias=False)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.fc1 = nn.Linear(d_model, mlp_ratio * d_model)
-        self.fc2 = nn.Linear(mlp_ratio * d_model, d_model)
-
-    def attention(self, x):
-        B, T, D = x.shape
-        hd = D // self.n_heads
-
-        def heads(t):
-            return t.view(B, T, self.n_heads, hd).transpose(1, 2)
-
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(hd)
-        future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, -1), v)
-        return self.proj(out.transpose(1, 2).reshape(B, T, D))
-
-    def forward(self, x):
-        x = x + self.attention(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class Transformer(nn.Module):
-    def __init__(self, vocab_size, max_seq_len, d_model, n_heads, n_layers, mlp_ratio=4):
-        super().__init__()
-        self.max_seq_len = max_seq_len
-        self.tok_emb = nn.Embedding(vocab_size, d_model)
-        self.pos_emb = nn.Embedding(max_seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio) for _ in range(n_layers))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab_size, bias=False)
-
-    def forward(self, tokens):
-        T = tokens.shape[1]
-        assert T <= self.max_seq_len, f"sequence length {T} exceeds max_seq_len {self.max_seq_len}"
-        positions = torch.arange(T, dtype=torch.long, device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 def next_token_loss(logits, tokens):
@@ -122,13 +74,16 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: keep)")
     ap.add_argument("--json-out", default="")
+    ap.add_argument("--mode", choices=("fsdp2", "ddp", "local"), default="ddp")
+    ap.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="fsdp2: MixedPrecisionPolicy.param_dtype (reduce stays fp32)")
     ap.add_argument("--autocast-bf16", action="store_true",
                     help="torch.autocast('cpu', bfloat16) around forward: PyTorch's bf16 mixed precision")
     args = ap.parse_args()
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    distributed = args.mode != "local" and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if distributed:
         # Gloo would otherwise pick the interface the hostname resolves to; the C++ ranks use
         # loopback for a loopback master, and the lo byte count below relies on that.
@@ -145,8 +100,17 @@ def main():
     torch.manual_seed(MODEL_SEED)
     model = Transformer(args.vocab, args.seq, args.d_model, args.heads, args.layers)
     P = sum(p.numel() for p in model.parameters())
+    if args.mode == "fsdp2" and distributed:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
+        for block in model.blocks:
+            fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=dtype,
+                                                              reduce_dtype=torch.float32))
+        # fp32 logits from the root, as bench_fsdp's output_dtype.
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                                          output_dtype=torch.float32))
     optimizer = make_adamw(model)
-    if distributed:
+    if args.mode == "ddp" and distributed:
         model = nn.parallel.DistributedDataParallel(model)
     gen = torch.Generator().manual_seed(DATA_SEED)
     tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=gen)
@@ -184,11 +148,20 @@ def main():
     med = statistics.median(times) if times else 0.0
     per = world * max(args.steps, 1)
     lo_per = lo_bytes / per if distributed else 0.0
-    # Ring all-reduce of every fp32 gradient: 2 (N-1)/N of the bytes leave each rank.
-    theory = 2.0 * P * 4 * (world - 1) / world
+    if args.mode == "fsdp2":
+        # All-gather in forward (the root's params once: FSDP2 keeps the root unsharded until
+        # backward), again in backward, one reduce-scatter: (N-1)/N of each leaves a rank.
+        root = P - sum(p.numel() for p in model.blocks.parameters())
+        wire = 2 if args.param_dtype == "bf16" else 4
+        theory = ((root + 2.0 * (P - root)) * wire + P * 4.0) * (world - 1) / world
+    else:
+        # Ring all-reduce of every fp32 gradient: 2 (N-1)/N of the bytes leave each rank.
+        theory = 2.0 * P * 4 * (world - 1) / world
     result = {
-        "benchmark": "ddp_baseline",
-        "mode": "ddp" if distributed else "local",
+        "benchmark": "torch_baseline",
+        "impl": f"pytorch-{args.mode}",
+        "mode": args.mode if distributed else "local",
+        "param_dtype": args.param_dtype,
         "world_size": world,
         "environment": {
             "threads": torch.get_num_threads(),
@@ -212,7 +185,7 @@ def main():
         "max_step_s": max(times, default=0.0),
         "tokens_per_s": args.batch * args.seq / med if med > 0 else 0.0,
         "comm": {
-            "theoretical_allreduce_bytes": theory,
+            "theoretical_bytes": theory,
             "loopback_tx_bytes_per_rank_per_step": lo_per,
             "ratio_loopback_to_theoretical": lo_per / theory if theory > 0 else None,
         },
@@ -221,9 +194,9 @@ def main():
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2, sort_keys=True)
             f.write("\n")
-    print(f"ddp   N={world} threads={torch.get_num_threads()} B={args.batch}  median step "
+    print(f"{args.mode:<5} N={world} threads={torch.get_num_threads()} B={args.batch}  median step "
           f"{med:.4f} s  {result['tokens_per_s']:.0f} tok/s  lo {lo_per / 1e6:.3f} MB"
-          f" (x{(lo_per / theory) if theory else 0:.4f} of 2P all-reduce)", flush=True)
+          f" (x{(lo_per / theory) if theory else 0:.4f} of the schedule)", flush=True)
     # Rank 0 hosts the store: the others must not find it gone while they finish.
     barrier()
 
