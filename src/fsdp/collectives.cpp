@@ -14,7 +14,7 @@ void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& ou
 }
 
 ReduceScatterPack reduce_scatter_copy_in(const std::vector<ParamSlot*>& trainable, int group_size,
-                                         torch::ScalarType reduce_dtype) {
+                                         torch::ScalarType reduce_dtype, double scale) {
   ReduceScatterPack pack;
   pack.params = trainable;
   int64_t width = 0;
@@ -27,10 +27,11 @@ ReduceScatterPack reduce_scatter_copy_in(const std::vector<ParamSlot*>& trainabl
 
   torch::NoGradGuard no_grad;
   const auto device = trainable.front()->shard().device();
-  pack.input = torch::zeros({group_size, width}, torch::dtype(reduce_dtype).device(device));
+  // Every element is written below: no zero-fill of the whole buffer first.
+  pack.input = torch::empty({group_size, width}, torch::dtype(reduce_dtype).device(device));
   for (size_t k = 0; k < trainable.size(); ++k) {
-    if (!trainable[k]->copy_in_grad(pack.input, pack.columns[k])) continue;
-    pack.input.select(1, pack.flags_at + static_cast<int64_t>(k)).fill_(1);
+    const bool had_grad = trainable[k]->copy_in_grad(pack.input, pack.columns[k], scale);
+    pack.input.select(1, pack.flags_at + static_cast<int64_t>(k)).fill_(had_grad ? 1 : 0);
     trainable[k]->unsharded().mutable_grad() = torch::Tensor();
   }
   pack.output = torch::empty({width}, pack.input.options());

@@ -30,12 +30,14 @@ struct ReduceScatterPack {
   torch::Tensor output;  // [width] in reduce_dtype: this rank's sum after the collective
 };
 
-// Packs the unsharded grads of `trainable` and drops them (they live on in the pack).
+// Packs the unsharded grads of `trainable`, times `scale` (1 / data-parallel size: the sum that
+// comes back is the mean), and drops them (they live on in the pack).
 ReduceScatterPack reduce_scatter_copy_in(const std::vector<ParamSlot*>& trainable, int group_size,
-                                         torch::ScalarType reduce_dtype);
+                                         torch::ScalarType reduce_dtype, double scale);
 
-// Reduce-scatter copy-out: adds this rank's averaged sum (fp32, [width]) into the grad shards;
-// a grad shard that did not exist is created. Returns the "had a grad" flags, still on the
+// Reduce-scatter copy-out: adds this rank's reduced grads (fp32, [width]) into the grad shards;
+// a grad shard that did not exist is created (a copy: optimizers may detach_ a grad in place,
+// which a view forbids). Returns the "had a grad" flags, still on the
 // device, with the params whose grad shard this call created: a created grad whose flag reads
 // zero is dropped once per backward, so the host never waits on the device per unit.
 struct CreatedGrads {

@@ -315,9 +315,12 @@ double FSDPModule::grad_norm() {
   torch::NoGradGuard no_grad;
   torch::Tensor sum_sq =
       torch::zeros({1}, torch::dtype(torch::kDouble).device(state_->mesh.device()));
+  // Per-tensor norms in the grads' dtype (as clip_grad_norm_), squared and summed in fp64: no
+  // fp64 copy of every grad.
   for_each_resident(ShardUse::kGrads, [&](std::vector<ShardedParameter>& shards) {
     for (const auto& p : shards) {
-      if (p.shard.grad().defined()) sum_sq += p.shard.grad().to(torch::kDouble).pow(2).sum();
+      if (p.shard.grad().defined())
+        sum_sq += at::linalg_vector_norm(p.shard.grad(), 2).to(torch::kDouble).square();
     }
   });
   // Shards are disjoint across the shard group and identical across replicas.

@@ -59,19 +59,26 @@ void ParamSlot::copy_out(const torch::Tensor& gathered_by_rank) {
   }
 }
 
-bool ParamSlot::copy_in_grad(const torch::Tensor& send_by_rank, int64_t column) const {
+bool ParamSlot::copy_in_grad(const torch::Tensor& send_by_rank, int64_t column,
+                             double scale) const {
   const torch::Tensor& grad = unsharded_.grad();
-  if (!grad.defined()) return false;
-  torch::Tensor grad_rows = grad.reshape({rows_, row_numel_});
+  const torch::Tensor grad_rows = grad.defined() ? grad.reshape({rows_, row_numel_}) : grad;
   for (int r = 0; r < group_size_; ++r) {
-    const int64_t valid = valid_rows_on(r);
-    if (valid == 0) continue;
-    send_by_rank[r]
-        .narrow(0, column, valid * row_numel_)
-        .view({valid, row_numel_})
-        .copy_(grad_rows.narrow(0, row_offset_on(r), valid));
+    torch::Tensor chunk =
+        send_by_rank[r].narrow(0, column, shard_numel()).view({chunk_rows_, row_numel_});
+    const int64_t valid = grad.defined() ? valid_rows_on(r) : 0;
+    if (valid > 0) {
+      torch::Tensor dst = chunk.narrow(0, 0, valid);
+      torch::Tensor src = grad_rows.narrow(0, row_offset_on(r), valid);
+      if (dst.scalar_type() == src.scalar_type()) {
+        at::mul_out(dst, src, scale);  // the copy and the averaging factor in one pass
+      } else {
+        dst.copy_(src).mul_(scale);  // bf16 grads into an fp32 reduction, say
+      }
+    }
+    if (valid < chunk_rows_) chunk.narrow(0, valid, chunk_rows_ - valid).zero_();
   }
-  return true;
+  return grad.defined();
 }
 
 torch::Tensor ParamSlot::full_from_gathered(const torch::Tensor& gathered) const {

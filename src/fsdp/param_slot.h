@@ -32,9 +32,10 @@ class ParamSlot {
   // The unit's all-gather output viewed [group size, flat shard numel] -> the unsharded param
   // (its storage is reallocated; autograd's saved views of it come back to life).
   void copy_out(const torch::Tensor& gathered_by_rank);
-  // The unsharded grad -> this param's columns of the reduce-scatter input [group size, width]
-  // at `column`. False when the param has no grad this backward (the columns stay zero).
-  bool copy_in_grad(const torch::Tensor& send_by_rank, int64_t column) const;
+  // The unsharded grad, times `scale`, -> this param's columns of the reduce-scatter input
+  // [group size, width] at `column`, padding rows zeroed; without a grad this backward, zeros.
+  // Returns whether there was a grad.
+  bool copy_in_grad(const torch::Tensor& send_by_rank, int64_t column, double scale) const;
   // An all-gather output of this param's shards alone ([group size * shard_numel]) -> the full
   // param.
   torch::Tensor full_from_gathered(const torch::Tensor& gathered) const;

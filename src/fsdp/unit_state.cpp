@@ -76,16 +76,15 @@ void UnitState::reduce_grads() {
   if (trainable.empty() || !root->requires_gradient_sync) return;
 
   auto pack = std::make_shared<ReduceScatterPack>(
-      reduce_scatter_copy_in(trainable, mesh.shard_size(), options.mixed_precision.reduce_dtype));
+      reduce_scatter_copy_in(trainable, mesh.shard_size(), options.mixed_precision.reduce_dtype,
+                             1.0 / mesh.data_parallel_size()));
   auto pending = mesh.shard_group().reduce_scatter_async(pack->input.view(-1), pack->output);
-  const int dp_size = mesh.data_parallel_size();
   dist::ProcessGroup* replicate = mesh.replicate_group();
-  root->enqueue_reduce(std::move(pending), [this, pack, dp_size, replicate] {
+  root->enqueue_reduce(std::move(pending), [this, pack, replicate] {
     torch::NoGradGuard guard;
     pack->input = torch::Tensor();
     torch::Tensor summed = pack->output.to(torch::kFloat);
     if (replicate) replicate->all_reduce_async(summed).wait();
-    summed.div_(dp_size);
     // Offloaded grad shards come in to take the sum and go back after it.
     if (residency) residency->acquire(view(), ShardUse::kGrads);
     auto created = reduce_scatter_copy_out(*pack, summed);
