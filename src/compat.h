@@ -51,10 +51,12 @@ inline c10::intrusive_ptr<Backend> make_nccl(const c10::intrusive_ptr<c10d::Stor
                                              int size, std::chrono::milliseconds timeout,
                                              const at::Device& device) {
   auto options = c10d::ProcessGroupNCCL::Options::create();
-  // The watchdog's bound on every collective. The host waits with the same timeout where it
-  // needs a result (ProcessGroup's blocking collectives), so a hang ends in the same
-  // CollectiveError naming the rank as on Gloo.
-  options->timeout = timeout;
+  // The host waits with `timeout` where it needs a result (ProcessGroup's blocking collectives,
+  // at least one per optimizer step), so a hang ends in the same CollectiveError naming the rank
+  // as on Gloo. NCCL's watchdog, which tears the process down without that diagnosis, is only
+  // the backstop: its clock starts at the hung collective, earlier than the host's wait, so it
+  // gets twice the timeout plus a minute.
+  options->timeout = 2 * timeout + std::chrono::minutes(1);
   auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
   // Bound to this rank's GPU: the communicator is created eagerly there, not guessed later.
   backend->setBoundDeviceId(device);
