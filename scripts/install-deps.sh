@@ -6,7 +6,7 @@
 #     (scripts/requirements.txt).
 # Idempotent: only what is missing is installed, so `make` calls it every time. The venv lives
 # outside the checkout (SHARDRL_VENV, default ~/.cache/shardrl/venv) so later clones and CI reuse
-# its 4.6 GB instead of downloading it again; it is rebuilt when requirements.txt changes.
+# its ~5.5 GB instead of downloading it again; it is rebuilt when requirements.txt changes.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +18,7 @@ packages=(
   googletest libgtest-dev libbenchmark-dev
   zlib1g-dev libisal-dev libpng-dev
   dataset-fashion-mnist
+  bible-kjv fortunes fortunes-min
 )
 
 missing=()
@@ -46,14 +47,16 @@ fi
 
 venv="${SHARDRL_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/shardrl/venv}"
 requirements="$repo_root/scripts/requirements.txt"
+nodeps="$repo_root/scripts/requirements-nodeps.txt"
 stamp="$venv/.shardrl-requirements"
-if [ ! -x "$venv/bin/python" ] || ! cmp -s "$requirements" "$stamp"; then
-  echo "install-deps: installing the Python environment into $venv (torch 2.11, ~4.6 GB, ~2 min)"
+if [ ! -x "$venv/bin/python" ] || ! cat "$requirements" "$nodeps" | cmp -s - "$stamp"; then
+  echo "install-deps: installing the Python environment into $venv (torch 2.11, ~5.5 GB, ~2 min)"
   # The system python: a pyenv shim or a conda python in PATH would tie the venv to a shell setup.
   python=/usr/bin/python3
   [ -x "$python" ] || python=python3
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -r "$requirements"
-  cp "$requirements" "$stamp"
+  "$venv/bin/python" -m pip install -q --no-deps -r "$nodeps"
+  cat "$requirements" "$nodeps" >"$stamp"
 fi
