@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -203,17 +204,62 @@ void for_each_full_tensor(
     const std::string& dir, const std::vector<std::string>& names,
     const std::function<void(const std::string& name, const torch::Tensor& tensor)>& callback);
 
+// The tensors of Hugging Face-style weights: a directory with model.safetensors.index.json (its
+// weight_map names each tensor's file) or with model.safetensors, or one .safetensors file. Files
+// are opened when first read. Errors name the file and the tensor.
+class HfWeights {
+ public:
+  explicit HfWeights(const std::string& path);
+  ~HfWeights();
+  HfWeights(const HfWeights&) = delete;
+  HfWeights& operator=(const HfWeights&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::vector<std::string> names() const;
+  bool contains(const std::string& name) const { return file_of_.count(name) > 0; }
+  // The file holding `name`, opened; an unknown name is an error naming `path()`.
+  const SafetensorsReader& reader(const std::string& name);
+
+ private:
+  std::string path_, dir_;
+  std::map<std::string, std::string> file_of_;  // tensor -> file name under dir_
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> open_;
+};
+
 // ---- export and weight sync --------------------------------------------------------------------
 
 struct ExportOptions {
   torch::ScalarType dtype = torch::kBFloat16;
   int64_t max_shard_bytes = int64_t{5} << 30;  // a tensor larger than this gets a file alone
   std::string prefix;                          // prepended to every tensor name
+  // The checkpoint tensors to write (all when unset), e.g. all but LoRA adapters.
+  std::function<bool(const std::string& name)> select;
+  // Applied to each full tensor (fp32 or its saved dtype) before the cast to `dtype`, e.g. to fold
+  // an adapter into its base weight.
+  std::function<torch::Tensor(const std::string& name, const torch::Tensor& full)> transform;
 };
 
+// One tensor of a Hugging Face model folder, as planned before any data is read.
+struct HfTensorPlan {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Writes a Hugging Face model folder: `model-0000k-of-0000n.safetensors` (a new file once one
+// would pass max_shard_bytes), `model.safetensors.index.json` and `config.json` (`config` with
+// `torch_dtype` set to `dtype`). `read(i)` gives tensor i of `tensors`, called once each in order;
+// each is cast to `dtype` and released before the next. Returns the files written.
+std::vector<std::string> write_hf(const std::string& out_dir,
+                                  const std::vector<HfTensorPlan>& tensors,
+                                  const std::function<torch::Tensor(size_t index)>& read,
+                                  nlohmann::json config, torch::ScalarType dtype,
+                                  int64_t max_shard_bytes = int64_t{5} << 30);
+
 // Writes Hugging Face-style `model-0000k-of-0000n.safetensors`, `model.safetensors.index.json`
-// and `config.json` (the checkpoint's extra["config"], or {} without one) from a sharded
-// checkpoint, reading one tensor at a time. Returns the files written.
+// and `config.json` from a sharded checkpoint, reading one tensor at a time. config.json is the
+// checkpoint's extra["config"] (which the trainer's checkpoints carry: Hugging Face's config for
+// llama / qwen2) with `torch_dtype` set to the exported dtype; a checkpoint without one is an
+// error, since nothing could load the export. Returns the files written.
 std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::string& out_dir,
                                    const ExportOptions& options = {});
 

@@ -85,6 +85,10 @@ struct Model {
   std::shared_ptr<torch::nn::Module> module;
   fsdp::FSDPModule fsdp;
   std::any root;  // the root fsdp::Unit<M> holder, for typed calls through Engine::model<Holder>()
+  // What `shardrl export` needs, saved in every checkpoint's extra JSON: {"family": ...,
+  // "config": the family's config.json (Hugging Face's for llama / qwen2), "lora": {adapter:
+  // PEFT adapter_config.json}} (no "lora" without adapters).
+  nlohmann::json export_info = nlohmann::json::object();
 };
 using ModelBuilder = std::function<Model(const nlohmann::json& model_config,
                                          const dist::DeviceMesh& mesh, const fsdp::Options&)>;
@@ -169,7 +173,9 @@ class Engine {
   void get_per_tensor_param(const TensorCallback& callback, const WeightSyncOptions& options);
 
   // Sharded checkpoint of model, optimizer, LR schedule and RNG, rotated per config.checkpoint.
-  // Offloaded state comes in for the call and goes back after it.
+  // Its extra JSON is the model's export_info with `extra`'s keys added (or replaced), so every
+  // checkpoint exports without the config that trained it. Offloaded state comes in for the call
+  // and goes back after it.
   std::string save_checkpoint(const std::string& root, int64_t step,
                               const nlohmann::json& extra = nlohmann::json::object());
   checkpoint::LoadResult load_checkpoint(const std::string& dir);

@@ -429,33 +429,13 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
 
 namespace {
 
-// The tensors of a Hugging Face-style directory (model.safetensors.index.json or one
-// model.safetensors) for the params of a model, opened and shape-checked by the reading rank.
+// The tensors of Hugging Face-style weights for the params of a model, shape-checked by the
+// reading rank.
 class HfTensors {
  public:
   HfTensors(const std::string& hf_dir, const std::string& prefix,
             const std::vector<fsdp::ShardedParameter>& params)
-      : source_(hf_dir), dir_(hf_dir), prefix_(prefix) {
-    const fs::path index_path = fs::path(hf_dir) / "model.safetensors.index.json";
-    if (fs::exists(index_path)) {
-      json index;
-      try {
-        index = json::parse(std::ifstream(index_path));
-        for (const auto& [name, file] : index.at("weight_map").items())
-          file_of_[name] = file.get<std::string>();
-      } catch (const json::exception& e) {
-        throw std::runtime_error(fmt::format("{} is damaged: {}", index_path.string(), e.what()));
-      }
-    } else {
-      // One file: the directory's model.safetensors, or the file hf_dir names.
-      const fs::path file =
-          fs::is_regular_file(hf_dir) ? fs::path(hf_dir) : fs::path(hf_dir) / "model.safetensors";
-      dir_ = file.parent_path().string();
-      const std::string single = file.filename().string();
-      auto reader = std::make_unique<SafetensorsReader>(file.string());
-      for (const auto& name : reader->names()) file_of_[name] = single;
-      files_.emplace(single, std::move(reader));
-    }
+      : weights_(hf_dir), prefix_(prefix) {
     for (const auto& p : params) {
       const auto& info = reader_of(p).info(prefix_ + p.name);
       if (info.shape != p.global_shape) {
@@ -473,23 +453,17 @@ class HfTensors {
   }
 
  private:
-  SafetensorsReader& reader_of(const fsdp::ShardedParameter& p) {
+  const SafetensorsReader& reader_of(const fsdp::ShardedParameter& p) {
     const std::string name = prefix_ + p.name;
-    auto it = file_of_.find(name);
-    if (it == file_of_.end()) {
+    if (!weights_.contains(name)) {
       throw std::runtime_error(
-          fmt::format("{}: no tensor '{}' for parameter '{}'", source_, name, p.name));
+          fmt::format("{}: no tensor '{}' for parameter '{}'", weights_.path(), name, p.name));
     }
-    auto& reader = files_[it->second];
-    if (!reader) {
-      reader = std::make_unique<SafetensorsReader>((fs::path(dir_) / it->second).string());
-    }
-    return *reader;
+    return weights_.reader(name);
   }
 
-  std::string source_, dir_, prefix_;           // source_: as given, for errors
-  std::map<std::string, std::string> file_of_;  // tensor -> file
-  std::map<std::string, std::unique_ptr<SafetensorsReader>> files_;
+  HfWeights weights_;
+  std::string prefix_;
 };
 
 // Opens the HF tensors on the first rank of each shard group (every replica's group has its own),

@@ -11,48 +11,50 @@ namespace shardrl::checkpoint {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::string& out_dir,
-                                   const ExportOptions& options) {
-  if (options.max_shard_bytes <= 0) {
-    throw std::invalid_argument(
-        fmt::format("export: max_shard_bytes must be > 0, got {}", options.max_shard_bytes));
-  }
-  CheckpointReader reader(ckpt_dir);
-  const json& model = reader.index().at("model");
+namespace {
 
-  // Files are planned from the index alone, so every header is known before any data is read.
-  struct Planned {
-    std::string source;  // name in the checkpoint
-    TensorInfo info;     // as exported
-  };
-  std::vector<std::vector<Planned>> files;
+std::string torch_dtype_name(torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 ? "bfloat16" : dtype == torch::kHalf ? "float16" : "float32";
+}
+
+}  // namespace
+
+std::vector<std::string> write_hf(const std::string& out_dir,
+                                  const std::vector<HfTensorPlan>& tensors,
+                                  const std::function<torch::Tensor(size_t index)>& read,
+                                  nlohmann::json config, torch::ScalarType dtype,
+                                  int64_t max_shard_bytes) {
+  if (max_shard_bytes <= 0) {
+    throw std::invalid_argument(
+        fmt::format("export: max_shard_bytes must be > 0, got {}", max_shard_bytes));
+  }
+  // Files are planned from the shapes alone, so every header is known before any data is read.
+  std::vector<std::vector<size_t>> files;  // indices into tensors
   int64_t in_current = 0;
-  for (const auto& [name, entry] : model.items()) {
-    Planned p{
-        name,
-        {options.prefix + name, options.dtype, entry.at("shape").get<std::vector<int64_t>>()}};
-    if (files.empty() || in_current + p.info.nbytes() > options.max_shard_bytes) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t bytes = TensorInfo{tensors[i].name, dtype, tensors[i].shape}.nbytes();
+    if (files.empty() || in_current + bytes > max_shard_bytes) {
       files.emplace_back();
       in_current = 0;
     }
-    in_current += p.info.nbytes();
-    files.back().push_back(std::move(p));
+    in_current += bytes;
+    files.back().push_back(i);
   }
 
   fs::create_directories(out_dir);
   json weight_map = json::object();
   int64_t total = 0;
   std::vector<std::string> written;
-  for (size_t i = 0; i < files.size(); ++i) {
-    const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, files.size());
+  for (size_t f = 0; f < files.size(); ++f) {
+    const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", f + 1, files.size());
     std::vector<TensorInfo> infos;
-    for (const auto& p : files[i]) infos.push_back(p.info);
+    for (size_t i : files[f]) infos.push_back({tensors[i].name, dtype, tensors[i].shape});
     SafetensorsWriter writer((fs::path(out_dir) / name).string(), infos, {{"format", "pt"}});
-    for (const auto& p : files[i]) {
+    for (size_t k = 0; k < files[f].size(); ++k) {
       // One full tensor at a time, released before the next is read.
-      writer.write(p.info.name, reader.read_full(model[p.source], p.source).to(options.dtype));
-      weight_map[p.info.name] = name;
-      total += p.info.nbytes();
+      writer.write(infos[k].name, read(files[f][k]).to(dtype));
+      weight_map[infos[k].name] = name;
+      total += infos[k].nbytes();
     }
     written.push_back(writer.close().path);
   }
@@ -60,15 +62,38 @@ std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::strin
   const std::string index_path = (fs::path(out_dir) / "model.safetensors.index.json").string();
   write_file_durably(index_path, index.dump(2));
   written.push_back(index_path);
-  const json& extra = reader.index().value("extra", json::object());
-  json config = extra.is_object() && extra.contains("config") ? extra["config"] : json::object();
-  config["torch_dtype"] = options.dtype == torch::kBFloat16 ? "bfloat16"
-                          : options.dtype == torch::kHalf   ? "float16"
-                                                            : "float32";
+  config["torch_dtype"] = torch_dtype_name(dtype);
   const std::string config_path = (fs::path(out_dir) / "config.json").string();
   write_file_durably(config_path, config.dump(2));
   written.push_back(config_path);
   return written;
+}
+
+std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::string& out_dir,
+                                   const ExportOptions& options) {
+  CheckpointReader reader(ckpt_dir);
+  const json& model = reader.index().at("model");
+  const json& extra = reader.index().value("extra", json::object());
+  if (!extra.is_object() || !extra.contains("config") || !extra["config"].is_object()) {
+    throw std::invalid_argument(fmt::format(
+        "export: checkpoint {} has no model config (extra.config in its index.json): it was not "
+        "saved by shardrl train or Engine::save_checkpoint, and nothing could load the export",
+        ckpt_dir));
+  }
+  std::vector<std::string> sources;  // names in the checkpoint
+  std::vector<HfTensorPlan> plan;    // as exported
+  for (const auto& [name, entry] : model.items()) {
+    if (options.select && !options.select(name)) continue;
+    sources.push_back(name);
+    plan.push_back({options.prefix + name, entry.at("shape").get<std::vector<int64_t>>()});
+  }
+  return write_hf(
+      out_dir, plan,
+      [&](size_t i) {
+        torch::Tensor full = reader.read_full(model[sources[i]], sources[i]);
+        return options.transform ? options.transform(sources[i], full) : full;
+      },
+      extra["config"], options.dtype, options.max_shard_bytes);
 }
 
 void for_each_full_parameter(

@@ -323,7 +323,9 @@ std::string Engine::save_checkpoint(const std::string& root, int64_t step,
                                     const nlohmann::json& extra) {
   TORCH_CHECK(optimizer_, "save_checkpoint: this engine is forward_only (a reference model)");
   ModeScope state_in = offloaded_state_in(/*params_only=*/false);
-  return checkpoint::save(root, step, model_.fsdp, *optimizer_, scheduler_.get(), extra,
+  nlohmann::json saved = model_.export_info;
+  saved.update(extra);
+  return checkpoint::save(root, step, model_.fsdp, *optimizer_, scheduler_.get(), saved,
                           config_.checkpoint);
 }
 

@@ -74,6 +74,15 @@ void load_sharded(const std::string& path, fsdp::FSDPModule model) {
   });
 }
 
+// Every adapter on the model, each with its PEFT adapter_config.json (the frozen copies share the
+// trained adapter's config).
+json adapter_export_info(const AdapterPlan& plan) {
+  if (!plan.enabled()) return json::object();
+  json lora = {{"default", json::parse(models::lora::peft_adapter_config(plan.lora))}};
+  for (const auto& name : plan.frozen_copies) lora[name] = lora["default"];
+  return {{"lora", lora}};
+}
+
 void add_adapters(torch::nn::Module& module, const AdapterPlan& plan) {
   if (!plan.enabled()) return;
   if (models::lora::apply_lora(module, plan.lora, "default").empty()) {
@@ -87,8 +96,11 @@ void add_adapters(torch::nn::Module& module, const AdapterPlan& plan) {
 }
 
 template <class Holder>
-Model finish(Holder holder, const fsdp::FSDPModule& sharded) {
-  return Model{holder.ptr(), sharded, holder};
+Model finish(Holder holder, const fsdp::FSDPModule& sharded, const std::string& family,
+             const json& config, const AdapterPlan& plan) {
+  json info = {{"family", family}, {"config", config}};
+  info.update(adapter_export_info(plan));
+  return Model{holder.ptr(), sharded, holder, std::move(info)};
 }
 
 Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
@@ -104,10 +116,11 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
       fsdp::EmptyInit empty(/*enabled=*/!path.empty());
       model = models::Transformer(c);
     }
-    add_adapters(*model, adapter_plan(j, {"q_proj", "v_proj"}));
+    const auto plan = adapter_plan(j, {"q_proj", "v_proj"});
+    add_adapters(*model, plan);
     models::shard_transformer(model, mesh, options);
     load_sharded(path, model.fsdp());
-    return finish(model, model.fsdp());
+    return finish(model, model.fsdp(), family, c.to_json(), plan);
   }
   if (family == "llama") {
     const auto c = models::LlamaConfig::from_json(config);
@@ -116,11 +129,12 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
       fsdp::EmptyInit empty(/*enabled=*/!path.empty());
       model = models::LlamaForCausalLM(c);
     }
-    add_adapters(*model, adapter_plan(j, {"q_proj", "k_proj", "v_proj", "o_proj"}));
+    const auto plan = adapter_plan(j, {"q_proj", "k_proj", "v_proj", "o_proj"});
+    add_adapters(*model, plan);
     model->set_activation_checkpointing(checkpointing);
     models::shard_llama(model, mesh, options);
     load_sharded(path, model.fsdp());
-    return finish(model, model.fsdp());
+    return finish(model, model.fsdp(), family, c.to_json(), plan);
   }
   throw std::invalid_argument(
       fmt::format("model.family: '{}' is not a language model family (gpt, llama)", family));
@@ -147,7 +161,7 @@ ModelBuilder dit_builder(std::vector<std::string> frozen_adapters) {
     model->set_activation_checkpointing(field<bool>(j, "enable_activation_checkpointing", false));
     models::shard_dit(model, mesh, options);
     load_sharded(path, model.fsdp());
-    return finish(model, model.fsdp());
+    return finish(model, model.fsdp(), family, c.to_json(), plan);
   };
 }
 

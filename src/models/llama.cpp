@@ -80,7 +80,8 @@ nlohmann::json LlamaConfig::to_json() const {
                       {"num_key_value_heads", num_key_value_heads},
                       {"max_position_embeddings", max_position_embeddings},
                       {"rms_norm_eps", rms_norm_eps},
-                      {"rope_theta", rope_theta},
+                      {"rope_theta", rope_theta},  // for readers before transformers 5
+                      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", rope_theta}}},
                       {"tie_word_embeddings", tie_word_embeddings},
                       {"hidden_act", "silu"},
                       {"torch_dtype", "float32"}};
@@ -106,7 +107,19 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
   detail::read_field(j, "num_key_value_heads", c.num_key_value_heads, false);
   detail::read_field(j, "max_position_embeddings", c.max_position_embeddings, false);
   detail::read_field(j, "rms_norm_eps", c.rms_norm_eps, false);
+  // transformers 5 writes rope_parameters {rope_type, rope_theta}; earlier versions rope_theta.
   detail::read_field(j, "rope_theta", c.rope_theta, false);
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    const auto& rope = j["rope_parameters"];
+    std::string rope_type = "default";
+    detail::read_field(rope, "rope_type", rope_type, false);
+    if (rope_type != "default") {
+      throw std::invalid_argument(fmt::format(
+          "config.json: field rope_parameters.rope_type is '{}' (only default is supported)",
+          rope_type));
+    }
+    detail::read_field(rope, "rope_theta", c.rope_theta, false);
+  }
   detail::read_field(j, "tie_word_embeddings", c.tie_word_embeddings, false);
   if (c.model_type == "llama") detail::read_field(j, "attention_bias", c.attention_bias, false);
   std::string act = "silu";
@@ -117,6 +130,23 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
   }
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     throw std::invalid_argument("config.json: field rope_scaling is not supported");
+  }
+  // Fields of transformers' configs this decoder does not implement: refused, not ignored.
+  int64_t head_dim = c.head_dim();
+  detail::read_field(j, "head_dim", head_dim, false);
+  if (head_dim != c.head_dim()) {
+    throw std::invalid_argument(fmt::format(
+        "config.json: field head_dim is {} (only hidden_size / num_attention_heads = {} is "
+        "supported)",
+        head_dim, c.head_dim()));
+  }
+  for (const char* flag : {"mlp_bias", "use_sliding_window"}) {
+    bool on = false;
+    detail::read_field(j, flag, on, false);
+    if (on) {
+      throw std::invalid_argument(
+          fmt::format("config.json: field {} is true (not supported)", flag));
+    }
   }
   c.validate();
   return c;
@@ -349,6 +379,12 @@ void check_config_against_weights(const LlamaConfig& c,
 void load_llama_weights(LlamaForCausalLMImpl& model, const std::string& path) {
   check_config_against_weights(model.config(), weight_shapes(path));
   load_weights(model, path);
+}
+
+LlamaForCausalLM load_llama(const std::string& dir) {
+  LlamaForCausalLM model(LlamaConfig::load((std::filesystem::path(dir) / "config.json").string()));
+  load_llama_weights(*model, dir);
+  return model;
 }
 
 void save_llama(const std::map<std::string, torch::Tensor>& params, const LlamaConfig& config,

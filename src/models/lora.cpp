@@ -370,35 +370,138 @@ std::vector<PeftTensor> plan_peft(const Named& named, const std::string& name,
   return out;
 }
 
+// Adapter `name`'s PEFT config as the checkpoint's extra JSON holds it, validated.
+const nlohmann::json& checkpoint_adapter_config(const nlohmann::json& index,
+                                                const std::string& ckpt_dir,
+                                                const std::string& name) {
+  // A reference into the index, not into a defaulted copy: the caller keeps the returned config.
+  static const nlohmann::json kNoExtra = nlohmann::json::object();
+  const nlohmann::json& extra = index.contains("extra") ? index["extra"] : kNoExtra;
+  if (!extra.is_object() || !extra.contains("lora") || !extra["lora"].is_object() ||
+      !extra["lora"].contains(name)) {
+    std::string known;
+    if (extra.contains("lora") && extra["lora"].is_object()) {
+      for (const auto& [adapter, unused] : extra["lora"].items())
+        known += (known.empty() ? "" : ", ") + adapter;
+    }
+    throw std::invalid_argument(fmt::format(
+        "checkpoint {}: its extra JSON has no lora.{} (the adapter's PEFT config; adapters saved: "
+        "{})",
+        ckpt_dir, name, known.empty() ? "none" : known));
+  }
+  config_from_peft(extra["lora"][name],
+                   fmt::format("checkpoint {}: extra.lora.{}", ckpt_dir, name));
+  return extra["lora"][name];
+}
+
 }  // namespace
+
+void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& name) {
+  namespace fs = std::filesystem;
+  const std::string config_path = (fs::path(dir) / kPeftConfigFile).string();
+  std::ifstream config_file(config_path);
+  if (!config_file) throw std::invalid_argument(fmt::format("{}: cannot open", config_path));
+  nlohmann::json peft;
+  try {
+    peft = nlohmann::json::parse(config_file);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(fmt::format("{}: {}", config_path, e.what()));
+  }
+  if (peft.value("peft_type", "LORA") != "LORA") {
+    throw std::invalid_argument(fmt::format("{}: peft_type is '{}' (only LORA is supported)",
+                                            config_path, peft["peft_type"].dump()));
+  }
+  apply_lora(model, config_from_peft(peft, config_path), name);
+  set_active_adapter(model, name);
+
+  const std::string weights_path = (fs::path(dir) / kPeftWeightsFile).string();
+  checkpoint::SafetensorsReader reader(weights_path);
+  std::map<std::string, torch::Tensor> wanted;  // PEFT name -> param
+  for (auto& [param, tensor] : named_tensors(model)) {
+    if (auto peft_key = peft_name(param, name)) wanted.emplace(*peft_key, tensor);
+  }
+  for (const auto& key : reader.names()) {
+    if (!wanted.count(key)) {
+      throw std::invalid_argument(
+          fmt::format("{}: tensor {} is no adapter tensor of this model (targets: {})",
+                      weights_path, key, peft["target_modules"].dump()));
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [key, param] : wanted) {
+    if (!reader.contains(key)) {
+      throw std::invalid_argument(fmt::format("{}: missing tensor {}", weights_path, key));
+    }
+    const torch::Tensor value = reader.read(key);
+    if (value.sizes() != param.sizes()) {
+      throw std::invalid_argument(fmt::format("{}: tensor {} has shape {}, the model expects {}",
+                                              weights_path, key, c10::str(value.sizes()),
+                                              c10::str(param.sizes())));
+    }
+    param.copy_(value);
+  }
+}
 
 std::vector<std::string> export_peft_adapter(const std::string& ckpt_dir,
                                              const std::string& out_dir, const std::string& name,
                                              torch::ScalarType dtype) {
   const nlohmann::json index = checkpoint::read_index(ckpt_dir);
-  const nlohmann::json& extra = index.value("extra", nlohmann::json::object());
-  if (!extra.contains("lora") || !extra["lora"].contains(name)) {
-    throw std::invalid_argument(fmt::format(
-        "checkpoint {}: its extra JSON has no lora.{} (the adapter's PEFT config, saved as "
-        "{{\"lora\": {{\"{}\": peft_adapter_config(...)}}}})",
-        ckpt_dir, name, name));
-  }
-  // Validates it before anything is written.
-  config_from_peft(extra["lora"][name],
-                   fmt::format("checkpoint {}: extra.lora.{}", ckpt_dir, name));
+  // Validated before anything is written.
+  const nlohmann::json& config = checkpoint_adapter_config(index, ckpt_dir, name);
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   for (const auto& [param, entry] : index.at("model").items())
     shapes.emplace_back(param, entry.at("shape").get<std::vector<int64_t>>());
   const auto tensors = plan_peft(shapes, name, dtype, "checkpoint " + ckpt_dir);
   std::vector<std::string> params;
   for (const auto& t : tensors) params.push_back(t.param);
-  return write_peft_files(out_dir, tensors, extra["lora"][name].dump(2), [&](auto& writer) {
+  return write_peft_files(out_dir, tensors, config.dump(2), [&](auto& writer) {
     size_t next = 0;
     checkpoint::for_each_full_tensor(ckpt_dir, params,
                                      [&](const std::string&, const torch::Tensor& full) {
                                        writer.write(tensors[next++].info.name, full.to(dtype));
                                      });
   });
+}
+
+std::vector<std::string> export_base(const std::string& ckpt_dir, const std::string& out_dir,
+                                     const std::string& merge_adapter,
+                                     checkpoint::ExportOptions options) {
+  options.select = [](const std::string& param) { return !is_adapter_tensor(param); };
+  if (merge_adapter.empty()) return checkpoint::export_hf(ckpt_dir, out_dir, options);
+
+  const nlohmann::json index = checkpoint::read_index(ckpt_dir);
+  const double scaling =
+      config_from_peft(checkpoint_adapter_config(index, ckpt_dir, merge_adapter), "").scaling();
+  // The adapter's tensors are small (rank r): all are read first, then each base weight is merged
+  // as it streams past, so the peak stays one full tensor plus the adapter.
+  std::vector<std::string> adapter_params;
+  for (const auto& [param, unused] : index.at("model").items()) {
+    if (adapter_of(param) == merge_adapter) adapter_params.push_back(param);
+  }
+  struct Factors {
+    torch::Tensor a, b;
+  };
+  std::map<std::string, Factors> by_base;  // base weight name -> its adapter's A and B
+  checkpoint::for_each_full_tensor(
+      ckpt_dir, adapter_params, [&](const std::string& param, const torch::Tensor& full) {
+        const size_t at = marker_at(param);
+        Factors& f = by_base[param.substr(0, at) + "weight"];
+        (param.compare(at, kMarkerSize, "lora_A.") == 0 ? f.a : f.b) = full.to(torch::kFloat);
+      });
+  for (const auto& [base, f] : by_base) {
+    if (!f.a.defined() || !f.b.defined() || !index.at("model").contains(base)) {
+      throw std::invalid_argument(
+          fmt::format("checkpoint {}: adapter '{}' of {} lacks lora_A, lora_B or the base weight",
+                      ckpt_dir, merge_adapter, base));
+    }
+  }
+  options.transform = [&](const std::string& param, const torch::Tensor& full) {
+    auto it = by_base.find(param);
+    if (it == by_base.end()) return full;
+    return (full.to(torch::kFloat) + delta_weight(it->second.a, it->second.b, scaling))
+        .to(full.scalar_type());
+  };
+  return checkpoint::export_hf(ckpt_dir, out_dir, options);
 }
 
 void export_peft_adapter(const fsdp::FSDPModule& model, const LoraConfig& config,

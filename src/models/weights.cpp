@@ -48,25 +48,25 @@ void save_weights(const std::map<std::string, torch::Tensor>& params, const std:
 }
 
 std::map<std::string, std::vector<int64_t>> weight_shapes(const std::string& path) {
-  checkpoint::SafetensorsReader reader(path);
+  checkpoint::HfWeights weights(path);
   std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& name : reader.names()) shapes[name] = reader.info(name).shape;
+  for (const auto& name : weights.names()) shapes[name] = weights.reader(name).info(name).shape;
   return shapes;
 }
 
 void load_weights(torch::nn::Module& model, const std::string& path) {
-  checkpoint::SafetensorsReader reader(path);
+  checkpoint::HfWeights weights(path);
   auto expected = base_params(model);
-  for (const auto& name : reader.names()) {
+  for (const auto& name : weights.names()) {
     if (!expected.count(name)) {
       throw std::invalid_argument(fmt::format("{}: unexpected tensor {}", path, name));
     }
   }
   for (const auto& [name, param] : expected) {
-    if (!reader.contains(name)) {
+    if (!weights.contains(name)) {
       throw std::invalid_argument(fmt::format("{}: missing tensor {}", path, name));
     }
-    const auto& shape = reader.info(name).shape;
+    const auto& shape = weights.reader(name).info(name).shape;
     if (c10::IntArrayRef(shape) != param.sizes()) {
       throw std::invalid_argument(fmt::format("{}: tensor {} has shape {}, the model expects {}",
                                               path, name, shape_str(shape),
@@ -74,7 +74,7 @@ void load_weights(torch::nn::Module& model, const std::string& path) {
     }
   }
   torch::NoGradGuard no_grad;
-  for (auto& [name, param] : expected) param.copy_(reader.read(name));
+  for (auto& [name, param] : expected) param.copy_(weights.reader(name).read(name));
 }
 
 }  // namespace shardrl::models

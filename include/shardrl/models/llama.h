@@ -145,10 +145,15 @@ void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh, const Wr
 void check_config_against_weights(const LlamaConfig& config,
                                   const std::map<std::string, std::vector<int64_t>>& shapes);
 
-// Loads a safetensors file into the model's base weights (adapter params are left alone): the
+// Loads Hugging Face-style weights (a safetensors file or a directory, see weight_shapes) into the
+// model's base weights (adapter params are left alone): the
 // config is checked against the weights first, then load_weights() checks every tensor. Call
 // before sharding.
-void load_llama_weights(LlamaForCausalLMImpl& model, const std::string& safetensors_path);
+void load_llama_weights(LlamaForCausalLMImpl& model, const std::string& path);
+
+// A Hugging Face model directory (config.json and model.safetensors or the sharded index, e.g.
+// transformers' save_pretrained or `shardrl export`) as an unsharded model, for inference.
+LlamaForCausalLM load_llama(const std::string& dir);
 
 // Writes `dir`/model.safetensors (the base weights of `params`, adapter tensors left out, in
 // `dtype`) and `dir`/config.json: a directory transformers' from_pretrained reads.

@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardrl/checkpoint.h"
 #include "shardrl/fsdp.h"
 #include "shardrl/models/layers.h"
 
@@ -170,12 +171,27 @@ LoraConfig config_from_peft(const nlohmann::json& peft, const std::string& where
 constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";
 constexpr const char* kPeftConfigFile = "adapter_config.json";
 
+// Adds a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as PEFT's
+// save_pretrained or `shardrl export --adapter` write them) to `model` as adapter `name`, active.
+// A tensor the model has no place for, or an adapter tensor the file lacks, is an error naming
+// the file and the tensor. Call before sharding.
+void load_peft_adapter(torch::nn::Module& model, const std::string& dir,
+                       const std::string& name = "default");
+
 // From a sharded checkpoint, reading one tensor at a time. The adapter's config is the PEFT JSON
 // the training run saved in the checkpoint's extra as {"lora": {name: peft_adapter_config(...)}}.
 // Returns the files written.
 std::vector<std::string> export_peft_adapter(const std::string& ckpt_dir,
                                              const std::string& out_dir, const std::string& name,
                                              torch::ScalarType dtype = torch::kFloat);
+
+// The Hugging Face export of a checkpoint trained with adapters (checkpoint::export_hf): the base
+// weights without any adapter tensor, so transformers loads them as a plain model; with
+// `merge_adapter`, that adapter is folded into its base weights first (W + alpha / r * B A, the
+// scaling from the checkpoint's extra.lora.<name>). Returns the files written.
+std::vector<std::string> export_base(const std::string& ckpt_dir, const std::string& out_dir,
+                                     const std::string& merge_adapter = "",
+                                     checkpoint::ExportOptions options = {});
 
 // Collective over model.mesh(): from a live sharded model, gathering one adapter tensor at a time
 // (base params are not gathered); data-parallel rank 0 writes.

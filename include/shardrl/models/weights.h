@@ -17,11 +17,13 @@ std::map<std::string, torch::Tensor> state_dict(torch::nn::Module& model);
 void save_weights(const std::map<std::string, torch::Tensor>& params, const std::string& path,
                   torch::ScalarType dtype = torch::kFloat);
 
-// Name -> shape of every tensor in a safetensors file.
+// Name -> shape of every tensor of Hugging Face-style weights: a safetensors file, or a directory
+// with model.safetensors or the sharded model.safetensors.index.json (checkpoint::HfWeights).
 std::map<std::string, std::vector<int64_t>> weight_shapes(const std::string& path);
 
-// Copies a safetensors file into the module's base params. A missing or unexpected tensor or a
-// wrong shape is an error naming the file and the tensor. Call before sharding.
+// Copies Hugging Face-style weights (as weight_shapes) into the module's base params. A missing or
+// unexpected tensor or a wrong shape is an error naming the file and the tensor. Call before
+// sharding.
 void load_weights(torch::nn::Module& model, const std::string& path);
 
 }  // namespace shardrl::models

@@ -1,0 +1,136 @@
+// Real Hugging Face clients on what `shardrl train` and `shardrl export` write: transformers
+// loads the exports, PEFT the adapter, the safetensors library every file, and ShardRL loads
+// transformers' save_pretrained; logits and greedy tokens agree (tests/python/hf_clients.py).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "test_util.h"
+
+namespace shardrl::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string script() {
+  return std::string(SHARDRL_SOURCE_DIR) + "/tests/python/hf_clients.py";
+}
+
+// The checks the script printed, each line {"check", "ok", ...}; fails the test on every false.
+void expect_checks_pass(const ProcessResult& result, size_t at_least) {
+  size_t checks = 0;
+  std::istringstream lines(result.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("{\"check\"", 0) != 0) continue;
+    const json check = json::parse(line);
+    ++checks;
+    EXPECT_TRUE(check["ok"].get<bool>()) << line;
+  }
+  EXPECT_GE(checks, at_least) << result.output;
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+}
+
+struct TrainedRun {
+  std::string root, checkpoint;
+  json model_overrides;  // actor_rollout_ref.model.config.* given on the command line
+};
+
+std::string example_config() {
+  return std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml";
+}
+
+// The GRPO arithmetic job with LoRA, shortened: a trainer checkpoint of a model whose adapter
+// has moved.
+TrainedRun train_with_lora(const std::string& tag, const json& model_overrides) {
+  TrainedRun run;
+  run.root = make_temp_dir(tag);
+  run.model_overrides = model_overrides;
+  std::vector<std::string> argv = {bin("shardrl"),
+                                   "train",
+                                   example_config(),
+                                   "trainer.default_local_dir=" + run.root,
+                                   "trainer.total_training_steps=3",
+                                   "trainer.save_freq=3",
+                                   "sft.steps=20",
+                                   "actor_rollout_ref.model.lora_rank=4",
+                                   "actor_rollout_ref.model.lora_alpha=8",
+                                   "actor_rollout_ref.actor.optim.lr=0.02"};
+  for (const auto& [key, value] : model_overrides.items()) {
+    argv.push_back("actor_rollout_ref.model.config." + key + "=" +
+                   (value.is_string() ? value.get<std::string>() : value.dump()));
+  }
+  const auto trained = run_process(argv, {{"OMP_NUM_THREADS", "1"}}, 600);
+  EXPECT_EQ(trained.exit_code, 0) << trained.output;
+  run.checkpoint = run.root + "/checkpoints/global_step_3";
+  return run;
+}
+
+void export_and_check(const TrainedRun& run, const std::string& family_model_type,
+                      const std::string& tokens) {
+  ASSERT_TRUE(fs::exists(run.checkpoint + "/index.json")) << run.checkpoint;
+  // What export needs rides in the checkpoint: the family, its HF config, the adapter's PEFT
+  // config.
+  const json extra = json::parse(std::ifstream(run.checkpoint + "/index.json"))["extra"];
+  EXPECT_EQ(extra["family"], "llama") << extra.dump();
+  EXPECT_EQ(extra["config"]["model_type"], family_model_type) << extra.dump();
+  EXPECT_EQ(extra["lora"]["default"]["r"], 4) << extra.dump();
+  EXPECT_EQ(extra["lora"]["default"]["lora_alpha"], 8.0) << extra.dump();
+
+  // A checkpoint without the model's config is refused rather than exported into a directory no
+  // library loads.
+  const std::string bare = run.root + "/bare-checkpoint";
+  fs::copy(run.checkpoint, bare, fs::copy_options::recursive);
+  json index = json::parse(std::ifstream(bare + "/index.json"));
+  index["extra"].erase("config");
+  std::ofstream(bare + "/index.json") << index.dump();
+  const auto refused = run_process({bin("shardrl"), "export", bare, run.root + "/export-bare"});
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.output.find("extra.config"), std::string::npos) << refused.output;
+  const std::string base = run.root + "/export-base", merged = run.root + "/export-merged",
+                    adapter = run.root + "/export-adapter";
+  for (const auto& [out, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {base, {"--dtype", "fp32"}},
+           {merged, {"--dtype", "fp32", "--merge-adapter", "default"}},
+           {adapter, {"--adapter", "default"}}}) {
+    std::vector<std::string> argv = {bin("shardrl"), "export", run.checkpoint, out};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const auto exported = run_process(argv);
+    ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  }
+  // The config transformers reads is the model's, not an empty one.
+  const json config = json::parse(std::ifstream(base + "/config.json"));
+  EXPECT_EQ(config.value("architectures", json::array()).size(), 1u) << config.dump();
+  EXPECT_TRUE(config.contains("hidden_size")) << config.dump();
+
+  expect_checks_pass(
+      run_process({SHARDRL_PYTHON, script(), "exports", bin("shardrl"), base, merged, adapter,
+                   run.checkpoint, tokens, example_config(), run.model_overrides.dump()},
+                  {{"HF_HUB_OFFLINE", "1"}}, 600),
+      10);
+}
+
+// LLaMA with tied embeddings and GQA (the job's model), through train, export and the clients.
+TEST(HfClients, LlamaTrainerCheckpointExportsLoadInTransformersAndPeft) {
+  export_and_check(train_with_lora("hf-llama", json::object()), "llama", "1,5,12,3,14,7,11");
+}
+
+// Qwen2 (q/k/v biases) with untied embeddings, the same way.
+TEST(HfClients, Qwen2TrainerCheckpointExportsLoadInTransformersAndPeft) {
+  export_and_check(
+      train_with_lora("hf-qwen2", {{"model_type", "qwen2"}, {"tie_word_embeddings", false}}),
+      "qwen2", "2,9,13,4,14,6,10");
+}
+
+// transformers' save_pretrained of random LLaMA / Qwen2 models, read by `shardrl generate`.
+TEST(HfClients, ShardrlLoadsTransformersSavePretrained) {
+  expect_checks_pass(run_process({SHARDRL_PYTHON, script(), "pretrained", bin("shardrl"),
+                                  make_temp_dir("hf-pretrained")},
+                                 {{"HF_HUB_OFFLINE", "1"}}, 600),
+                     8);
+}
+
+}  // namespace
+}  // namespace shardrl::testing
