@@ -344,7 +344,7 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
   }
 
   auto resumed = train_demo(with({"trainer.default_local_dir=" + dir + "/resumed",
-                                  "trainer.total_training_steps=3", "trainer.resume=auto"}));
+                                  "trainer.total_training_steps=3", "trainer.resume_mode=auto"}));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("classifier: cached"), std::string::npos) << resumed.output;
   EXPECT_NE(resumed.output.find("pretrained DiT: cached"), std::string::npos) << resumed.output;
@@ -360,7 +360,7 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
 
 // Flow-GRPO, DiffusionNFT and Diffusion-DPO through their example configs (the trainer's state
 // offloaded to files between phases, the rollout on a weight-synced replica): pre-empted with
-// SIGTERM after a few steps, resumed with trainer.resume=auto, every step logs what an
+// SIGTERM after a few steps, resumed with trainer.resume_mode=auto, every step logs what an
 // uninterrupted run logs (NFT's "old" adapter, which follows by EMA, comes back from the checkpoint
 // too).
 class DemoAlgorithm : public ::testing::TestWithParam<std::string> {};
@@ -372,7 +372,7 @@ TEST_P(DemoAlgorithm, ResumesAfterAKillBitwise) {
     auto o = tiny_demo(dir);
     o.push_back("trainer.default_local_dir=" + dir + "/" + run);
     o.push_back("trainer.total_training_steps=6");
-    o.push_back("trainer.resume=auto");
+    o.push_back("trainer.resume_mode=auto");
     return o;
   };
   auto straight = run_process(demo_argv(overrides("straight"), config), {}, 300);

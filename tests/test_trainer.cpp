@@ -60,7 +60,7 @@ TEST(TrainerConfig, FileThenOverridesWithTypesKept) {
   EXPECT_EQ(engine.micro_batch_size_per_gpu, 2);
   EXPECT_EQ(engine.optim.schedule.total_training_steps, 4);
   // Untouched defaults survive.
-  EXPECT_EQ(trainer::get<std::string>(config, "trainer.resume"), "auto");
+  EXPECT_EQ(trainer::get<std::string>(config, "trainer.resume_mode"), "auto");
 }
 
 TEST(TrainerConfig, ErrorsNameTheKeyAndTheFile) {
@@ -85,10 +85,45 @@ TEST(TrainerConfig, ErrorsNameTheKeyAndTheFile) {
                       {"painting", "lm_pretrain"});
 }
 
+// Keys ShardRL used to spell its own way are errors naming verl's key that replaced them.
+TEST(TrainerConfig, OldKeyNamesAreErrorsNamingVerlsKey) {
+  const auto dir = make_temp_dir("trainer_config_renamed");
+  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  expect_error_naming([&] { trainer::task_config(path, {"trainer.resume=auto"}); },
+                      {"'trainer.resume'", "trainer.resume_mode"});
+  expect_error_naming([&] { trainer::task_config(path, {"trainer.max_ckpt_to_keep=3"}); },
+                      {"'trainer.max_ckpt_to_keep'", "trainer.max_actor_ckpt_to_keep"});
+  const auto grpo = write_file(dir, "grpo.yaml", "trainer:\n  task: lm_grpo\n");
+  for (const std::string key : {"clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+                                "loss_agg_mode", "kl_loss_coef", "kl_loss_type"}) {
+    expect_error_naming([&] { trainer::task_config(grpo, {"algorithm." + key + "=1"}); },
+                        {"'algorithm." + key + "'", "actor_rollout_ref.actor." + key});
+  }
+  // verl's names are accepted where verl has them.
+  auto config = trainer::task_config(
+      grpo, {"actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.use_kl_loss=true",
+             "trainer.max_actor_ckpt_to_keep=4", "trainer.resume_mode=resume_path",
+             "trainer.resume_from_path=/tmp/x"});
+  EXPECT_DOUBLE_EQ(trainer::get<double>(config, "actor_rollout_ref.actor.clip_ratio"), 0.3);
+  EXPECT_EQ(trainer::engine_config(config, "language_model", "actor").checkpoint.max_ckpt_to_keep,
+            4);
+}
+
 ProcessResult train(const std::string& config, const std::vector<std::string>& overrides) {
   std::vector<std::string> argv = {bin("shardrl"), "train", config};
   argv.insert(argv.end(), overrides.begin(), overrides.end());
   return run_process(argv, {}, 300);
+}
+
+TEST(Trainer, BadResumeModeNamesTheKey) {
+  const auto dir = make_temp_dir("trainer_resume_mode");
+  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  auto result = train(path, {"trainer.default_local_dir=" + dir, "trainer.resume_mode=sometimes"});
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_NE(result.output.find("trainer.resume_mode"), std::string::npos) << result.output;
+  result = train(path, {"trainer.default_local_dir=" + dir, "trainer.resume_mode=resume_path"});
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_NE(result.output.find("trainer.resume_from_path"), std::string::npos) << result.output;
 }
 
 TEST(Trainer, MissingDataFileNamesTheKeyAndTheFile) {
@@ -158,7 +193,7 @@ TEST(Trainer, LmGrpoRaisesTheArithmeticReward) {
 }
 
 // Pre-empted mid-run (SIGTERM to `shardrl train`, which stops its ranks), then started again with
-// trainer.resume=auto: the run continues from its last checkpoint and every step, the ones it
+// trainer.resume_mode=auto: the run continues from its last checkpoint and every step, the ones it
 // redoes included, logs what an uninterrupted run logs.
 TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
   const auto dir = make_temp_dir("trainer_grpo_kill");

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 
@@ -73,11 +74,35 @@ bool same_kind(const json& a, const json& b) {
   return a.type() == b.type();
 }
 
+// Keys ShardRL once had under its own names, with verl's name that replaced each: a config
+// written for an older ShardRL gets an error naming the new key instead of "unknown".
+const std::map<std::string, std::string>& renamed_keys() {
+  static const std::map<std::string, std::string> renamed = {
+      {"trainer.resume",
+       "trainer.resume_mode (auto, disable or resume_path with "
+       "trainer.resume_from_path)"},
+      {"trainer.max_ckpt_to_keep", "trainer.max_actor_ckpt_to_keep"},
+      {"algorithm.clip_ratio", "actor_rollout_ref.actor.clip_ratio"},
+      {"algorithm.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_low"},
+      {"algorithm.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_high"},
+      {"algorithm.clip_ratio_c", "actor_rollout_ref.actor.clip_ratio_c"},
+      {"algorithm.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"},
+      {"algorithm.kl_loss_coef", "actor_rollout_ref.actor.kl_loss_coef (with use_kl_loss: true)"},
+      {"algorithm.kl_loss_type", "actor_rollout_ref.actor.kl_loss_type"},
+  };
+  return renamed;
+}
+
 void merge_into(json& base, const json& over, const std::string& prefix,
                 const std::string& source) {
   for (const auto& [key, value] : over.items()) {
     const std::string name = prefix.empty() ? key : prefix + "." + key;
     if (!base.contains(key)) {
+      auto renamed = renamed_keys().find(name);
+      if (renamed != renamed_keys().end()) {
+        throw std::invalid_argument(fmt::format("{}: config key '{}' is now '{}' (verl's name)",
+                                                source, name, renamed->second));
+      }
       throw std::invalid_argument(fmt::format("{}: unknown config key '{}'", source, name));
     }
     json& target = base[key];

@@ -486,7 +486,7 @@ nlohmann::json diffusion_rl_defaults() {
         {"default_local_dir", "runs/demo"},
         {"total_training_steps", 30},
         {"save_freq", 10},
-        {"max_ckpt_to_keep", 1}}},
+        {"max_actor_ckpt_to_keep", 1}}},
       {"data", {{"data_dir", "/usr/share/datasets/fashion-mnist"}, {"image_size", 28}}},
       {"reward_model", {{"steps", 400}, {"batch_size", 128}, {"reward_mode", "prob"}}},
       {"pretrain", {{"steps", 1500}, {"batch_size", 128}, {"lr", 2e-3}, {"cache_dir", ""}}},

@@ -82,7 +82,7 @@ engine::EngineConfig engine_config(const json& config, const std::string& model_
   s.num_cycles = get<double>(config, o + ".num_cycles");
   s.total_training_steps = get<int64_t>(config, "trainer.total_training_steps");
 
-  c.checkpoint.max_ckpt_to_keep = get<int>(config, "trainer.max_ckpt_to_keep");
+  c.checkpoint.max_ckpt_to_keep = get<int>(config, "trainer.max_actor_ckpt_to_keep");
   c.checkpoint.max_mem_gb = get<double>(config, "trainer.max_mem_gb");
   return c;
 }

@@ -74,9 +74,11 @@ std::string supervised_stage(const json& config, const std::shared_ptr<dist::Wor
   std::string cache = get<std::string>(config, "sft.cache_dir");
   if (cache.empty()) cache = get<std::string>(config, "trainer.default_local_dir") + "/cache";
   const auto model = llama_json(config);
-  const std::string dir = fmt::format(
-      "{}/sft-{}-{}-d{}-{}-n{}-b{}-seed{}", cache, model.value("hidden_size", 0),
-      model.value("num_hidden_layers", 0), task.digits, task.operators, steps, batch, seed);
+  // Keyed by the whole model config too (model_type, tied embeddings, ...), not only its size.
+  const std::string dir =
+      fmt::format("{}/sft-{}-{}-d{}-{}-n{}-b{}-seed{}-{:08x}", cache, model.value("hidden_size", 0),
+                  model.value("num_hidden_layers", 0), task.digits, task.operators, steps, batch,
+                  seed, std::hash<std::string>{}(model.dump()) & 0xffffffffu);
   const bool lead = world->rank() == 0;
   if (fs::exists(dir + "/model.safetensors")) {
     if (lead) std::cout << "supervised stage: cached " << dir << "\n" << std::flush;
@@ -129,21 +131,24 @@ json lm_grpo_defaults() {
               {"save_freq", 20}}},
             {"data", {{"digits", 1}, {"operators", "+"}, {"train_batch_size", 16}}},
             {"sft", {{"steps", 300}, {"batch_size", 64}, {"lr", 3e-3}, {"cache_dir", ""}}},
-            {"algorithm",
-             {{"norm_adv_by_std_in_grpo", true},
-              {"clip_ratio_low", 0.2},
-              {"clip_ratio_high", 0.2},
-              {"clip_ratio_c", 3.0},
-              {"loss_agg_mode", "token-mean"},
-              {"kl_loss_coef", 0.0},
-              {"kl_loss_type", "low_var_kl"}}},
+            {"algorithm", {{"norm_adv_by_std_in_grpo", true}}},
             {"actor_rollout_ref", engine_defaults()}};
   auto& arr = d["actor_rollout_ref"];
   arr["model"]["family"] = "llama";
-  arr["model"]["config"] = {{"hidden_size", 64},          {"intermediate_size", 176},
-                            {"num_hidden_layers", 2},     {"num_attention_heads", 4},
-                            {"num_key_value_heads", 2},   {"max_position_embeddings", 32},
-                            {"tie_word_embeddings", true}};
+  arr["model"]["config"] = {{"model_type", "llama"},         {"hidden_size", 64},
+                            {"intermediate_size", 176},      {"num_hidden_layers", 2},
+                            {"num_attention_heads", 4},      {"num_key_value_heads", 2},
+                            {"max_position_embeddings", 32}, {"tie_word_embeddings", true}};
+  // verl's actor loss keys: clip_ratio_low / clip_ratio_high default to clip_ratio; the reference
+  // model exists only with use_kl_loss.
+  arr["actor"]["clip_ratio"] = 0.2;
+  arr["actor"]["clip_ratio_low"] = nullptr;
+  arr["actor"]["clip_ratio_high"] = nullptr;
+  arr["actor"]["clip_ratio_c"] = 3.0;
+  arr["actor"]["loss_agg_mode"] = "token-mean";
+  arr["actor"]["use_kl_loss"] = false;
+  arr["actor"]["kl_loss_coef"] = 0.001;
+  arr["actor"]["kl_loss_type"] = "low_var_kl";
   arr["actor"]["optim"]["lr"] = 3e-4;
   arr["actor"]["optim"]["weight_decay"] = 0.0;
   arr["rollout"] = {{"n", 8}, {"temperature", 1.0}, {"top_p", 1.0}, {"response_length", 4}};
@@ -156,14 +161,20 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   const auto prompts_global = get<int64_t>(config, "data.train_batch_size");
   const auto n = get<int64_t>(config, "actor_rollout_ref.rollout.n");
   const auto temperature = get<double>(config, "actor_rollout_ref.rollout.temperature");
-  const auto kl_coef = get<double>(config, "algorithm.kl_loss_coef");
-  const auto kl_type = get<std::string>(config, "algorithm.kl_loss_type");
+  const std::string actor_key = "actor_rollout_ref.actor.";
+  const bool use_kl_loss = get<bool>(config, actor_key + "use_kl_loss");
+  const auto kl_coef = use_kl_loss ? get<double>(config, actor_key + "kl_loss_coef") : 0.0;
+  const auto kl_type = get<std::string>(config, actor_key + "kl_loss_type");
   const bool norm_by_std = get<bool>(config, "algorithm.norm_adv_by_std_in_grpo");
   algos::PolicyLossConfig policy;
-  policy.clip_ratio_low = get<double>(config, "algorithm.clip_ratio_low");
-  policy.clip_ratio_high = get<double>(config, "algorithm.clip_ratio_high");
-  policy.clip_ratio_c = get<double>(config, "algorithm.clip_ratio_c");
-  policy.loss_agg_mode = get<std::string>(config, "algorithm.loss_agg_mode");
+  const auto clip_ratio = get<double>(config, actor_key + "clip_ratio");
+  const auto clip_or_default = [&](const std::string& key) {
+    return at(config, key).is_null() ? clip_ratio : get<double>(config, key);
+  };
+  policy.clip_ratio_low = clip_or_default(actor_key + "clip_ratio_low");
+  policy.clip_ratio_high = clip_or_default(actor_key + "clip_ratio_high");
+  policy.clip_ratio_c = get<double>(config, actor_key + "clip_ratio_c");
+  policy.loss_agg_mode = get<std::string>(config, actor_key + "loss_agg_mode");
 
   const std::string sft_dir = supervised_stage(config, world);
   json rl = config;
@@ -173,7 +184,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   auto actor = engine::EngineRegistry::create(engine_config(rl, "language_model", "actor"), world);
   // The reference is the supervised model, frozen: a forward-only engine (no optimizer).
   std::unique_ptr<engine::Engine> ref;
-  if (kl_coef > 0) {
+  if (use_kl_loss) {
     ref = engine::EngineRegistry::create(engine_config(rl, "language_model", "ref"), world);
   }
   const int64_t dp = actor->data_parallel_size();

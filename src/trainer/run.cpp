@@ -11,25 +11,36 @@ namespace fs = std::filesystem;
 
 Run::Run(const nlohmann::json& config, dist::World& world)
     : dir_(get<std::string>(config, "trainer.default_local_dir")),
-      resume_(get<std::string>(config, "trainer.resume")),
+      resume_mode_(get<std::string>(config, "trainer.resume_mode")),
+      resume_from_path_(get<std::string>(config, "trainer.resume_from_path")),
       total_steps_(get<int64_t>(config, "trainer.total_training_steps")),
       save_freq_(get<int64_t>(config, "trainer.save_freq")),
       rank0_(world.rank() == 0) {
   if (total_steps_ <= 0) {
     throw std::invalid_argument("config key 'trainer.total_training_steps' must be positive");
   }
+  if (resume_mode_ != "auto" && resume_mode_ != "disable" && resume_mode_ != "resume_path") {
+    throw std::invalid_argument(fmt::format(
+        "config key 'trainer.resume_mode' is '{}' (auto, disable or resume_path)", resume_mode_));
+  }
+  if (resume_mode_ == "resume_path" && resume_from_path_.empty()) {
+    throw std::invalid_argument(
+        "config key 'trainer.resume_from_path' must name a checkpoint directory when "
+        "trainer.resume_mode is resume_path");
+  }
 }
 
 int64_t Run::resume(engine::Engine& engine) {
   std::string dir;
-  if (resume_ == "auto") {
+  if (resume_mode_ == "auto") {
     dir = checkpoint::find_latest((fs::path(dir_) / "checkpoints").string()).value_or("");
-  } else if (resume_ != "disable") {
-    if (!fs::is_directory(resume_)) {
+  } else if (resume_mode_ == "resume_path") {
+    if (!fs::is_directory(resume_from_path_)) {
       throw std::invalid_argument(
-          fmt::format("config key 'trainer.resume': '{}' is not a checkpoint directory", resume_));
+          fmt::format("config key 'trainer.resume_from_path': '{}' is not a checkpoint directory",
+                      resume_from_path_));
     }
-    dir = resume_;
+    dir = resume_from_path_;
   }
   int64_t step = 0;
   if (!dir.empty()) {

@@ -25,8 +25,9 @@ class Run {
  public:
   Run(const nlohmann::json& config, dist::World& world);
 
-  // Per trainer.resume: "auto" continues from the latest checkpoint if there is one, "disable"
-  // starts fresh, anything else is a checkpoint directory. Returns the step to continue from.
+  // Per trainer.resume_mode (verl's): "auto" continues from the latest checkpoint if there is
+  // one, "disable" starts fresh, "resume_path" continues from trainer.resume_from_path. Returns the
+  // step to continue from.
   // Call it once, before the first after_step().
   int64_t resume(engine::Engine& engine);
   // Saves every trainer.save_freq steps and at the last step.
@@ -38,7 +39,7 @@ class Run {
 
  private:
   std::string dir_;
-  std::string resume_;
+  std::string resume_mode_, resume_from_path_;
   int64_t total_steps_, save_freq_;
   bool rank0_;
   std::optional<MetricsLogger> metrics_;  // opened by resume(), which knows the first step

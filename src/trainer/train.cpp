@@ -25,8 +25,9 @@ json trainer_defaults() {
             {"nproc_per_node", 2},
             {"total_training_steps", 100},
             {"save_freq", -1},
-            {"resume", "auto"},
-            {"max_ckpt_to_keep", 2},
+            {"resume_mode", "auto"},
+            {"resume_from_path", ""},
+            {"max_actor_ckpt_to_keep", 2},
             {"max_mem_gb", 0.0},
             {"seed", 0},
             {"logger", "console"}}}};
@@ -75,6 +76,18 @@ std::string task_name(const std::string& path, const std::vector<std::string>& o
   return raw["trainer"]["task"].get<std::string>();
 }
 
+// Lays a task's defaults over the trainer's. Unlike JSON merge-patch, a null default stays a key:
+// verl's `clip_ratio_low: null` means "use clip_ratio", and the key must still be settable.
+void overlay_defaults(json& base, const json& over) {
+  for (const auto& [key, value] : over.items()) {
+    if (base.contains(key) && base[key].is_object() && value.is_object()) {
+      overlay_defaults(base[key], value);
+    } else {
+      base[key] = value;
+    }
+  }
+}
+
 }  // namespace
 
 void register_task(const std::string& name, Task task) {
@@ -87,7 +100,7 @@ json task_config(const std::string& path, const std::vector<std::string>& overri
   const std::string name = task_name(path, overrides);
   const Task task = find_task(name, path);
   json defaults = trainer_defaults();
-  defaults.merge_patch(task.defaults());
+  overlay_defaults(defaults, task.defaults());
   return load_config(path, overrides, defaults);
 }
 
