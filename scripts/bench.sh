@@ -4,6 +4,7 @@
 #
 #   a)  ShardRL FSDP, 2 ranks x 1 thread, global batch B (fp32)
 #   b)  ShardRL, 1 process x 1 thread, batch B/2 (one rank's share, no communication)
+#   b2) two b processes at once: run a's compute with the cores shared as in a, no communication
 #   d)  PyTorch DDP, 2 x 1
 #   f)  PyTorch FSDP2, 2 x 1 (fully_shard per block, then the root)
 #   a3) / f2) ShardRL and FSDP2 with bf16 params and fp32 reduce (fewer steps: this CPU has no
@@ -75,6 +76,15 @@ for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round: b) ShardRL local 1x1, batch $HALF"
   env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$BIN/bench_fsdp" --mode local "${MODEL[@]}" \
     "${TIMING[@]}" --batch "$HALF" --threads 1 --json-out "$OUT/b_local_1x1_half.r$round.json"
+  echo "== round $round: b2) two ShardRL local 1x1 processes at once, batch $HALF each"
+  # Run a's compute without its communication: both cores busy, sharing caches and memory
+  # bandwidth as the two ranks do. a / b2 is what communication alone costs on this machine.
+  for p in 0 1; do
+    env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$BIN/bench_fsdp" --mode local "${MODEL[@]}" \
+      "${TIMING[@]}" --batch "$HALF" --threads 1 \
+      --json-out "$OUT/b2_local_1x1_half_concurrent_p$p.r$round.json" &
+  done
+  wait
   echo "== round $round: d) PyTorch DDP 2x1"
   "${LAUNCH2[@]}" "${TORCH[@]}" --mode ddp "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
     --threads 1 --json-out "$OUT/d_ddp_2x1.r$round.json"
@@ -102,6 +112,10 @@ runs = {k: [load(f"{n}.r{r}") for r in range(1, rounds + 1)]
                      ("f", "f_fsdp2_2x1")]}
 a3, f2 = load("a3_fsdp_2x1_bf16"), load("f2_fsdp2_2x1_bf16")
 t = {k: statistics.median(r["median_step_s"] for r in v) for k, v in runs.items()}
+# b2: per round the slower of the two concurrent processes (a step of run a waits for both ranks).
+b2 = [max(load(f"b2_local_1x1_half_concurrent_p{p}.r{r}")["median_step_s"] for p in (0, 1))
+      for r in range(1, rounds + 1)]
+t["b2"] = statistics.median(b2)
 t["a3"], t["f2"] = a3["median_step_s"], f2["median_step_s"]
 
 def sent(r):
@@ -116,6 +130,8 @@ for k, v in runs.items():
     s = sent(v[0])
     print(f"{k:<4} {names[k]:<28} {t[k]:.4f} ({per_round}){'':<4} "
           f"{'' if s is None else f'{s / 1e6:.2f}':>12}")
+print(f"{'b2':<4} {'2 x ShardRL local B/2 at once':<28} {t['b2']:.4f} "
+      f"({', '.join(f'{x:.3f}' for x in b2)})")
 for k, name, r in [("a3", "ShardRL FSDP bf16 2x1", a3), ("f2", "PyTorch FSDP2 bf16 2x1", f2)]:
     s = sent(r)
     print(f"{k:<4} {name:<28} {t[k]:.4f}{'':<22} {'' if s is None else f'{s / 1e6:.2f}':>12}")
@@ -125,6 +141,8 @@ ratios = {
     "shardrl_over_ddp": {"value": t["a"] / t["d"], "target": "<= 1.0"},
     "cost_of_sharding_a_over_b": {"value": t["a"] / t["b"], "target": "<= 1.05"},
     "fsdp2_cost_of_sharding_f_over_b": {"value": t["f"] / t["b"], "target": None},
+    "shared_cores_b2_over_b": {"value": t["b2"] / t["b"], "target": None},
+    "communication_a_over_b2": {"value": t["a"] / t["b2"], "target": None},
     "shardrl_bf16_over_fsdp2_bf16": {"value": t["a3"] / t["f2"], "target": None},
 }
 print()
