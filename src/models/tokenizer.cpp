@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <fstream>
 #include <limits>
@@ -11,6 +12,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "checkpoint/io.h"
 #include "models/unicode_classes.h"
 
 namespace shardrl::models {
@@ -132,29 +134,89 @@ std::array<char32_t, 256> byte_to_code_point() {
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("Gpt2Tokenizer: cannot read '{}'", path));
+  if (!in) throw std::runtime_error(fmt::format("tokenizer: cannot read '{}'", path));
   std::ostringstream buffer;
   buffer << in.rdbuf();
   return buffer.str();
 }
 
+// Keeps the BPE cache of a long-running process bounded (tokenizers caps its at 10,000 words).
+constexpr size_t kMaxCachedWords = 100000;
+
 }  // namespace
 
-struct Gpt2Tokenizer::Impl {
-  std::unordered_map<std::string, int64_t> encoder;
-  std::vector<std::string> decoder;                      // id -> token
+struct ByteLevelBpeTokenizer::Impl {
+  std::unordered_map<std::string, int64_t> encoder;  // BPE model token -> id
+  std::vector<std::string> decoder;                  // id -> token (added tokens: their content)
+  std::vector<std::pair<std::string, std::string>> merges;
   std::unordered_map<std::string, int64_t> merge_ranks;  // "first second" -> rank
-  std::array<std::string, 256> byte_encoder;             // byte -> token character (UTF-8)
+  bool ignore_merges = false;  // tokenizers' BPE option: a piece in the vocabulary is one token
+  std::vector<AddedToken> added;
+  std::vector<bool> added_normalized;               // tokenizers matches these after the others
+  std::unordered_map<int64_t, size_t> added_index;  // id -> index into `added`
+  std::array<std::string, 256> byte_encoder;        // byte -> token character (UTF-8)
   std::unordered_map<char32_t, unsigned char> byte_decoder;
-  int64_t eos = -1;
 
   mutable std::mutex cache_mutex;
   mutable std::unordered_map<std::string, std::vector<int64_t>> cache;
 
+  void init(std::vector<std::string> tokens, std::vector<std::pair<std::string, std::string>> m,
+            std::vector<AddedToken> a, std::vector<bool> normalized);
   std::vector<int64_t> bpe(const std::string& piece) const;
+  void encode_text(const std::string& text, std::vector<int64_t>& ids) const;
+  void encode_added(const std::string& text, size_t pass, std::vector<int64_t>& ids) const;
 };
 
-std::vector<int64_t> Gpt2Tokenizer::Impl::bpe(const std::string& piece) const {
+// `tokens` may hold "" for ids that only an added token fills.
+void ByteLevelBpeTokenizer::Impl::init(std::vector<std::string> tokens,
+                                       std::vector<std::pair<std::string, std::string>> m,
+                                       std::vector<AddedToken> a, std::vector<bool> normalized) {
+  for (const auto& token : a) {
+    if (token.id < 0) {
+      throw std::invalid_argument(
+          fmt::format("added token '{}' has the negative id {}", token.content, token.id));
+    }
+    if (token.content.empty()) {
+      throw std::invalid_argument(fmt::format("added token {} is empty", token.id));
+    }
+    if (token.id >= static_cast<int64_t>(tokens.size())) tokens.resize(token.id + 1);
+    if (!tokens[token.id].empty() && tokens[token.id] != token.content) {
+      throw std::invalid_argument(fmt::format("added token '{}' has id {}, which is the token '{}'",
+                                              token.content, token.id, tokens[token.id]));
+    }
+    if (!added_index.emplace(token.id, added_index.size()).second) {
+      throw std::invalid_argument(fmt::format("two added tokens have id {}", token.id));
+    }
+  }
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    if (tokens[id].empty()) {
+      if (added_index.count(static_cast<int64_t>(id))) continue;
+      throw std::invalid_argument(fmt::format("no token has id {}", id));
+    }
+    auto [it, inserted] = encoder.emplace(tokens[id], static_cast<int64_t>(id));
+    if (!inserted) {
+      throw std::invalid_argument(
+          fmt::format("the token '{}' has two ids, {} and {}", tokens[id], it->second, id));
+    }
+  }
+  decoder = std::move(tokens);
+  for (const auto& token : a) decoder[token.id] = token.content;
+  for (const auto& [first, second] : m) {
+    merge_ranks.emplace(first + ' ' + second, static_cast<int64_t>(merge_ranks.size()));
+  }
+  merges = std::move(m);
+  added = std::move(a);
+  added_normalized = std::move(normalized);
+  added_normalized.resize(added.size(), false);
+
+  const auto code_points = byte_to_code_point();
+  for (int b = 0; b < 256; ++b) {
+    byte_encoder[b] = utf8(code_points[b]);
+    byte_decoder[code_points[b]] = static_cast<unsigned char>(b);
+  }
+}
+
+std::vector<int64_t> ByteLevelBpeTokenizer::Impl::bpe(const std::string& piece) const {
   {
     std::lock_guard<std::mutex> lock(cache_mutex);
     auto hit = cache.find(piece);
@@ -162,6 +224,12 @@ std::vector<int64_t> Gpt2Tokenizer::Impl::bpe(const std::string& piece) const {
   }
   std::vector<std::string> word;
   for (unsigned char b : piece) word.push_back(byte_encoder[b]);
+  if (ignore_merges) {
+    std::string whole;
+    for (const auto& c : word) whole += c;
+    auto it = encoder.find(whole);
+    if (it != encoder.end()) return {it->second};
+  }
   while (word.size() > 1) {
     int64_t best = std::numeric_limits<int64_t>::max();
     size_t at = 0;
@@ -188,51 +256,89 @@ std::vector<int64_t> Gpt2Tokenizer::Impl::bpe(const std::string& piece) const {
     auto it = encoder.find(token);
     if (it == encoder.end()) {
       throw std::runtime_error(
-          fmt::format("Gpt2Tokenizer: merged token '{}' is not in encoder.json", token));
+          fmt::format("tokenizer: merged token '{}' is not in the vocabulary", token));
     }
     ids.push_back(it->second);
   }
   std::lock_guard<std::mutex> lock(cache_mutex);
+  if (cache.size() >= kMaxCachedWords) cache.clear();
   cache.emplace(piece, ids);
   return ids;
 }
 
-Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& dir) {
-  return Gpt2Tokenizer(dir + "/encoder.json", dir + "/vocab.bpe");
+void ByteLevelBpeTokenizer::Impl::encode_text(const std::string& text,
+                                              std::vector<int64_t>& ids) const {
+  for (const auto& piece : pretokenize(text)) {
+    auto piece_ids = bpe(piece);
+    ids.insert(ids.end(), piece_ids.begin(), piece_ids.end());
+  }
 }
 
-Gpt2Tokenizer::Gpt2Tokenizer(const std::string& encoder_json_path,
-                             const std::string& vocab_bpe_path)
+// tokenizers' AddedVocabulary: the tokens matched on the raw text (normalized: false) split it
+// first (pass 0), then the normalized ones split what is left (pass 1; with no normalizer the
+// text is the same). Within a pass the leftmost match wins, the longest at that position.
+void ByteLevelBpeTokenizer::Impl::encode_added(const std::string& text, size_t pass,
+                                               std::vector<int64_t>& ids) const {
+  if (pass == 2) return encode_text(text, ids);
+  size_t from = 0;
+  // Each token's next match at or after `from`, found again only once `from` passes it: a scan
+  // of the text per token rather than per match.
+  std::vector<size_t> next(added.size(), 0);
+  std::vector<bool> searched(added.size(), false);
+  while (from < text.size()) {
+    size_t best_at = std::string::npos, best = 0;
+    for (size_t k = 0; k < added.size(); ++k) {
+      if (added_normalized[k] != (pass == 1)) continue;
+      if (!searched[k] || (next[k] != std::string::npos && next[k] < from)) {
+        next[k] = text.find(added[k].content, from);
+        searched[k] = true;
+      }
+      const size_t at = next[k];
+      if (at == std::string::npos) continue;
+      if (at < best_at || (at == best_at && added[k].content.size() > added[best].content.size())) {
+        best_at = at, best = k;
+      }
+    }
+    if (best_at == std::string::npos) break;
+    encode_added(text.substr(from, best_at - from), pass + 1, ids);
+    ids.push_back(added[best].id);
+    from = best_at + added[best].content.size();
+  }
+  encode_added(text.substr(from), pass + 1, ids);
+}
+
+ByteLevelBpeTokenizer::ByteLevelBpeTokenizer() : impl_(std::make_unique<Impl>()) {}
+
+ByteLevelBpeTokenizer ByteLevelBpeTokenizer::load(const std::string& dir) {
+  return ByteLevelBpeTokenizer(dir + "/encoder.json", dir + "/vocab.bpe");
+}
+
+ByteLevelBpeTokenizer::ByteLevelBpeTokenizer(const std::string& encoder_json_path,
+                                             const std::string& vocab_bpe_path)
     : impl_(std::make_unique<Impl>()) {
   nlohmann::json entries;
   try {
     entries = nlohmann::json::parse(read_file(encoder_json_path));
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(
-        fmt::format("Gpt2Tokenizer: '{}' is not valid JSON: {}", encoder_json_path, e.what()));
+        fmt::format("tokenizer: '{}' is not valid JSON: {}", encoder_json_path, e.what()));
   }
   if (!entries.is_object() || entries.empty()) {
     throw std::runtime_error(
-        fmt::format("Gpt2Tokenizer: '{}' must be a JSON object of token -> id", encoder_json_path));
+        fmt::format("tokenizer: '{}' must be a JSON object of token -> id", encoder_json_path));
   }
-  impl_->decoder.resize(entries.size());
+  std::vector<std::string> tokens(entries.size());
   for (const auto& [token, id] : entries.items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
-        id.get<int64_t>() >= static_cast<int64_t>(entries.size())) {
+        id.get<int64_t>() >= static_cast<int64_t>(entries.size()) || token.empty()) {
       throw std::runtime_error(
-          fmt::format("Gpt2Tokenizer: '{}': entry '{}' has id {}, expected an integer in [0, {})",
+          fmt::format("tokenizer: '{}': entry '{}' has id {}, expected an integer in [0, {})",
                       encoder_json_path, token, id.dump(), entries.size()));
     }
-    impl_->encoder.emplace(token, id.get<int64_t>());
-    impl_->decoder[id.get<int64_t>()] = token;
+    tokens[id.get<int64_t>()] = token;
   }
-  auto eos = impl_->encoder.find("<|endoftext|>");
-  if (eos == impl_->encoder.end()) {
-    throw std::runtime_error(
-        fmt::format("Gpt2Tokenizer: '{}' has no '<|endoftext|>' entry", encoder_json_path));
-  }
-  impl_->eos = eos->second;
 
+  std::vector<std::pair<std::string, std::string>> merges;
   std::istringstream lines(read_file(vocab_bpe_path));
   std::string line;
   int64_t line_number = 0;
@@ -244,25 +350,214 @@ Gpt2Tokenizer::Gpt2Tokenizer(const std::string& encoder_json_path,
     fields >> first >> second;
     if (first.empty()) continue;
     if (second.empty() || (fields >> extra)) {
-      throw std::runtime_error(fmt::format("Gpt2Tokenizer: '{}' line {}: expected two tokens",
-                                           vocab_bpe_path, line_number));
+      throw std::runtime_error(
+          fmt::format("tokenizer: '{}' line {}: expected two tokens", vocab_bpe_path, line_number));
     }
-    impl_->merge_ranks.emplace(first + ' ' + second,
-                               static_cast<int64_t>(impl_->merge_ranks.size()));
+    merges.emplace_back(first, second);
   }
-
-  const auto code_points = byte_to_code_point();
-  for (int b = 0; b < 256; ++b) {
-    impl_->byte_encoder[b] = utf8(code_points[b]);
-    impl_->byte_decoder[code_points[b]] = static_cast<unsigned char>(b);
+  try {
+    impl_->init(std::move(tokens), std::move(merges), {}, {});
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error(fmt::format("tokenizer: '{}': {}", encoder_json_path, e.what()));
   }
 }
 
-Gpt2Tokenizer::~Gpt2Tokenizer() = default;
-Gpt2Tokenizer::Gpt2Tokenizer(Gpt2Tokenizer&&) noexcept = default;
-Gpt2Tokenizer& Gpt2Tokenizer::operator=(Gpt2Tokenizer&&) noexcept = default;
+ByteLevelBpeTokenizer ByteLevelBpeTokenizer::from_vocab(
+    std::vector<std::string> tokens, std::vector<std::pair<std::string, std::string>> merges,
+    std::vector<AddedToken> added) {
+  ByteLevelBpeTokenizer tokenizer;
+  tokenizer.impl_->init(std::move(tokens), std::move(merges), std::move(added), {});
+  return tokenizer;
+}
 
-std::vector<std::string> Gpt2Tokenizer::pretokenize(const std::string& text) {
+namespace {
+
+using json = nlohmann::json;
+
+// tokenizer.json fields ShardRL's encode does not implement must hold their neutral value.
+void require_field(const json& object, const std::string& key, const json& neutral,
+                   const std::string& where, const std::string& path) {
+  if (!object.contains(key) || object[key] == neutral) return;
+  if (neutral.is_null() && object[key].is_string() && object[key].get<std::string>().empty()) {
+    return;
+  }
+  throw std::invalid_argument(
+      fmt::format("tokenizer: '{}': {}.{} is {}; ShardRL's byte-level BPE implements only {}", path,
+                  where, key, object[key].dump(), neutral.dump()));
+}
+
+void require_byte_level_pre_tokenizer(const json& pre, const std::string& path) {
+  if (pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers") &&
+      pre["pretokenizers"].is_array() && pre["pretokenizers"].size() == 1) {
+    return require_byte_level_pre_tokenizer(pre["pretokenizers"][0], path);
+  }
+  if (!pre.is_object() || pre.value("type", "") != "ByteLevel") {
+    throw std::invalid_argument(fmt::format(
+        "tokenizer: '{}': pre_tokenizer is {}; ShardRL reads the ByteLevel pre-tokenizer "
+        "(GPT-2's regex)",
+        path, pre.dump()));
+  }
+  require_field(pre, "add_prefix_space", false, "pre_tokenizer", path);
+  require_field(pre, "use_regex", true, "pre_tokenizer", path);
+}
+
+// ByteLevel only trims offsets; transformers' GGUF conversion writes a TemplateProcessing whose
+// single-sequence template is the sequence alone. Either leaves encode's ids as they are.
+bool adds_no_tokens(const json& post) {
+  if (post.is_null()) return true;
+  if (!post.is_object()) return false;
+  const std::string type = post.value("type", "");
+  if (type == "ByteLevel") return true;
+  if (type != "TemplateProcessing" || !post.contains("single") || !post["single"].is_array()) {
+    return false;
+  }
+  return std::all_of(post["single"].begin(), post["single"].end(),
+                     [](const json& piece) { return piece.contains("Sequence"); });
+}
+
+}  // namespace
+
+ByteLevelBpeTokenizer ByteLevelBpeTokenizer::load_tokenizer_json(const std::string& path) {
+  json file;
+  try {
+    file = json::parse(read_file(path));
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(
+        fmt::format("tokenizer: '{}' is not valid JSON: {}", path, e.what()));
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(e.what());
+  }
+  const auto field = [&](const json& object, const std::string& key, const std::string& where,
+                         json::value_t type) -> const json& {
+    if (!object.is_object() || !object.contains(key) || object[key].type() != type) {
+      throw std::invalid_argument(
+          fmt::format("tokenizer: '{}': {}{} is missing or of the wrong type", path, where, key));
+    }
+    return object[key];
+  };
+  const json& model = field(file, "model", "", json::value_t::object);
+  if (model.value("type", "BPE") != "BPE") {
+    throw std::invalid_argument(fmt::format(
+        "tokenizer: '{}': model.type is '{}'; ShardRL reads BPE", path, model.value("type", "")));
+  }
+  require_field(model, "dropout", nullptr, "model", path);
+  require_field(model, "continuing_subword_prefix", nullptr, "model", path);
+  require_field(model, "end_of_word_suffix", nullptr, "model", path);
+  require_field(model, "byte_fallback", false, "model", path);
+  require_field(file, "normalizer", nullptr, "", path);
+  if (!file.contains("pre_tokenizer")) {
+    throw std::invalid_argument(fmt::format("tokenizer: '{}': no pre_tokenizer", path));
+  }
+  require_byte_level_pre_tokenizer(file["pre_tokenizer"], path);
+  if (file.contains("post_processor") && !adds_no_tokens(file["post_processor"])) {
+    throw std::invalid_argument(fmt::format(
+        "tokenizer: '{}': post_processor is {}; ShardRL's encode adds no tokens, so it reads "
+        "none or ByteLevel",
+        path, file["post_processor"].dump()));
+  }
+
+  std::vector<std::string> tokens;
+  for (const auto& [token, id] : field(model, "vocab", "model.", json::value_t::object).items()) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || token.empty()) {
+      throw std::invalid_argument(
+          fmt::format("tokenizer: '{}': model.vocab entry '{}' has id {}", path, token, id.dump()));
+    }
+    const auto i = static_cast<size_t>(id.get<int64_t>());
+    if (i >= tokens.size()) tokens.resize(i + 1);
+    tokens[i] = token;
+  }
+  std::vector<std::pair<std::string, std::string>> merges;
+  for (const auto& merge : field(model, "merges", "model.", json::value_t::array)) {
+    if (merge.is_array() && merge.size() == 2 && merge[0].is_string() && merge[1].is_string()) {
+      merges.emplace_back(merge[0].get<std::string>(), merge[1].get<std::string>());
+      continue;
+    }
+    const std::string text = merge.is_string() ? merge.get<std::string>() : "";
+    const size_t space = text.find(' ');
+    if (space == std::string::npos || space == 0 || space + 1 == text.size() ||
+        text.find(' ', space + 1) != std::string::npos) {
+      throw std::invalid_argument(fmt::format(
+          "tokenizer: '{}': model.merges entry {} is {}, expected \"a b\" or [\"a\", \"b\"]", path,
+          merges.size(), merge.dump()));
+    }
+    merges.emplace_back(text.substr(0, space), text.substr(space + 1));
+  }
+  std::vector<AddedToken> added;
+  std::vector<bool> normalized;
+  if (file.contains("added_tokens") && !file["added_tokens"].is_null()) {
+    for (const auto& token : field(file, "added_tokens", "", json::value_t::array)) {
+      const std::string where = fmt::format("added_tokens[{}].", added.size());
+      for (const char* flag : {"single_word", "lstrip", "rstrip"}) {
+        require_field(token, flag, false, "added_tokens[" + std::to_string(added.size()) + "]",
+                      path);
+      }
+      added.push_back({field(token, "id", where, json::value_t::number_unsigned).get<int64_t>(),
+                       field(token, "content", where, json::value_t::string).get<std::string>(),
+                       token.value("special", false)});
+      normalized.push_back(token.value("normalized", !added.back().special));
+    }
+  }
+  ByteLevelBpeTokenizer tokenizer;
+  tokenizer.impl_->ignore_merges = model.value("ignore_merges", false);
+  try {
+    tokenizer.impl_->init(std::move(tokens), std::move(merges), std::move(added),
+                          std::move(normalized));
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("tokenizer: '{}': {}", path, e.what()));
+  }
+  return tokenizer;
+}
+
+void ByteLevelBpeTokenizer::save_tokenizer_json(const std::string& path) const {
+  using ordered = nlohmann::ordered_json;
+  ordered added = ordered::array();
+  for (size_t k = 0; k < impl_->added.size(); ++k) {
+    const AddedToken& token = impl_->added[k];
+    added.push_back({{"id", token.id},
+                     {"content", token.content},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", static_cast<bool>(impl_->added_normalized[k])},
+                     {"special", token.special}});
+  }
+  ordered vocab = ordered::object();
+  for (size_t id = 0; id < impl_->decoder.size(); ++id) {
+    if (impl_->encoder.count(impl_->decoder[id])) vocab[impl_->decoder[id]] = id;
+  }
+  ordered merges = ordered::array();
+  for (const auto& [first, second] : impl_->merges) merges.push_back({first, second});
+  const ordered byte_level = {{"type", "ByteLevel"},
+                              {"add_prefix_space", false},
+                              {"trim_offsets", true},
+                              {"use_regex", true}};
+  const ordered file = {{"version", "1.0"},
+                        {"truncation", nullptr},
+                        {"padding", nullptr},
+                        {"added_tokens", added},
+                        {"normalizer", nullptr},
+                        {"pre_tokenizer", byte_level},
+                        {"post_processor", nullptr},
+                        {"decoder", byte_level},
+                        {"model",
+                         {{"type", "BPE"},
+                          {"dropout", nullptr},
+                          {"unk_token", nullptr},
+                          {"continuing_subword_prefix", nullptr},
+                          {"end_of_word_suffix", nullptr},
+                          {"fuse_unk", false},
+                          {"byte_fallback", false},
+                          {"ignore_merges", impl_->ignore_merges},
+                          {"vocab", vocab},
+                          {"merges", merges}}}};
+  checkpoint::write_file_durably(path, file.dump(2));
+}
+
+ByteLevelBpeTokenizer::~ByteLevelBpeTokenizer() = default;
+ByteLevelBpeTokenizer::ByteLevelBpeTokenizer(ByteLevelBpeTokenizer&&) noexcept = default;
+ByteLevelBpeTokenizer& ByteLevelBpeTokenizer::operator=(ByteLevelBpeTokenizer&&) noexcept = default;
+
+std::vector<std::string> ByteLevelBpeTokenizer::pretokenize(const std::string& text) {
   std::vector<Char> chars;
   for (size_t i = 0; i < text.size();) {
     char32_t code;
@@ -281,46 +576,56 @@ std::vector<std::string> Gpt2Tokenizer::pretokenize(const std::string& text) {
   return pieces;
 }
 
-std::vector<int64_t> Gpt2Tokenizer::encode(const std::string& text) const {
+std::vector<int64_t> ByteLevelBpeTokenizer::encode(const std::string& text) const {
   std::vector<int64_t> ids;
-  for (const auto& piece : pretokenize(text)) {
-    auto piece_ids = impl_->bpe(piece);
-    ids.insert(ids.end(), piece_ids.begin(), piece_ids.end());
-  }
+  impl_->encode_added(text, 0, ids);
   return ids;
 }
 
-std::string Gpt2Tokenizer::decode(const std::vector<int64_t>& ids) const {
+// As tokenizers' ByteLevel decoder: a token's characters map back to bytes; a token with a
+// character outside the byte alphabet (an added token such as "<think> ") is taken as its UTF-8.
+std::string ByteLevelBpeTokenizer::decode(const std::vector<int64_t>& ids,
+                                          bool skip_special_tokens) const {
   std::string bytes;
   for (size_t k = 0; k < ids.size(); ++k) {
     if (ids[k] < 0 || ids[k] >= vocab_size()) {
       throw std::out_of_range(
-          fmt::format("Gpt2Tokenizer::decode: id {} at position {} is outside "
-                      "the vocabulary [0, {})",
+          fmt::format("tokenizer decode: id {} at position {} is outside the vocabulary [0, {})",
                       ids[k], k, vocab_size()));
     }
+    if (skip_special_tokens) {
+      auto added = impl_->added_index.find(ids[k]);
+      if (added != impl_->added_index.end() && impl_->added[added->second].special) continue;
+    }
     const std::string& token = impl_->decoder[ids[k]];
-    for (size_t i = 0; i < token.size();) {
+    std::string token_bytes;
+    bool byte_level = true;
+    for (size_t i = 0; i < token.size() && byte_level;) {
       char32_t code;
       i += next_code_point(token, i, code);
       auto it = impl_->byte_decoder.find(code);
-      // encoder.json's tokens are made of byte characters only; guard against a foreign file.
-      if (it == impl_->byte_decoder.end()) {
-        throw std::runtime_error(fmt::format(
-            "Gpt2Tokenizer::decode: token {} ('{}') is not byte-level BPE", ids[k], token));
-      }
-      bytes += static_cast<char>(it->second);
+      byte_level = it != impl_->byte_decoder.end();
+      if (byte_level) token_bytes += static_cast<char>(it->second);
     }
+    bytes += byte_level ? token_bytes : token;
   }
   return bytes;
 }
 
-int64_t Gpt2Tokenizer::vocab_size() const {
+int64_t ByteLevelBpeTokenizer::vocab_size() const {
   return static_cast<int64_t>(impl_->decoder.size());
 }
 
-int64_t Gpt2Tokenizer::eos_token_id() const {
-  return impl_->eos;
+int64_t ByteLevelBpeTokenizer::token_to_id(const std::string& token) const {
+  for (const auto& added : impl_->added) {
+    if (added.content == token) return added.id;
+  }
+  auto it = impl_->encoder.find(token);
+  return it == impl_->encoder.end() ? -1 : it->second;
+}
+
+const std::vector<ByteLevelBpeTokenizer::AddedToken>& ByteLevelBpeTokenizer::added_tokens() const {
+  return impl_->added;
 }
 
 }  // namespace shardrl::models
