@@ -230,6 +230,54 @@ TEST(Llama, TinyTopPIsGreedyAndSeededSamplingRepeats) {
                                  "prompt_length", "3");
 }
 
+// Left padding, as batched rollouts of prompts of different lengths need it: every row's logits,
+// greedy continuation and log-probs are those of the row run alone, unpadded.
+TEST(Llama, LeftPaddedRowsContinueAsTheyWouldAlone) {
+  const auto c = tiny_config();
+  auto model = random_model(c);
+  const std::vector<int64_t> lengths = {3, 6, 4};
+  const int64_t P = 6, pad = 0;
+  auto prompts = torch::full({3, P}, pad, torch::kLong);
+  auto mask = torch::zeros({3, P}, torch::kLong);
+  std::vector<torch::Tensor> alone;
+  for (int64_t r = 0; r < 3; ++r) {
+    alone.push_back(tokens_for(c, 1, lengths[r]) + r);
+    alone.back().remainder_(c.vocab_size);
+    prompts[r].narrow(0, P - lengths[r], lengths[r]).copy_(alone.back()[0]);
+    mask[r].narrow(0, P - lengths[r], lengths[r]).fill_(1);
+  }
+  torch::NoGradGuard no_grad;
+  auto batched = model(prompts, nullptr, mask);
+  for (int64_t r = 0; r < 3; ++r) {
+    auto expected = model(alone[r])[0];
+    auto got = batched[r].narrow(0, P - lengths[r], lengths[r]);
+    EXPECT_LE((got - expected).abs().max().item<double>(), 1e-5) << "row " << r;
+  }
+
+  models::SamplingOptions greedy;
+  greedy.max_new_tokens = 6;
+  auto rollout = models::sample(model, prompts, greedy, mask);
+  EXPECT_TRUE(torch::equal(rollout.attention_mask.narrow(1, 0, P), mask));
+  for (int64_t r = 0; r < 3; ++r) {
+    auto expected = models::generate(model, alone[r], greedy).narrow(1, lengths[r], 6);
+    EXPECT_TRUE(torch::equal(rollout.responses[r], expected[0]))
+        << "row " << r << ": " << rollout.responses[r] << " alone: " << expected[0];
+  }
+
+  auto sampled = models::sample(model, prompts, sampling_options(3), mask);
+  auto recomputed =
+      models::response_log_probs(model, sampled.sequences, P, 0.7, sampled.attention_mask);
+  EXPECT_LE(((recomputed - sampled.log_probs) * sampled.response_mask).abs().max().item<double>(),
+            1e-5);
+  for (int64_t r = 0; r < 3; ++r) {
+    auto row = torch::cat({alone[r][0], sampled.responses[r]}).unsqueeze(0);
+    auto expected = models::response_log_probs(model, row, lengths[r], 0.7)[0];
+    EXPECT_LE((recomputed[r] - expected).abs().max().item<double>(), 1e-5) << "row " << r;
+  }
+  expect_invalid_argument_naming(
+      [&] { models::sample(model, prompts, greedy, mask.narrow(1, 0, 5)); }, "prompt_mask");
+}
+
 TEST(Llama, SavedWeightsLoadBack) {
   const auto c = tiny_config(true);
   auto model = random_model(c);

@@ -23,19 +23,18 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
   return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
-// cos and sin [T, head_dim] of positions [first, first + T), computed in fp32 as HF does.
-std::pair<torch::Tensor, torch::Tensor> rotary(const LlamaConfig& c, int64_t first, int64_t T,
-                                               torch::Device device) {
+// cos and sin [..., head_dim] of `positions` (int64, any shape), computed in fp32 as HF does.
+std::pair<torch::Tensor, torch::Tensor> rotary(const LlamaConfig& c,
+                                               const torch::Tensor& positions) {
+  const auto device = positions.device();
   const int64_t hd = c.head_dim();
-  auto f32 = torch::dtype(torch::kFloat).device(device);
   auto inv_freq =
       1.0 /
       torch::pow(
           c.rope_theta,
           torch::arange(0, hd, 2, torch::dtype(torch::kLong).device(device)).to(torch::kFloat) /
               static_cast<double>(hd));
-  auto positions = torch::arange(first, first + T, f32);
-  auto freqs = torch::outer(positions, inv_freq);
+  auto freqs = positions.to(torch::kFloat).unsqueeze(-1) * inv_freq;
   auto emb = torch::cat({freqs, freqs}, -1);
   return {emb.cos(), emb.sin()};
 }
@@ -196,7 +195,8 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
 }
 
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                          const torch::Tensor& sin, KVCache* cache, size_t layer) {
+                                          const torch::Tensor& sin, const torch::Tensor& blocked,
+                                          KVCache* cache, size_t layer) {
   const int64_t B = x.size(0), T = x.size(1);
   auto split = [&](const torch::Tensor& t, int64_t heads) {
     return t.view({B, T, heads, head_dim_}).transpose(1, 2);
@@ -229,9 +229,11 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     v = v.repeat_interleave(rep, 1);
   }
   auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
-  auto future =
-      torch::ones({T, past + T}, torch::dtype(torch::kBool).device(x.device())).triu(past + 1);
-  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  const auto hidden =
+      blocked.defined() ? blocked
+                        : torch::ones({T, past + T}, torch::dtype(torch::kBool).device(x.device()))
+                              .triu(past + 1);
+  scores = scores.masked_fill(hidden, -std::numeric_limits<float>::infinity());
   auto probs = torch::softmax(scores.to(torch::kFloat), -1).to(q.scalar_type());
   auto out = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, heads_ * head_dim_});
   return o_proj(out);
@@ -259,19 +261,21 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, size_t index)
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                             KVCache* cache) {
-  if (!checkpoint_activations || cache) return compute(x, cos, sin, cache);
+                                             torch::Tensor blocked, KVCache* cache) {
+  if (!checkpoint_activations || cache) return compute(x, cos, sin, blocked, cache);
+  // The mask needs no grad: captured, not an input of the recompute.
   return checkpointed(
-      [this](const std::vector<torch::Tensor>& in) {
-        return compute(in[0], in[1], in[2], nullptr);
+      [this, blocked](const std::vector<torch::Tensor>& in) {
+        return compute(in[0], in[1], in[2], blocked, nullptr);
       },
       {x, cos, sin});
 }
 
 torch::Tensor LlamaDecoderLayerImpl::compute(const torch::Tensor& x_in, const torch::Tensor& cos,
-                                             const torch::Tensor& sin, KVCache* cache) {
+                                             const torch::Tensor& sin, const torch::Tensor& blocked,
+                                             KVCache* cache) {
   torch::Tensor x = x_in;
-  x = x + self_attn(input_layernorm(x), cos, sin, cache, index_);
+  x = x + self_attn(input_layernorm(x), cos, sin, blocked, cache, index_);
   return x + mlp(post_attention_layernorm(x));
 }
 
@@ -286,13 +290,37 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config_(c) {
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
 }
 
-torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
-  const int64_t past = cache ? cache->length() : 0, T = tokens.size(1);
+torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens, KVCache* cache,
+                                      const torch::Tensor& attention_mask) {
+  const int64_t B = tokens.size(0), past = cache ? cache->length() : 0, T = tokens.size(1);
   TORCH_CHECK(past + T <= config_.max_position_embeddings, "sequence length ", past + T,
               " exceeds max_position_embeddings ", config_.max_position_embeddings);
-  auto [cos, sin] = rotary(config_, past, T, tokens.device());
+  const auto device = tokens.device();
+  torch::Tensor positions =
+      torch::arange(past, past + T, torch::dtype(torch::kLong).device(device));
+  torch::Tensor blocked;
+  if (attention_mask.defined()) {
+    TORCH_CHECK(attention_mask.dim() == 2 && attention_mask.size(0) == B &&
+                    attention_mask.size(1) == past + T,
+                "attention_mask: expected [", B, ", ", past + T, "] (past + new tokens), got ",
+                attention_mask.sizes());
+    const auto valid = attention_mask.to(device).to(torch::kBool);
+    // HF's position_ids for left padding: each row counts its own tokens from 0.
+    positions = (valid.to(torch::kLong).cumsum(1) - 1).clamp_min(0).narrow(1, past, T);
+    const auto future =
+        torch::ones({T, past + T}, torch::dtype(torch::kBool).device(device)).triu(past + 1);
+    // A query sees the earlier tokens of its row, and always itself: a padding query then has
+    // a key to attend to (its output is never used), where an all-hidden row would give NaN
+    // and spread it through the values.
+    const auto itself =
+        torch::eye(T, past + T, torch::dtype(torch::kBool).device(device)).roll(past, 1);
+    blocked = (future.unsqueeze(0) | ~valid.unsqueeze(1)) & ~itself.unsqueeze(0);
+    blocked = blocked.unsqueeze(1);  // [B, 1, T, past + T]: one mask for every head
+  }
+  auto [cos, sin] = rotary(config_, positions);
+  if (cos.dim() == 3) cos = cos.unsqueeze(1), sin = sin.unsqueeze(1);  // [B, 1, T, head_dim]
   auto x = embed_tokens(tokens);
-  for (auto& layer : layers) x = layer(x, cos, sin, cache);
+  for (auto& layer : layers) x = layer(x, cos, sin, blocked, cache);
   return norm(x);
 }
 
@@ -306,8 +334,12 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
   }
 }
 
-torch::Tensor LlamaForCausalLMImpl::forward(torch::Tensor tokens, KVCache* cache) {
-  auto h = model(tokens, cache);
+torch::Tensor LlamaForCausalLMImpl::forward(torch::Tensor tokens, KVCache* cache,
+                                            torch::Tensor attention_mask, int64_t logits_to_keep) {
+  auto h = model(tokens, cache, attention_mask);
+  if (logits_to_keep > 0 && logits_to_keep < h.size(1)) {
+    h = h.narrow(1, h.size(1) - logits_to_keep, logits_to_keep);
+  }
   return lm_head ? lm_head(h) : F::linear(h, model->embed_tokens->weight);
 }
 

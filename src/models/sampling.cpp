@@ -47,9 +47,14 @@ torch::Tensor top_p_filter(const torch::Tensor& logits, double top_p) {
 }  // namespace
 
 Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
-               const SamplingOptions& options) {
+               const SamplingOptions& options, const torch::Tensor& prompt_mask) {
   check_options(options);
   check_tokens(prompts, "sample: prompts");
+  if (prompt_mask.defined() && prompt_mask.sizes() != prompts.sizes()) {
+    throw std::invalid_argument(fmt::format("sample: prompt_mask has shape {}, the prompts {}",
+                                            c10::str(prompt_mask.sizes()),
+                                            c10::str(prompts.sizes())));
+  }
   torch::NoGradGuard no_grad;
   // Every token's forward would otherwise gather and free every unit again.
   std::optional<fsdp::UnshardScope> gathered;
@@ -65,8 +70,14 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
   KVCache cache;
   std::vector<torch::Tensor> tokens, log_probs, mask;
   torch::Tensor input = prompts;
+  // Grows by a column of ones a step: the new tokens are never padding.
+  torch::Tensor attention_mask =
+      prompt_mask.defined() ? prompt_mask.to(prompts.device()).to(torch::kLong) : torch::Tensor();
+  const auto new_column = torch::ones({rows, 1}, prompts.options());
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
-    auto logits = model(input, &cache).select(1, -1).to(torch::kFloat);
+    // The head on the last position only: the prompt's other logits are never used.
+    auto logits =
+        model(input, &cache, attention_mask, /*logits_to_keep=*/1).select(1, -1).to(torch::kFloat);
     auto scaled = options.temperature > 0 ? logits / options.temperature : logits;
     torch::Tensor next;
     if (options.temperature > 0) {
@@ -85,6 +96,7 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
       if (done.all().item<bool>()) break;
     }
     input = next.unsqueeze(1);
+    if (attention_mask.defined()) attention_mask = torch::cat({attention_mask, new_column}, 1);
   }
 
   Rollout out;
@@ -99,6 +111,11 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
     out.response_mask = torch::stack(mask, 1);
   }
   out.sequences = torch::cat({prompts, out.responses}, 1);
+  out.attention_mask =
+      torch::cat({prompt_mask.defined() ? prompt_mask.to(prompts.device()).to(torch::kLong)
+                                        : torch::ones_like(prompts),
+                  torch::ones_like(out.responses)},
+                 1);
   return out;
 }
 
@@ -108,7 +125,8 @@ torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
 }
 
 torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& sequences,
-                                 int64_t prompt_length, double temperature) {
+                                 int64_t prompt_length, double temperature,
+                                 const torch::Tensor& attention_mask) {
   check_tokens(sequences, "response_log_probs: sequences");
   const int64_t total = sequences.size(1);
   if (prompt_length < 1 || prompt_length >= total) {
@@ -122,9 +140,15 @@ torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& s
   }
   const int64_t length = total - prompt_length;
   // Position t's logits predict token t + 1.
-  auto logits = model(sequences.narrow(1, 0, total - 1))
-                    .narrow(1, prompt_length - 1, length)
-                    .to(torch::kFloat);
+  if (attention_mask.defined() && attention_mask.sizes() != sequences.sizes()) {
+    throw std::invalid_argument(
+        fmt::format("response_log_probs: attention_mask has shape {}, the sequences {}",
+                    c10::str(attention_mask.sizes()), c10::str(sequences.sizes())));
+  }
+  const auto mask =
+      attention_mask.defined() ? attention_mask.narrow(1, 0, total - 1) : torch::Tensor();
+  // Only the response positions go through the head.
+  auto logits = model(sequences.narrow(1, 0, total - 1), nullptr, mask, length).to(torch::kFloat);
   if (temperature > 0) logits = logits / temperature;
   auto targets = sequences.narrow(1, prompt_length, length);
   return torch::log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1);

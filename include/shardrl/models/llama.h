@@ -67,10 +67,12 @@ struct KVCache {
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   explicit LlamaAttentionImpl(const LlamaConfig& config);
-  // x [B, T, D]; cos/sin [T, head_dim] for the absolute positions of x. With a cache, attends to
-  // the cached keys too and appends this step's keys and values to `layer` of it.
+  // x [B, T, D]; cos/sin [T, head_dim], or [B, 1, T, head_dim] with per-row positions, for the
+  // positions of x. `blocked` [B, 1, T, past + T] bool, true where a query may not see a key, or
+  // undefined for the plain causal mask. With a cache, attends to the cached keys too and
+  // appends this step's keys and values to `layer` of it.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        KVCache* cache, size_t layer);
+                        const torch::Tensor& blocked, KVCache* cache, size_t layer);
   lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
  private:
@@ -89,7 +91,8 @@ TORCH_MODULE(LlamaMLP);
 class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, size_t index);
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, KVCache* cache);
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                        torch::Tensor blocked, KVCache* cache);
   // Recompute this layer's activations in backward instead of keeping them (not with a cache,
   // which sampling uses without grad anyway).
   bool checkpoint_activations = false;
@@ -99,7 +102,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
 
  private:
   torch::Tensor compute(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        KVCache* cache);
+                        const torch::Tensor& blocked, KVCache* cache);
   size_t index_;
 };
 
@@ -107,7 +110,9 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
 class LlamaModelImpl : public torch::nn::Module {
  public:
   explicit LlamaModelImpl(const LlamaConfig& config);
-  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache);  // -> hidden states
+  // -> hidden states; attention_mask as LlamaForCausalLM's.
+  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache,
+                        const torch::Tensor& attention_mask);
   fsdp::Unit<EmbeddingImpl> embed_tokens{nullptr};
   std::vector<fsdp::Unit<LlamaDecoderLayerImpl>> layers;
   RMSNorm norm{nullptr};
@@ -121,8 +126,14 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
  public:
   explicit LlamaForCausalLMImpl(const LlamaConfig& config);
   // tokens [B, T] int64 -> logits [B, T, vocab]. With a cache, positions continue after it and
-  // the cache grows by T.
-  torch::Tensor forward(torch::Tensor tokens, KVCache* cache = nullptr);
+  // the cache grows by T. attention_mask [B, past + T] (HF's: 1 for a token, 0 for padding; any
+  // integer or bool dtype) lets rows of different lengths share a batch, left-padded: a padding
+  // key is seen by no query, and a row's positions count its tokens only (HF's position_ids,
+  // cumsum(mask) - 1), so each row's logits are those it has alone. Undefined: every token counts.
+  // logits_to_keep > 0 (HF's argument) computes the head on the last that many positions only:
+  // [B, logits_to_keep, vocab], what sampling needs of a prompt.
+  torch::Tensor forward(torch::Tensor tokens, KVCache* cache = nullptr,
+                        torch::Tensor attention_mask = {}, int64_t logits_to_keep = 0);
   const LlamaConfig& config() const { return config_; }
   // Activation checkpointing per decoder layer (see activation_checkpoint.h).
   void set_activation_checkpointing(bool enabled);

@@ -29,18 +29,21 @@ struct SamplingOptions {
 };
 
 struct Rollout {
-  torch::Tensor prompts;        // [B, P] int64
-  torch::Tensor responses;      // [B, L] int64; after a row's eos: pad_token_id
-  torch::Tensor sequences;      // [B, P + L] prompts then responses
-  torch::Tensor log_probs;      // [B, L] fp32, see the convention above; 0 outside the mask
-  torch::Tensor response_mask;  // [B, L] fp32: 1 up to and including a row's eos, then 0
+  torch::Tensor prompts;         // [B, P] int64
+  torch::Tensor responses;       // [B, L] int64; after a row's eos: pad_token_id
+  torch::Tensor sequences;       // [B, P + L] prompts then responses
+  torch::Tensor log_probs;       // [B, L] fp32, see the convention above; 0 outside the mask
+  torch::Tensor response_mask;   // [B, L] fp32: 1 up to and including a row's eos, then 0
+  torch::Tensor attention_mask;  // [B, P + L] int64: the prompt's mask, then ones
 };
 
-// Continues every row of `prompts` [B, P] (one length for all rows: the decoder has no padding
-// mask) with the KV cache, without grad. L = max_new_tokens, or fewer when every row has ended.
-// A sharded model is gathered once for the whole rollout (fsdp::UnshardScope), not per token.
+// Continues every row of `prompts` [B, P] with the KV cache, without grad. L = max_new_tokens,
+// or fewer when every row has ended. Prompts of different lengths are left-padded, with
+// `prompt_mask` [B, P] (1 for a token, 0 for padding; undefined: no padding): each row then
+// continues as it would alone (see LlamaForCausalLM::forward). A sharded model is gathered once
+// for the whole rollout (fsdp::UnshardScope), not per token.
 Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
-               const SamplingOptions& options);
+               const SamplingOptions& options, const torch::Tensor& prompt_mask = {});
 
 // sample(...).sequences.
 torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
@@ -49,7 +52,9 @@ torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
 // Teacher-forced log-probs of the last sequences.size(1) - prompt_length tokens of `sequences`
 // under log_softmax(logits / temperature) (temperature 0 counts as 1): [B, L] fp32, with grad
 // when grad mode is on. The old-policy, reference and current log-probs of PPO/GRPO.
+// attention_mask [B, total] for left-padded prompts (Rollout::attention_mask), or undefined.
 torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& sequences,
-                                 int64_t prompt_length, double temperature);
+                                 int64_t prompt_length, double temperature,
+                                 const torch::Tensor& attention_mask = {});
 
 }  // namespace shardrl::models
