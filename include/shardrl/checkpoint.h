@@ -226,6 +226,48 @@ class HfWeights {
   std::map<std::string, std::unique_ptr<SafetensorsReader>> open_;
 };
 
+// ---- GGUF
+// ----------------------------------------------------------------------------------------
+
+// A GGUF file (llama.cpp's format, versions 2 and 3): its metadata and tensor table are parsed on
+// open, every count, length and offset checked against the file's size before anything is
+// allocated; tensor data is read on demand and dequantized to fp32. Readable types: F32, F16, BF16,
+// Q8_0, Q4_0, Q4_1; another type is an error naming it and the tensor. Errors name the file and
+// the field or tensor.
+class GgufFile {
+ public:
+  struct Tensor {
+    std::string name;
+    std::vector<int64_t> shape;  // torch order (GGUF lists the fastest-varying dim first)
+    std::string type;            // ggml's name: "F32", "Q4_1", "Q6_K", ...
+    int64_t offset = 0;          // of the data in the file
+    int64_t bytes = 0;
+  };
+
+  explicit GgufFile(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  uint32_t version() const { return version_; }
+  // key -> value: numbers, booleans, strings and arrays of them, as JSON.
+  const nlohmann::json& metadata() const { return metadata_; }
+  // The value of `key`; absent is an error naming the key and the file.
+  const nlohmann::json& at(const std::string& key) const;
+  // In file order.
+  const std::vector<Tensor>& tensors() const { return tensors_; }
+  bool contains(const std::string& name) const { return index_.count(name) > 0; }
+  // An unknown name is an error naming it and the file.
+  const Tensor& tensor(const std::string& name) const;
+  // The tensor dequantized to fp32, in torch order.
+  torch::Tensor read(const std::string& name) const;
+
+ private:
+  std::string path_;
+  uint32_t version_ = 0;
+  nlohmann::json metadata_;
+  std::vector<Tensor> tensors_;
+  std::map<std::string, size_t> index_;
+};
+
 // ---- export and weight sync --------------------------------------------------------------------
 
 struct ExportOptions {

@@ -11,9 +11,11 @@
 #include "shardrl/checkpoint.h"
 #include "shardrl/fsdp.h"
 #include "shardrl/launcher.h"
+#include "shardrl/models/chat.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/sampling.h"
+#include "shardrl/models/tokenizer.h"
 #include "shardrl/trainer.h"
 
 namespace {
@@ -53,6 +55,7 @@ int inspect(const std::string& dir) {
 
 struct GenerateOptions {
   std::string model_dir, adapter_dir, token_ids, logits_out;
+  std::string prompt, chat, system;  // text prompts, tokenized by the model's tokenizer.json
   int64_t max_new_tokens = 32;
   int64_t eos_token_id = -2;  // -2: config.json's eos_token_id, or none
 };
@@ -77,22 +80,55 @@ std::vector<int64_t> parse_token_ids(const std::string& csv) {
   return ids;
 }
 
+nlohmann::json read_json_file(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument(fmt::format("{}: cannot be read", path.string()));
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(fmt::format("{}: not valid JSON: {}", path.string(), e.what()));
+  }
+}
+
 // `shardrl generate MODEL_DIR`: greedy continuation of a prompt by a Hugging Face-layout LLaMA /
-// Qwen2 directory (an export, or transformers' save_pretrained), with a PEFT adapter on top if
-// given; prints the new token ids. --logits-out writes the prompt's fp32 logits [1, T, vocab] as
+// Qwen2 directory (an export, an import, or transformers' save_pretrained), with a PEFT adapter on
+// top if given. The prompt is token ids (the new ids are printed) or text: --prompt as it is,
+// --chat as a user turn in the model's chat template, tokenized by the directory's tokenizer.json
+// (the new text is printed). --logits-out writes the prompt's fp32 logits [1, T, vocab] as
 // safetensors ("logits"), for comparison with another implementation.
 int generate(const GenerateOptions& o) {
   namespace models = shardrl::models;
+  const std::filesystem::path dir(o.model_dir);
+  std::optional<models::ByteLevelBpeTokenizer> tokenizer;
+  std::vector<int64_t> ids;
+  if (o.token_ids.empty() && o.prompt.empty() && o.chat.empty()) {
+    throw std::invalid_argument("generate: give the prompt as --token-ids, --prompt or --chat");
+  }
+  if (!o.token_ids.empty()) {
+    ids = parse_token_ids(o.token_ids);
+  } else {
+    tokenizer =
+        models::ByteLevelBpeTokenizer::load_tokenizer_json((dir / "tokenizer.json").string());
+    std::string text = o.prompt;
+    if (!o.chat.empty()) {
+      std::vector<models::ChatMessage> messages;
+      if (!o.system.empty()) messages.push_back({"system", o.system});
+      messages.push_back({"user", o.chat});
+      text = models::ChatTemplate::from_model_dir(o.model_dir)
+                 .render(messages, /*add_generation_prompt=*/true);
+    }
+    ids = tokenizer->encode(text);
+    if (ids.empty()) throw std::invalid_argument("the prompt has no tokens");
+  }
+
   torch::NoGradGuard no_grad;
   auto model = models::load_llama(o.model_dir);
   if (!o.adapter_dir.empty()) models::lora::load_peft_adapter(*model, o.adapter_dir);
   model->eval();
-  const auto ids = parse_token_ids(o.token_ids);
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] >= model->config().vocab_size) {
       throw std::invalid_argument(
-          fmt::format("--token-ids: id {} at position {} is outside the "
-                      "vocabulary ({} tokens)",
+          fmt::format("prompt: token id {} at position {} is outside the vocabulary ({} tokens)",
                       ids[i], i, model->config().vocab_size));
     }
   }
@@ -106,8 +142,7 @@ int generate(const GenerateOptions& o) {
   }
   int64_t eos = o.eos_token_id;
   if (eos == -2) {
-    const auto config =
-        nlohmann::json::parse(std::ifstream(std::filesystem::path(o.model_dir) / "config.json"));
+    const auto config = read_json_file(dir / "config.json");
     eos = config.contains("eos_token_id") && config["eos_token_id"].is_number_integer()
               ? config["eos_token_id"].get<int64_t>()
               : -1;
@@ -116,13 +151,18 @@ int generate(const GenerateOptions& o) {
   sampling.max_new_tokens = o.max_new_tokens;
   sampling.eos_token_id = eos;
   const torch::Tensor responses = models::sample(model, prompt, sampling).responses;
-  std::string out;
+  std::vector<int64_t> generated;
   for (int64_t i = 0; i < responses.size(1); ++i) {
-    const int64_t id = responses[0][i].item<int64_t>();
-    out += (out.empty() ? "" : " ") + std::to_string(id);
-    if (id == eos) break;
+    generated.push_back(responses[0][i].item<int64_t>());
+    if (generated.back() == eos) break;
   }
-  std::cout << out << "\n";
+  if (tokenizer) {
+    std::cout << tokenizer->decode(generated, /*skip_special_tokens=*/true) << "\n";
+  } else {
+    std::string out;
+    for (int64_t id : generated) out += (out.empty() ? "" : " ") + std::to_string(id);
+    std::cout << out << "\n";
+  }
   return 0;
 }
 
@@ -180,14 +220,30 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingDirectory);
   generate_cmd->add_option("--adapter", gen.adapter_dir, "PEFT LoRA adapter directory")
       ->check(CLI::ExistingDirectory);
-  generate_cmd->add_option("--token-ids", gen.token_ids, "Prompt token ids, comma-separated")
-      ->required();
+  auto* token_ids_opt =
+      generate_cmd->add_option("--token-ids", gen.token_ids, "Prompt token ids, comma-separated");
+  auto* prompt_opt =
+      generate_cmd->add_option("--prompt", gen.prompt, "Prompt text (needs tokenizer.json)");
+  auto* chat_opt = generate_cmd->add_option(
+      "--chat", gen.chat, "A user message, in the model's chat template (needs tokenizer.json)");
+  generate_cmd->add_option("--system", gen.system, "A system message for --chat")->needs(chat_opt);
+  token_ids_opt->excludes(prompt_opt)->excludes(chat_opt);
+  prompt_opt->excludes(chat_opt);
   generate_cmd->add_option("--max-new-tokens", gen.max_new_tokens, "Tokens to generate at most")
       ->check(CLI::NonNegativeNumber);
   generate_cmd->add_option("--eos-token-id", gen.eos_token_id,
                            "Stop at this id (default: config.json's eos_token_id)");
   generate_cmd->add_option("--logits-out", gen.logits_out,
                            "Write the prompt's fp32 logits here (safetensors, tensor 'logits')");
+
+  std::string gguf_path, import_dir, import_dtype = "fp32";
+  auto* import_cmd =
+      app.add_subcommand("import",
+                         "Convert a llama.cpp GGUF model into a Hugging Face folder (safetensors, "
+                         "config.json, tokenizer.json)");
+  import_cmd->add_option("gguf", gguf_path, "GGUF file")->required()->check(CLI::ExistingFile);
+  import_cmd->add_option("out", import_dir, "Output directory")->required();
+  import_cmd->add_option("--dtype", import_dtype, "fp32 (default), bf16 or fp16");
 
   std::string train_config;
   std::vector<std::string> train_overrides;
@@ -205,6 +261,12 @@ int main(int argc, char** argv) {
     if (app.got_subcommand(launch_cmd)) return shardrl::dist::launch(launch);
     if (app.got_subcommand(inspect_cmd)) return inspect(ckpt_dir);
     if (app.got_subcommand(generate_cmd)) return generate(gen);
+    if (app.got_subcommand(import_cmd)) {
+      for (const auto& file : shardrl::models::import_gguf(
+               gguf_path, import_dir, shardrl::fsdp::parse_dtype(import_dtype, "--dtype")))
+        std::cout << file << "\n";
+      return 0;
+    }
     if (app.got_subcommand(export_cmd) && !adapter.empty()) {
       const auto dtype = export_cmd->count("--dtype") > 0
                              ? shardrl::fsdp::parse_dtype(export_dtype, "--dtype")

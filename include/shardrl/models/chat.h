@@ -1,0 +1,39 @@
+// Chat prompts in a model's own format, for the template family instruct models on the Hub most
+// often use: ChatML (`<|im_start|>role\ncontent<|im_end|>\n`, SmolLM2, Qwen2).
+//
+// A chat template is Jinja code; ShardRL runs no Jinja. It recognises ChatML templates and takes
+// from the template text the default system message some insert when the conversation has none
+// (SmolLM2's "You are a helpful AI assistant named SmolLM, ..."). The result equals transformers'
+// apply_chat_template for those templates (tests/python/gguf_reference.py checks it); any other
+// template is an error rather than a silently different prompt.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace shardrl::models {
+
+struct ChatMessage {
+  std::string role;  // "system", "user", "assistant"
+  std::string content;
+};
+
+class ChatTemplate {
+ public:
+  // `source` names the template in errors (e.g. the tokenizer_config.json path).
+  ChatTemplate(const std::string& jinja, const std::string& source);
+  // A Hugging Face model directory's template: chat_template.jinja (transformers 5), else
+  // tokenizer_config.json's chat_template (earlier versions, and `shardrl import`). Neither is
+  // an error naming the directory.
+  static ChatTemplate from_model_dir(const std::string& dir);
+  // The prompt text; with add_generation_prompt it ends with the assistant's turn opened.
+  std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
+  // The system message inserted when the first message is not one, if the template has one.
+  const std::optional<std::string>& default_system() const { return default_system_; }
+
+ private:
+  std::optional<std::string> default_system_;
+};
+
+}  // namespace shardrl::models
