@@ -9,7 +9,7 @@ CUDA_CHECK_TARGETS ?= shardrl dist_worker
 # The tests that run on one GPU: World picks NCCL and cuda:LOCAL_RANK when a GPU is visible.
 CUDA_TESTS ?= WorldSizes/ParityTest.*/0$$
 
-.PHONY: deps configure build test demo bench format clean build-cuda test-cuda
+.PHONY: deps configure build test demo smollm2 bench format clean build-cuda test-cuda
 
 deps:
 	@scripts/install-deps.sh
@@ -25,6 +25,10 @@ test: build
 
 demo: build
 	@scripts/demo.sh $(BUILD)
+
+# The second main job: GRPO on a real pretrained model, SmolLM2-135M-Instruct.
+smollm2: build
+	@scripts/smollm2.sh $(BUILD)
 
 bench: build
 	@scripts/bench.sh $(BUILD)

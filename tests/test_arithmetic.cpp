@@ -63,6 +63,13 @@ TEST(Arithmetic, RewardIsExactMatchOfTheParsedAnswer) {
   EXPECT_EQ(algos::arithmetic_reward("28", "-28"), 0.0);
   EXPECT_EQ(algos::arithmetic_reward("47", "46"), 0.0);
   EXPECT_EQ(algos::arithmetic_reward("4 6", "46"), 0.0);
+  using algos::AnswerAt;
+  EXPECT_EQ(algos::arithmetic_reward("47 + 38 = 85.", "85", AnswerAt::kLastInteger), 1.0);
+  EXPECT_EQ(algos::arithmetic_reward("47 + 38 = 85.", "85"), 0.0);  // starts with 47
+  EXPECT_EQ(algos::arithmetic_reward("so 5 - 9 = -4", "-4", AnswerAt::kLastInteger), 1.0);
+  EXPECT_EQ(algos::arithmetic_reward("so 15-9", "9", AnswerAt::kLastInteger), 1.0);  // a minus
+  EXPECT_EQ(algos::arithmetic_reward("no number", "1", AnswerAt::kLastInteger), 0.0);
+  EXPECT_EQ(algos::arithmetic_reward("85 or 86", "85", AnswerAt::kLastInteger), 0.0);
   EXPECT_EQ(algos::arithmetic_reward("466", "46"), 0.0);
   EXPECT_EQ(algos::arithmetic_reward("x46", "46"), 0.0);
   EXPECT_EQ(algos::arithmetic_reward("", "46"), 0.0);

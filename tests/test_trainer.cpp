@@ -6,7 +6,10 @@
 #include <fstream>
 
 #include "../src/trainer/tasks.h"
+#include "shardrl/models/llama.h"
+#include "shardrl/models/weights.h"
 #include "test_util.h"
+#include "workers/llama_scenario.h"
 
 namespace shardrl::testing {
 namespace {
@@ -223,6 +226,82 @@ TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", 24,
                       {"step", "reward_mean", "loss"});
+}
+
+// The pretrained-chat-model path of lm_grpo (examples/configs/smollm2_grpo.yaml), on a tiny random
+// decoder with SmolLM2's real tokenizer and chat template (from `shardrl import` of its GGUF):
+// prompts through the chat template, left-padded; held-out validation before, during and after;
+// metrics.jsonl, summary.json and reward_curve.png. The real model's run is `make smollm2`.
+TEST(Trainer, LmGrpoRunsOnAPretrainedChatModelDirectory) {
+  const auto dir = make_temp_dir("trainer_chat_grpo");
+  auto imported = run_process({bin("shardrl"), "import", smollm2_gguf(), dir + "/imported"});
+  ASSERT_EQ(imported.exit_code, 0) << imported.output;
+  const std::string model = dir + "/tiny";
+  models::LlamaConfig c = llama_test_config();
+  c.vocab_size = 49152;  // SmolLM2's tokenizer
+  c.max_position_embeddings = 256;
+  c.tie_word_embeddings = true;
+  torch::manual_seed(0);
+  models::LlamaForCausalLM tiny(c);
+  models::save_llama(models::state_dict(*tiny), c, model);
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+    fs::copy_file(dir + "/imported/" + file, model + "/" + file);
+  }
+  auto argv = [&](const std::string& run, const std::vector<std::string>& extra) {
+    std::vector<std::string> a = {
+        bin("shardrl"),
+        "train",
+        std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/smollm2_grpo.yaml",
+        "trainer.default_local_dir=" + dir + "/" + run,
+        "actor_rollout_ref.model.path=" + model,
+        "trainer.save_freq=1",
+        "trainer.test_freq=1",
+        "data.train_batch_size=2",
+        "data.val_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.response_length=6",
+        "actor_rollout_ref.model.lora_rank=4"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  // In two parts, as the real job may be run: the second resumes from the first's checkpoint,
+  // and the summary still spans both (validation before training is step 0 of metrics.jsonl).
+  auto first = run_process(argv("run", {"trainer.total_training_steps=1"}), {}, 300);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("before RL: greedy accuracy on 4 held-out problems"),
+            std::string::npos)
+      << first.output;
+  auto result = run_process(argv("run", {"trainer.total_training_steps=2"}), {}, 300);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("resumed from"), std::string::npos) << result.output;
+  EXPECT_EQ(result.output.find("before RL"), std::string::npos) << result.output;
+  const auto metrics = read_jsonl(dir + "/run/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 3u);
+  EXPECT_EQ(metrics[0].dump(),
+            json({{"step", 0}, {"val/accuracy", metrics[0]["val/accuracy"]}}).dump());
+  for (size_t k = 1; k < metrics.size(); ++k) {
+    const auto& line = metrics[k];
+    EXPECT_EQ(line["step"], k);
+    for (const char* key : {"reward_mean", "val/accuracy", "perf/rollout_tokens_per_s",
+                            "time_rollout", "time_update", "response_length", "grad_norm"}) {
+      EXPECT_TRUE(line.contains(key)) << key << " missing in " << line.dump();
+    }
+    EXPECT_LE(line["response_length"].get<double>(), 6.0);
+  }
+  std::ifstream summary_file(dir + "/run/summary.json");
+  const auto summary = json::parse(summary_file);
+  EXPECT_EQ(summary.value("eval_accuracy_before", -1.0), metrics[0]["val/accuracy"])
+      << summary.dump();
+  EXPECT_EQ(summary.value("eval_accuracy_after", -1.0), metrics[2]["val/accuracy"])
+      << summary.dump();
+  EXPECT_TRUE(fs::exists(dir + "/run/reward_curve.png"));
+
+  auto too_long = run_process(
+      argv("bad", {"trainer.total_training_steps=1", "actor_rollout_ref.rollout.prompt_length=5"}),
+      {}, 300);
+  EXPECT_NE(too_long.exit_code, 0);
+  EXPECT_NE(too_long.output.find("actor_rollout_ref.rollout.prompt_length"), std::string::npos)
+      << too_long.output;
 }
 
 }  // namespace

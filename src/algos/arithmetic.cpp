@@ -62,18 +62,32 @@ std::optional<int64_t> parse_arithmetic_answer(const std::string& response) {
   return negative ? -value : value;
 }
 
-double arithmetic_reward(const std::string& response, const std::string& answer) {
+std::optional<int64_t> parse_last_integer(const std::string& response) {
+  const auto is_digit = [](char c) { return c >= '0' && c <= '9'; };
+  size_t end = response.size();
+  while (end > 0 && !is_digit(response[end - 1])) --end;
+  if (end == 0) return std::nullopt;
+  size_t start = end;
+  while (start > 0 && is_digit(response[start - 1])) --start;
+  const bool negative =
+      start > 0 && response[start - 1] == '-' && (start < 2 || !is_digit(response[start - 2]));
+  return parse_arithmetic_answer(
+      response.substr(negative ? start - 1 : start, end - start + negative));
+}
+
+double arithmetic_reward(const std::string& response, const std::string& answer, AnswerAt at) {
   const auto expected = parse_arithmetic_answer(answer);
   if (!expected) {
     throw std::invalid_argument(
         fmt::format("arithmetic_reward: answer \"{}\" is not an integer", answer));
   }
-  const auto got = parse_arithmetic_answer(response);
+  const auto got =
+      at == AnswerAt::kStart ? parse_arithmetic_answer(response) : parse_last_integer(response);
   return got && *got == *expected ? 1.0 : 0.0;
 }
 
 torch::Tensor arithmetic_rewards(const std::vector<std::string>& responses,
-                                 const std::vector<std::string>& answers) {
+                                 const std::vector<std::string>& answers, AnswerAt at) {
   if (responses.size() != answers.size()) {
     throw std::invalid_argument(fmt::format("arithmetic_rewards: {} responses for {} answers",
                                             responses.size(), answers.size()));
@@ -81,7 +95,8 @@ torch::Tensor arithmetic_rewards(const std::vector<std::string>& responses,
   auto rewards = torch::empty({static_cast<int64_t>(responses.size())}, torch::kFloat);
   auto out = rewards.accessor<float, 1>();
   for (size_t k = 0; k < responses.size(); ++k) {
-    out[static_cast<int64_t>(k)] = static_cast<float>(arithmetic_reward(responses[k], answers[k]));
+    out[static_cast<int64_t>(k)] =
+        static_cast<float>(arithmetic_reward(responses[k], answers[k], at));
   }
   return rewards;
 }

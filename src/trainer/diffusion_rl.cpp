@@ -100,12 +100,6 @@ std::string dit_key(const Options& o) {
                      o.depth, o.pretrain_steps, o.pretrain_batch, o.seed);
 }
 
-void write_json(const std::string& path, const nlohmann::json& j) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error("cannot write " + path);
-  out << j.dump(2) << "\n";
-}
-
 int64_t count_params(torch::nn::Module& m) {
   int64_t n = 0;
   for (const auto& p : m.parameters()) n += p.numel();
@@ -418,39 +412,18 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
   if (lead) {
     data::write_png(o.run_dir + "/samples_after.png",
                     data::image_grid(after.images, o.eval_per_class, 2, 3));
-    // The curve of the whole run, resumed parts included, from metrics.jsonl.
-    std::vector<double> reward_curve;
-    std::map<std::string, double> phase_seconds;  // "time_<phase>" summed over the steps
-    std::ifstream lines(o.run_dir + "/metrics.jsonl");
-    for (std::string line; std::getline(lines, line);) {
-      const auto step_metrics = nlohmann::json::parse(line);
-      reward_curve.push_back(step_metrics.value("reward_mean", 0.0));
-      for (const auto& [key, value] : step_metrics.items()) {
-        if (key.rfind("time_", 0) == 0) phase_seconds[key.substr(5)] += value.get<double>();
-      }
-    }
-    nlohmann::json phases = nlohmann::json::object();
+    const auto curve =
+        summarize_run(o.run_dir, fmt::format("{} reward (p(class)) per step", o.algorithm));
     std::string phase_line;
-    for (const auto& [phase, total] : phase_seconds) {
-      const double mean = total / static_cast<double>(std::max<size_t>(reward_curve.size(), 1));
-      phases[phase] = mean;
-      phase_line += fmt::format("{}{} {:.3f}", phase_line.empty() ? "" : ", ", phase, mean);
+    for (const auto& [phase, mean] : curve.phase_seconds_per_step.items()) {
+      phase_line +=
+          fmt::format("{}{} {:.3f}", phase_line.empty() ? "" : ", ", phase, mean.get<double>());
     }
-    std::vector<double> smooth;
-    for (size_t i = 0; i < reward_curve.size(); ++i) {
-      const size_t from = i >= 4 ? i - 4 : 0;
-      double sum = 0;
-      for (size_t k = from; k <= i; ++k) sum += reward_curve[k];
-      smooth.push_back(sum / static_cast<double>(i - from + 1));
-    }
-    data::LinePlotOptions plot;
-    plot.title = fmt::format("{} reward (p(class)) per step", o.algorithm);
-    data::write_png(o.run_dir + "/reward_curve.png", data::line_plot({reward_curve, smooth}, plot));
     nlohmann::json summary{{"classifier_seconds", classifier_seconds},
                            {"pretrain_seconds", pretrain_seconds},
                            {"rl_seconds", rl_seconds},
                            {"rl_seconds_per_step", rl_seconds / rl_steps_run},
-                           {"rl_phase_seconds_per_step", phases},
+                           {"rl_phase_seconds_per_step", curve.phase_seconds_per_step},
                            {"eval_reward_after", after.reward},
                            {"eval_accuracy_after", after.accuracy},
                            {"total_seconds", since(t0)}};

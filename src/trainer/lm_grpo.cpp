@@ -1,19 +1,30 @@
-// Task "lm_grpo": GRPO for the LLaMA-style decoder on a verifiable task (arithmetic), after a
-// short supervised stage on the task's format (cached, like the diffusion job's).
-//   1. next-token training on "3+4=7\n" strings teaches the format (and some answers);
-//   2. each RL step samples rollout.n answers per prompt with the KV cache (temperature, top-p,
-//      recording log-probs), scores them exactly, and takes one GRPO step: group-normalised
-//      outcome advantages, the PPO dual-clip loss, optionally a KL to the supervised model.
+// Task "lm_grpo": GRPO for a LLaMA-style decoder on a verifiable task (arithmetic), in one of two
+// settings:
+//   - a model trained here (actor_rollout_ref.model.path empty): a short supervised stage on
+//     "3+4=7\n" strings over a 15-character vocabulary teaches the format first (cached);
+//   - a pretrained chat model (model.path: a Hugging Face directory, e.g. `shardrl import` of
+//     SmolLM2): its tokenizer.json and chat template pose "What is 23 + 19?" as a user turn, and
+//     the last integer of its answer is scored.
+// Each RL step samples rollout.n answers per prompt with the KV cache (left-padded prompts,
+// temperature, top-p, recording log-probs), scores them exactly, and takes one GRPO step:
+// group-normalised outcome advantages, the PPO dual-clip loss, optionally a KL to the reference.
+// Held-out problems (data.val_size) are answered greedily before training, every
+// trainer.test_freq steps and at the end.
 #include <fmt/format.h>
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <optional>
+#include <set>
 
 #include "shardrl/algos.h"
 #include "shardrl/algos/arithmetic.h"
+#include "shardrl/models/chat.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/sampling.h"
+#include "shardrl/models/tokenizer.h"
 #include "tasks.h"
 
 namespace shardrl::trainer {
@@ -120,19 +131,191 @@ std::string supervised_stage(const json& config, const std::shared_ptr<dist::Wor
   return dir;
 }
 
+// How the task's text meets the model's tokens.
+class TaskText {
+ public:
+  virtual ~TaskText() = default;
+  // Token ids [B, P], left-padded, and their attention mask [B, P] (undefined: no padding).
+  virtual std::pair<torch::Tensor, torch::Tensor> prompts(
+      const std::vector<algos::ArithmeticProblem>& problems) const = 0;
+  // A response's text: its tokens under the response mask.
+  virtual std::string response(const torch::Tensor& ids, const torch::Tensor& mask) const = 0;
+  virtual algos::AnswerAt answer_at() const = 0;
+  int64_t eos = -1, pad = -1;
+};
+
+// The model trained here: its 15-character vocabulary, operands zero-padded to one width.
+class CharacterText : public TaskText {
+ public:
+  CharacterText() { eos = pad = kEos; }
+  std::pair<torch::Tensor, torch::Tensor> prompts(
+      const std::vector<algos::ArithmeticProblem>& problems) const override {
+    std::vector<std::string> texts;
+    for (const auto& p : problems) texts.push_back(p.prompt);
+    return {encode(texts), torch::Tensor()};
+  }
+  std::string response(const torch::Tensor& ids, const torch::Tensor& mask) const override {
+    return decode(ids, mask);
+  }
+  algos::AnswerAt answer_at() const override { return algos::AnswerAt::kStart; }
+};
+
+// A pretrained chat model: "23+19=" becomes the user turn "What is 23 + 19?" in its chat
+// template, tokenized by its tokenizer.json; the turn ends at its eos (SmolLM2's <|im_end|>).
+class ChatText : public TaskText {
+ public:
+  ChatText(const std::string& dir, const models::LlamaConfig& model, int64_t prompt_length)
+      : tokenizer_(models::ByteLevelBpeTokenizer::load_tokenizer_json(dir + "/tokenizer.json")),
+        chat_(models::ChatTemplate::from_model_dir(dir)),
+        prompt_length_(prompt_length) {
+    // The ids as transformers finds them: generation_config.json, config.json, then the
+    // tokenizer_config.json's token strings.
+    const auto id_of = [&](const char* id_key, const char* token_key) -> int64_t {
+      for (const char* file : {"generation_config.json", "config.json"}) {
+        const json j = json::parse(std::ifstream(dir + "/" + file), nullptr, false);
+        if (j.is_object() && j.contains(id_key) && j[id_key].is_number_integer()) {
+          return j[id_key].get<int64_t>();
+        }
+      }
+      const json j = json::parse(std::ifstream(dir + "/tokenizer_config.json"), nullptr, false);
+      return j.is_object() && j.contains(token_key) && j[token_key].is_string()
+                 ? tokenizer_.token_to_id(j[token_key].get<std::string>())
+                 : -1;
+    };
+    eos = id_of("eos_token_id", "eos_token");
+    if (eos < 0 || eos >= model.vocab_size) {
+      throw std::invalid_argument(fmt::format(
+          "config key 'actor_rollout_ref.model.path': {} names no eos token in the vocabulary "
+          "(generation_config.json, config.json or tokenizer_config.json); a chat turn must end",
+          dir));
+    }
+    pad = id_of("pad_token_id", "pad_token");
+    if (pad < 0 || pad >= model.vocab_size) pad = eos;
+  }
+
+  std::pair<torch::Tensor, torch::Tensor> prompts(
+      const std::vector<algos::ArithmeticProblem>& problems) const override {
+    std::vector<std::vector<int64_t>> rows;
+    size_t width = 0;
+    for (const auto& p : problems) {
+      const size_t op = p.prompt.find_first_of("+-*", 1);
+      const std::string question =
+          fmt::format("What is {} {} {}?", p.prompt.substr(0, op), p.prompt[op],
+                      p.prompt.substr(op + 1, p.prompt.size() - op - 2));
+      rows.push_back(tokenizer_.encode(chat_.render({{"user", question}}, true)));
+      if (static_cast<int64_t>(rows.back().size()) > prompt_length_) {
+        throw std::invalid_argument(fmt::format(
+            "config key 'actor_rollout_ref.rollout.prompt_length' ({}) is shorter than the "
+            "prompt of \"{}\" ({} tokens)",
+            prompt_length_, question, rows.back().size()));
+      }
+      width = std::max(width, rows.back().size());
+    }
+    const auto n = static_cast<int64_t>(rows.size());
+    auto tokens = torch::full({n, static_cast<int64_t>(width)}, pad, torch::kLong);
+    auto mask = torch::zeros({n, static_cast<int64_t>(width)}, torch::kLong);
+    for (int64_t i = 0; i < n; ++i) {
+      const auto len = static_cast<int64_t>(rows[i].size());
+      const auto at = static_cast<int64_t>(width) - len;
+      tokens[i].narrow(0, at, len).copy_(torch::tensor(rows[i], torch::kLong));
+      mask[i].narrow(0, at, len).fill_(1);
+    }
+    return {tokens, mask};
+  }
+  std::string response(const torch::Tensor& ids, const torch::Tensor& mask) const override {
+    const auto length = mask.sum().item<int64_t>();
+    const auto kept = ids.narrow(0, 0, length).contiguous();
+    return tokenizer_.decode(
+        std::vector<int64_t>(kept.data_ptr<int64_t>(), kept.data_ptr<int64_t>() + length),
+        /*skip_special_tokens=*/true);
+  }
+  algos::AnswerAt answer_at() const override { return algos::AnswerAt::kLastInteger; }
+
+ private:
+  models::ByteLevelBpeTokenizer tokenizer_;
+  models::ChatTemplate chat_;
+  int64_t prompt_length_;
+};
+
+// Held-out problems and the training draws that avoid them.
+class Problems {
+ public:
+  Problems(const algos::ArithmeticTaskConfig& task, int64_t val_size, int64_t seed)
+      : task_(task), seed_(seed) {
+    val_ = algos::make_arithmetic_problems(task, val_size, seed * 31337 + 17);
+    for (const auto& p : val_) held_out_.insert(p.prompt);
+  }
+  const std::vector<algos::ArithmeticProblem>& validation() const { return val_; }
+  // The step's problems, the same on every rank and in a resumed run.
+  std::vector<algos::ArithmeticProblem> training(int64_t count, int64_t step) const {
+    std::vector<algos::ArithmeticProblem> out;
+    for (int64_t round = 0; static_cast<int64_t>(out.size()) < count; ++round) {
+      if (round == 100) {
+        throw std::invalid_argument(
+            "config key 'data.val_size': the held-out problems leave too few to train on");
+      }
+      for (auto& p :
+           algos::make_arithmetic_problems(task_, count, seed_ * 1000003 + step + round * 7919)) {
+        if (!held_out_.count(p.prompt) && static_cast<int64_t>(out.size()) < count) {
+          out.push_back(std::move(p));
+        }
+      }
+    }
+    return out;
+  }
+
+ private:
+  algos::ArithmeticTaskConfig task_;
+  int64_t seed_;
+  std::vector<algos::ArithmeticProblem> val_;
+  std::set<std::string> held_out_;
+};
+
+// Greedy accuracy on this rank's share of the held-out problems, averaged over the ranks.
+double validate(engine::Engine& actor, const TaskText& text, const Problems& problems,
+                int64_t response_length) {
+  const auto& all = problems.validation();
+  const int64_t dp = actor.data_parallel_size();
+  const int64_t share = static_cast<int64_t>(all.size()) / dp;
+  const std::vector<algos::ArithmeticProblem> mine(
+      all.begin() + actor.data_parallel_rank() * share,
+      all.begin() + (actor.data_parallel_rank() + 1) * share);
+  auto [tokens, mask] = text.prompts(mine);
+  models::SamplingOptions greedy;
+  greedy.max_new_tokens = response_length;
+  greedy.eos_token_id = text.eos;
+  greedy.pad_token_id = text.pad;
+  const auto rollout =
+      models::sample(actor.model<models::LlamaForCausalLM>(), tokens, greedy, mask);
+  double correct = 0;
+  for (int64_t i = 0; i < share; ++i) {
+    correct +=
+        algos::arithmetic_reward(text.response(rollout.responses[i], rollout.response_mask[i]),
+                                 mine[i].answer, text.answer_at());
+  }
+  return actor.average_over_ranks({{"accuracy", correct / static_cast<double>(share)}})["accuracy"];
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 }  // namespace
 
 json lm_grpo_defaults() {
-  json d = {{"trainer",
-             {{"task", "lm_grpo"},
-              {"experiment_name", "arithmetic_grpo"},
-              {"default_local_dir", "runs/lm_grpo"},
-              {"total_training_steps", 40},
-              {"save_freq", 20}}},
-            {"data", {{"digits", 1}, {"operators", "+"}, {"train_batch_size", 16}}},
-            {"sft", {{"steps", 300}, {"batch_size", 64}, {"lr", 3e-3}, {"cache_dir", ""}}},
-            {"algorithm", {{"norm_adv_by_std_in_grpo", true}}},
-            {"actor_rollout_ref", engine_defaults()}};
+  json d = {
+      {"trainer",
+       {{"task", "lm_grpo"},
+        {"experiment_name", "arithmetic_grpo"},
+        {"default_local_dir", "runs/lm_grpo"},
+        {"total_training_steps", 40},
+        {"save_freq", 20},
+        {"test_freq", -1},
+        {"val_before_train", true}}},
+      {"data", {{"digits", 1}, {"operators", "+"}, {"train_batch_size", 16}, {"val_size", 0}}},
+      {"sft", {{"steps", 300}, {"batch_size", 64}, {"lr", 3e-3}, {"cache_dir", ""}}},
+      {"algorithm", {{"norm_adv_by_std_in_grpo", true}}},
+      {"actor_rollout_ref", engine_defaults()}};
   auto& arr = d["actor_rollout_ref"];
   arr["model"]["family"] = "llama";
   arr["model"]["config"] = {{"model_type", "llama"},         {"hidden_size", 64},
@@ -151,16 +334,24 @@ json lm_grpo_defaults() {
   arr["actor"]["kl_loss_type"] = "low_var_kl";
   arr["actor"]["optim"]["lr"] = 3e-4;
   arr["actor"]["optim"]["weight_decay"] = 0.0;
-  arr["rollout"] = {{"n", 8}, {"temperature", 1.0}, {"top_p", 1.0}, {"response_length", 4}};
+  arr["rollout"] = {{"n", 8},
+                    {"temperature", 1.0},
+                    {"top_p", 1.0},
+                    {"prompt_length", 512},
+                    {"response_length", 4}};
   return d;
 }
 
 int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
-  const auto task = task_config(config);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto task = task_config(config);
   const auto seed = get<int64_t>(config, "trainer.seed");
   const auto prompts_global = get<int64_t>(config, "data.train_batch_size");
+  const auto val_size = get<int64_t>(config, "data.val_size");
+  const auto test_freq = get<int64_t>(config, "trainer.test_freq");
   const auto n = get<int64_t>(config, "actor_rollout_ref.rollout.n");
   const auto temperature = get<double>(config, "actor_rollout_ref.rollout.temperature");
+  const auto response_length = get<int64_t>(config, "actor_rollout_ref.rollout.response_length");
   const std::string actor_key = "actor_rollout_ref.actor.";
   const bool use_kl_loss = get<bool>(config, actor_key + "use_kl_loss");
   const auto kl_coef = use_kl_loss ? get<double>(config, actor_key + "kl_loss_coef") : 0.0;
@@ -175,14 +366,30 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   policy.clip_ratio_high = clip_or_default(actor_key + "clip_ratio_high");
   policy.clip_ratio_c = get<double>(config, actor_key + "clip_ratio_c");
   policy.loss_agg_mode = get<std::string>(config, actor_key + "loss_agg_mode");
+  if (val_size < 0) {
+    throw std::invalid_argument(
+        fmt::format("config key 'data.val_size' must be >= 0, got {}", val_size));
+  }
 
-  const std::string sft_dir = supervised_stage(config, world);
+  // A pretrained model brings its own config, tokenizer and chat template; otherwise the
+  // supervised stage makes one.
   json rl = config;
-  rl["actor_rollout_ref"]["model"]["config"] = llama_json(config);
-  rl["actor_rollout_ref"]["model"]["path"] = sft_dir;
+  const std::string pretrained = get<std::string>(config, "actor_rollout_ref.model.path");
+  std::unique_ptr<TaskText> text;
+  if (pretrained.empty()) {
+    rl["actor_rollout_ref"]["model"]["config"] = llama_json(config);
+    rl["actor_rollout_ref"]["model"]["path"] = supervised_stage(config, world);
+    text = std::make_unique<CharacterText>();
+  } else {
+    const auto model = models::LlamaConfig::load(pretrained + "/config.json");
+    rl["actor_rollout_ref"]["model"]["config"] = model.to_json();
+    text = std::make_unique<ChatText>(
+        pretrained, model, get<int64_t>(config, "actor_rollout_ref.rollout.prompt_length"));
+    task.fixed_width = false;  // "What is 7 + 35?": prompts of several lengths, left-padded
+  }
   torch::manual_seed(seed + 1);
   auto actor = engine::EngineRegistry::create(engine_config(rl, "language_model", "actor"), world);
-  // The reference is the supervised model, frozen: a forward-only engine (no optimizer).
+  // The reference is the starting model, frozen: a forward-only engine (no optimizer).
   std::unique_ptr<engine::Engine> ref;
   if (use_kl_loss) {
     ref = engine::EngineRegistry::create(engine_config(rl, "language_model", "ref"), world);
@@ -193,38 +400,56 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
         "config key 'data.train_batch_size' ({}) must divide by the {} data-parallel ranks",
         prompts_global, dp));
   }
+  if (val_size % dp != 0) {
+    throw std::invalid_argument(fmt::format(
+        "config key 'data.val_size' ({}) must divide by the {} data-parallel ranks", val_size, dp));
+  }
   const int64_t local = prompts_global / dp;
+  const Problems problems(task, val_size, seed);
+  const bool lead = world->rank() == 0;
 
   Run run(config, *world);
-  for (int64_t step = run.resume(*actor) + 1; step <= run.total_steps(); ++step) {
+  const int64_t first_step = run.resume(*actor) + 1;
+  if (val_size > 0 && first_step == 1 && get<bool>(config, "trainer.val_before_train")) {
+    const double accuracy = validate(*actor, *text, problems, response_length);
+    run.log(0, {{"val/accuracy", accuracy}});
+    if (lead) {
+      std::cout << fmt::format("before RL: greedy accuracy on {} held-out problems {:.3f}\n",
+                               val_size, accuracy)
+                << std::flush;
+    }
+  }
+  const auto rl_start = std::chrono::steady_clock::now();
+  for (int64_t step = first_step; step <= run.total_steps(); ++step) {
     const auto start = std::chrono::steady_clock::now();
-    const auto problems =
-        algos::make_arithmetic_problems(task, prompts_global, seed * 1000003 + step);
-    std::vector<std::string> prompts, answers;
+    const auto all = problems.training(prompts_global, step);
+    std::vector<algos::ArithmeticProblem> mine;
+    std::vector<std::string> answers;
     for (int64_t i = actor->data_parallel_rank() * local;
          i < (actor->data_parallel_rank() + 1) * local; ++i) {
       for (int64_t k = 0; k < n; ++k) {
-        prompts.push_back(problems[i].prompt);
-        answers.push_back(problems[i].answer);
+        mine.push_back(all[i]);
+        answers.push_back(all[i].answer);
       }
     }
     models::SamplingOptions sampling;
-    sampling.max_new_tokens = get<int64_t>(config, "actor_rollout_ref.rollout.response_length");
+    sampling.max_new_tokens = response_length;
     sampling.temperature = temperature;
     sampling.top_p = get<double>(config, "actor_rollout_ref.rollout.top_p");
-    sampling.eos_token_id = kEos;
+    sampling.eos_token_id = text->eos;
+    sampling.pad_token_id = text->pad;
     sampling.generator =
         at::make_generator<at::CPUGeneratorImpl>(seed * 7777 + step * 131 + world->rank());
-    const auto prompt_tokens = encode(prompts);
-    const auto rollout =
-        models::sample(actor->model<models::LlamaForCausalLM>(), prompt_tokens, sampling);
-    const auto t_rollout = std::chrono::steady_clock::now();
+    const auto [prompt_tokens, prompt_mask] = text->prompts(mine);
+    const auto rollout = models::sample(actor->model<models::LlamaForCausalLM>(), prompt_tokens,
+                                        sampling, prompt_mask);
+    const double rollout_seconds = seconds_since(start);
 
     std::vector<std::string> responses;
     for (int64_t i = 0; i < rollout.responses.size(0); ++i) {
-      responses.push_back(decode(rollout.responses[i], rollout.response_mask[i]));
+      responses.push_back(text->response(rollout.responses[i], rollout.response_mask[i]));
     }
-    const auto rewards = algos::arithmetic_rewards(responses, answers);
+    const auto rewards = algos::arithmetic_rewards(responses, answers, text->answer_at());
     // The outcome reward sits on each response's last token, as verl's reward manager puts it.
     auto token_rewards = torch::zeros_like(rollout.response_mask);
     const auto last = (rollout.response_mask.sum(1) - 1).clamp_min(0).to(torch::kLong);
@@ -233,6 +458,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     for (int64_t i = 0; i < rollout.responses.size(0); ++i) uids.push_back(i / n);
     engine::Batch batch{
         {"sequences", rollout.sequences},
+        {"attention_mask", rollout.attention_mask},
         {"old_log_probs", rollout.log_probs},
         {"advantages",
          algos::grpo_outcome_advantages(token_rewards, rollout.response_mask, uids, norm_by_std)},
@@ -240,13 +466,15 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     const int64_t prompt_length = prompt_tokens.size(1);
     if (ref) {
       torch::NoGradGuard no_grad;
-      batch["ref_log_probs"] = models::response_log_probs(
-          ref->model<models::LlamaForCausalLM>(), rollout.sequences, prompt_length, temperature);
+      batch["ref_log_probs"] =
+          models::response_log_probs(ref->model<models::LlamaForCausalLM>(), rollout.sequences,
+                                     prompt_length, temperature, rollout.attention_mask);
     }
     const engine::LossFn grpo_loss = [&](engine::Engine& e, const engine::MicroBatch& mb) {
       const auto& d = mb.data;
-      auto log_probs = models::response_log_probs(e.model<models::LlamaForCausalLM>(),
-                                                  d.at("sequences"), prompt_length, temperature);
+      auto log_probs =
+          models::response_log_probs(e.model<models::LlamaForCausalLM>(), d.at("sequences"),
+                                     prompt_length, temperature, d.at("attention_mask"));
       auto out = algos::compute_policy_loss(d.at("old_log_probs"), log_probs, d.at("advantages"),
                                             d.at("response_mask"), policy);
       auto loss = out.pg_loss;
@@ -262,20 +490,50 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       return engine::LossOutput{loss / mb.count, metrics, {}};
     };
     auto metrics = actor->train_batch(batch, grpo_loss);
+    const double tokens = rollout.response_mask.sum().item<double>();
     // Every rank holds as many samples, so means of means are global means.
     auto stats = actor->average_over_ranks(
         {{"reward_mean", rewards.mean().item<double>()},
          {"reward_sq", rewards.square().mean().item<double>()},
-         {"response_length", rollout.response_mask.sum(1).mean().item<double>()}});
+         {"response_length", rollout.response_mask.sum(1).mean().item<double>()},
+         {"rollout_tokens_per_s", tokens / rollout_seconds}});
     metrics["reward_mean"] = stats["reward_mean"];
     metrics["reward_std"] =
         std::sqrt(std::max(0.0, stats["reward_sq"] - stats["reward_mean"] * stats["reward_mean"]));
     metrics["response_length"] = stats["response_length"];
-    metrics["time_rollout"] = std::chrono::duration<double>(t_rollout - start).count();
-    metrics["step_time"] =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Per rank, as verl's perf/throughput is per GPU.
+    metrics["perf/rollout_tokens_per_s"] = stats["rollout_tokens_per_s"];
+    metrics["time_rollout"] = rollout_seconds;
+    metrics["time_update"] = seconds_since(start) - rollout_seconds;
+    if (val_size > 0 && ((test_freq > 0 && step % test_freq == 0) || step == run.total_steps())) {
+      metrics["val/accuracy"] = validate(*actor, *text, problems, response_length);
+    }
+    metrics["step_time"] = seconds_since(start);
     run.after_step(*actor, step, metrics);
   }
+  if (lead) {
+    const auto curve = summarize_run(run.dir(), "GRPO reward (exact answer) per step");
+    // From metrics.jsonl, so that a run resumed in parts reports its whole span.
+    json summary = {{"rl_seconds", seconds_since(rl_start)},
+                    {"total_seconds", seconds_since(t0)},
+                    {"rl_phase_seconds_per_step", curve.phase_seconds_per_step}};
+    const auto accuracy = curve.validation.find("val/accuracy");
+    std::string after;
+    if (accuracy != curve.validation.end()) {
+      const auto& by_step = accuracy->second;
+      if (by_step.count(0)) summary["eval_accuracy_before"] = by_step.at(0);
+      if (by_step.count(run.total_steps())) {
+        summary["eval_accuracy_after"] = by_step.at(run.total_steps());
+        after = fmt::format("after RL: greedy accuracy on held-out problems {:.3f}\n",
+                            by_step.at(run.total_steps()));
+      }
+    }
+    write_json(run.dir() + "/summary.json", summary);
+    std::cout << fmt::format("{}wrote {}/metrics.jsonl, summary.json, reward_curve.png\n", after,
+                             run.dir())
+              << std::flush;
+  }
+  world->group().barrier();
   return 0;
 }
 

@@ -64,10 +64,15 @@ void Run::after_step(engine::Engine& engine, int64_t step, const engine::Metrics
                           memory.optimizer.offloaded) /
       1e9;
   logged["memory_rss_gb"] = static_cast<double>(memory.process_rss) / 1e9;
-  metrics_->log(step, logged);
+  log(step, logged);
   if ((save_freq_ > 0 && step % save_freq_ == 0) || step == total_steps_) {
     engine.save_checkpoint((fs::path(dir_) / "checkpoints").string(), step);
   }
+}
+
+void Run::log(int64_t step, const engine::Metrics& metrics) {
+  TORCH_CHECK(metrics_, "Run::log before Run::resume");
+  metrics_->log(step, metrics);
 }
 
 }  // namespace shardrl::trainer

