@@ -1,0 +1,80 @@
+"""Rollout throughput: ShardRL's batched KV-cache sampling (build/bin/bench_rollout) against
+transformers' generate on the same prompts, batch, token count and threads, in one run.
+
+    python bench/rollout_baseline.py --model runs/smollm2/model --batch 16 --new-tokens 64
+
+The prompts are the lm_grpo task's: "What is A + B?" for seeded two-digit A, B, as a user turn of
+the model's chat template (transformers' apply_chat_template), left-padded. Both sides sample at
+temperature 1 and generate exactly --new-tokens tokens a row (no stop). One thread each unless
+--threads says otherwise. Prints one JSON object with both results and their ratio.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+parser.add_argument("--batch", type=int, default=16)
+parser.add_argument("--new-tokens", type=int, default=64)
+parser.add_argument("--threads", type=int, default=1)
+parser.add_argument("--repeats", type=int, default=3)
+parser.add_argument("--bin", default=os.path.join(os.path.dirname(__file__), "..", "build", "bin"))
+args = parser.parse_args()
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+torch.set_num_threads(args.threads)
+tokenizer = AutoTokenizer.from_pretrained(args.model)
+rng = random.Random(0)
+rows = []
+for _ in range(args.batch):
+    question = f"What is {rng.randrange(10, 100)} + {rng.randrange(10, 100)}?"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                        add_generation_prompt=True, tokenize=True)
+    rows.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+width = max(len(r) for r in rows)
+input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+
+model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+hf_seconds = []
+with torch.no_grad():
+    for r in range(args.repeats + 1):
+        torch.manual_seed(r)
+        start = time.perf_counter()
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                             temperature=1.0, top_p=1.0, top_k=0,
+                             max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                             pad_token_id=pad)
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] - width == args.new_tokens, out.shape
+        if r > 0:
+            hf_seconds.append(elapsed)
+hf_median = statistics.median(hf_seconds)
+hf = {"impl": "transformers", "batch": args.batch, "prompt_width": width,
+      "new_tokens": args.new_tokens, "threads": args.threads, "seconds": hf_seconds,
+      "median_s": hf_median, "tokens_per_s": args.batch * args.new_tokens / hf_median}
+
+with tempfile.TemporaryDirectory() as tmp:
+    prompts = os.path.join(tmp, "prompts.json")
+    with open(prompts, "w") as f:
+        json.dump(rows, f)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    result = subprocess.run(
+        [os.path.join(args.bin, "bench_rollout"), "--model", args.model, "--prompts", prompts,
+         "--new-tokens", str(args.new_tokens), "--pad-id", str(pad), "--repeats",
+         str(args.repeats), "--threads", str(args.threads)],
+        env=env, check=True, capture_output=True, text=True)
+    ours = json.loads(result.stdout.strip().splitlines()[-1])
+
+print(json.dumps({"model": args.model, "shardrl": ours, "transformers": hf,
+                  "ratio_tokens_per_s": ours["tokens_per_s"] / hf["tokens_per_s"]}))
+sys.stdout.flush()
