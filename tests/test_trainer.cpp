@@ -198,10 +198,11 @@ TEST(Trainer, LmGrpoRaisesTheArithmeticReward) {
 // Pre-empted mid-run (SIGTERM to `shardrl train`, which stops its ranks), then started again with
 // trainer.resume_mode=auto: the run continues from its last checkpoint and every step, the ones it
 // redoes included, logs what an uninterrupted run logs.
-TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
-  const auto dir = make_temp_dir("trainer_grpo_kill");
+void expect_lm_grpo_resumes_after_a_kill(const std::string& tag,
+                                         const std::vector<std::string>& overrides) {
+  const auto dir = make_temp_dir(tag);
   auto argv = [&](const std::string& run) {
-    return std::vector<std::string>{
+    std::vector<std::string> a = {
         bin("shardrl"),
         "train",
         std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml",
@@ -209,6 +210,8 @@ TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
         "sft.cache_dir=" + dir + "/cache",
         "trainer.total_training_steps=24",
         "trainer.save_freq=5"};
+    a.insert(a.end(), overrides.begin(), overrides.end());
+    return a;
   };
   auto straight = run_process(argv("straight"), {}, 300);
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
@@ -226,6 +229,45 @@ TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", 24,
                       {"step", "reward_mean", "loss"});
+}
+
+TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
+  expect_lm_grpo_resumes_after_a_kill("trainer_grpo_kill", {});
+}
+
+// The same with LoRA+ (optim.loraplus_lr_ratio): a GroupedOptimizer, whose two AdamWs' state goes
+// through the sharded checkpoint.
+TEST(Trainer, LmGrpoWithAGroupedOptimizerResumesAfterAKillBitwise) {
+  expect_lm_grpo_resumes_after_a_kill(
+      "trainer_grpo_loraplus_kill",
+      {"actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.optim.lr=1e-3",
+       "actor_rollout_ref.actor.optim.loraplus_lr_ratio=8"});
+}
+
+// LoRA+ needs adapters, and a positive ratio: errors name the key.
+TEST(Trainer, LoraPlusErrorsNameTheKey) {
+  const std::string config =
+      std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml";
+  const auto dir = make_temp_dir("trainer_loraplus_bad");
+  for (const auto& [overrides, expected] :
+       std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"actor_rollout_ref.actor.optim.loraplus_lr_ratio=4"}, "lora_rank is 0"},
+           {{"actor_rollout_ref.model.lora_rank=8",
+             "actor_rollout_ref.actor.optim.loraplus_lr_ratio=0"},
+            "must be a number > 0"},
+           {{"actor_rollout_ref.model.lora_rank=8",
+             "actor_rollout_ref.actor.optim.loraplus_lr_ratio=fast"},
+            "wrong type"}}) {
+    std::vector<std::string> argv = {bin("shardrl"), "train", config,
+                                     "trainer.default_local_dir=" + dir, "sft.cache_dir=" + dir};
+    argv.insert(argv.end(), overrides.begin(), overrides.end());
+    const auto result = run_process(argv, {}, 300);
+    EXPECT_NE(result.exit_code, 0) << result.output;
+    EXPECT_NE(result.output.find("'actor_rollout_ref.actor.optim.loraplus_lr_ratio'"),
+              std::string::npos)
+        << result.output;
+    EXPECT_NE(result.output.find(expected), std::string::npos) << result.output;
+  }
 }
 
 // The pretrained-chat-model path of lm_grpo (examples/configs/smollm2_grpo.yaml), on a tiny random

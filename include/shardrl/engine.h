@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,10 @@ struct OptimConfig {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double weight_decay = 0.01;
   double clip_grad = 1.0;  // global max norm; <= 0 disables clipping
+  // LoRA+ (PEFT's create_loraplus_optimizer and its loraplus_lr_ratio): when set, a
+  // GroupedOptimizer steps the adapters' B matrices with lr * loraplus_lr_ratio and every other
+  // trainable parameter with lr, one AdamW each, under one schedule. Unset: one AdamW for all.
+  std::optional<double> loraplus_lr_ratio;
   optim::LRScheduleConfig schedule;
 };
 

@@ -8,10 +8,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <unordered_map>
 
 #include "checkpoint/io.h"
 #include "checkpoint/reader.h"
 #include "compat.h"
+#include "shardrl/optim.h"
 
 namespace shardrl::checkpoint {
 
@@ -104,13 +106,36 @@ void collectively(const dist::DeviceMesh& mesh, const std::string& what, Fn&& fn
   throw std::runtime_error(fmt::format("{}: failed on another rank (see its log)", what));
 }
 
-torch::optim::AdamW& as_adamw(torch::optim::Optimizer& optimizer, const std::string& what) {
-  auto* adamw = dynamic_cast<torch::optim::AdamW*>(&optimizer);
-  if (!adamw) {
-    throw std::invalid_argument(
-        fmt::format("{}: only torch::optim::AdamW state is supported", what));
+// The leaf optimizer that steps each parameter: the optimizer itself, or the part of a grouped
+// optimizer (base vs LoRA, say) whose param groups hold it. State is saved and loaded per
+// parameter name, so which part holds a parameter never reaches the files: a checkpoint resumes
+// under another grouping and at another world size alike. Every part that holds a parameter of
+// the model must be AdamW; a parameter no part holds (a frozen one) has no state.
+using StateOwners = std::unordered_map<const c10::TensorImpl*, torch::optim::AdamW*>;
+
+StateOwners adamw_owners(torch::optim::Optimizer& optimizer,
+                         const std::vector<fsdp::ShardedParameter>& params,
+                         const std::string& what) {
+  std::unordered_map<const c10::TensorImpl*, torch::optim::Optimizer*> holder;
+  for (torch::optim::Optimizer* leaf : optim::leaf_optimizers(optimizer)) {
+    for (const auto& group : leaf->param_groups()) {
+      for (const auto& p : group.params()) holder[p.unsafeGetTensorImpl()] = leaf;
+    }
   }
-  return *adamw;
+  StateOwners owners;
+  for (const auto& p : params) {
+    auto it = holder.find(p.shard.unsafeGetTensorImpl());
+    if (it == holder.end()) continue;
+    auto* adamw = dynamic_cast<torch::optim::AdamW*>(it->second);
+    if (!adamw) {
+      throw std::invalid_argument(fmt::format(
+          "{}: '{}' is stepped by an optimizer of type {}; only torch::optim::AdamW state is "
+          "supported",
+          what, p.name, c10::demangle(typeid(*it->second).name())));
+    }
+    owners[p.shard.unsafeGetTensorImpl()] = adamw;
+  }
+  return owners;
 }
 
 at::Generator cpu_generator() {
@@ -154,7 +179,7 @@ torch::Tensor empty_with_zero_padding(const fsdp::ShardedParameter& p) {
 }
 
 // Writes this rank's files and returns its part of the index.
-json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, torch::optim::AdamW& optimizer,
+json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, const StateOwners& owners,
                       const SaveOptions& options) {
   const auto& mesh = model.mesh();
   const int rank = mesh.data_parallel_rank();
@@ -208,8 +233,11 @@ json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, torch::optim
   };
   std::vector<MomentRows> pending;
   for (const auto& p : params) {
-    auto it = optimizer.state().find(compat::optimizer_state_key(p.shard));
-    if (it == optimizer.state().end() || !writes_shards) continue;
+    const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
+    if (owner == owners.end() || !writes_shards) continue;
+    const auto& states = owner->second->state();
+    auto it = states.find(compat::optimizer_state_key(p.shard));
+    if (it == states.end()) continue;
     const auto& state = static_cast<const torch::optim::AdamWParamState&>(*it->second);
     meta["optimizer_step"][p.name] = state.step();
     if (p.valid_rows == 0) continue;
@@ -319,7 +347,6 @@ std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
                  const json& extra, const SaveOptions& options) {
   const auto& mesh = model.mesh();
   const bool leader = mesh.data_parallel_rank() == 0;
-  auto& adamw = as_adamw(optimizer, "checkpoint save");
   const fs::path root_path(root);
   const fs::path tmp = root_path / fmt::format("{}{}", kTmpPrefix, step);
   const fs::path final_dir = root_path / fmt::format("{}{}", kStepPrefix, step);
@@ -335,7 +362,10 @@ std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
     fs::create_directory(tmp);
   });
   json mine;
-  collectively(mesh, what, [&] { mine = write_rank_files(tmp, model, adamw, options); });
+  collectively(mesh, what, [&] {
+    const auto owners = adamw_owners(optimizer, model.sharded_parameters(), what);
+    mine = write_rank_files(tmp, model, owners, options);
+  });
   const auto ranks = all_gather_json(mesh, mine);
   collectively(mesh, what, [&] {
     if (!leader) return;
@@ -374,12 +404,19 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
       shards.push_back(shard);
     }
     using StateKey = decltype(compat::optimizer_state_key(torch::Tensor()));
-    std::vector<std::pair<StateKey, std::unique_ptr<torch::optim::AdamWParamState>>> states;
+    struct LoadedState {
+      torch::optim::AdamW* owner;
+      StateKey key;
+      std::unique_ptr<torch::optim::AdamWParamState> state;
+    };
+    std::vector<LoadedState> states;
+    StateOwners owners;
     if (optimizer) {
-      auto& adamw = as_adamw(*optimizer, "checkpoint load");
+      owners = adamw_owners(*optimizer, params, fmt::format("checkpoint load from {}", dir));
       const json& saved = index.at("optimizer").at("state");
       for (const auto& p : params) {
-        if (!saved.contains(p.name)) continue;
+        const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
+        if (owner == owners.end() || !saved.contains(p.name)) continue;
         auto state = std::make_unique<torch::optim::AdamWParamState>();
         state->step(saved[p.name].at("step").get<int64_t>());
         for (const char* moment : kMoments) {
@@ -392,10 +429,8 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
           if (std::string(moment) == "exp_avg_sq") state->exp_avg_sq(t);
           if (std::string(moment) == "max_exp_avg_sq") state->max_exp_avg_sq(t);
         }
-        states.emplace_back(compat::optimizer_state_key(p.shard), std::move(state));
+        states.push_back({owner->second, compat::optimizer_state_key(p.shard), std::move(state)});
       }
-      // Params this checkpoint has no state for start fresh, as they would have been.
-      for (const auto& p : params) adamw.state().erase(compat::optimizer_state_key(p.shard));
     }
     const int rank = mesh.data_parallel_rank();
     torch::Tensor rng;
@@ -410,9 +445,12 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
 
     for (size_t i = 0; i < params.size(); ++i) params[i].shard.detach().copy_(shards[i]);
     model.mark_loaded(names_of(params));
-    if (optimizer) {
-      for (auto& [key, state] : states) optimizer->state()[key] = std::move(state);
+    // Params this checkpoint has no state for start fresh, as they would have been.
+    for (const auto& p : params) {
+      const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
+      if (owner != owners.end()) owner->second->state().erase(compat::optimizer_state_key(p.shard));
     }
+    for (auto& loaded : states) loaded.owner->state()[loaded.key] = std::move(loaded.state);
     if (scheduler && !index.at("scheduler").is_null())
       scheduler->set_last_step(index["scheduler"].at("last_step").get<int64_t>());
     if (rng.defined()) {

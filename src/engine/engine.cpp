@@ -87,7 +87,26 @@ Engine::Engine(EngineConfig config, std::shared_ptr<dist::World> world, const Mo
   adamw.beta2 = config_.optim.beta2;
   adamw.eps = config_.optim.eps;
   adamw.weight_decay = config_.optim.weight_decay;
-  optimizer_ = optim::make_adamw(optim::from_sharded(model_.fsdp.sharded_parameters()), adamw);
+  const auto params = optim::from_sharded(model_.fsdp.sharded_parameters());
+  if (config_.optim.loraplus_lr_ratio) {
+    // LoRA+: the B matrices in their own AdamW at a higher lr, each part keeping the decay rule.
+    std::vector<optim::NamedParameter> rest, lora_b;
+    for (const auto& p : params) {
+      (models::lora::is_lora_b_tensor(p.name) ? lora_b : rest).push_back(p);
+    }
+    if (lora_b.empty()) {
+      throw std::invalid_argument(
+          "optim.loraplus_lr_ratio is set, but the model has no LoRA B matrices (lora_B.*)");
+    }
+    optim::AdamWConfig faster = adamw;
+    faster.lr = adamw.lr * *config_.optim.loraplus_lr_ratio;
+    std::vector<std::unique_ptr<torch::optim::Optimizer>> parts;
+    parts.push_back(optim::make_adamw(rest, adamw));
+    parts.push_back(optim::make_adamw(lora_b, faster));
+    optimizer_ = std::make_unique<optim::GroupedOptimizer>(std::move(parts));
+  } else {
+    optimizer_ = optim::make_adamw(params, adamw);
+  }
   scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, config_.optim.schedule);
   if (config_.offload_policy) {
     offload::set_policy(model_.fsdp, optimizer_.get(), config_.offload);

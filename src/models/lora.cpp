@@ -73,6 +73,11 @@ bool is_adapter_tensor(const std::string& name) {
   return marker_at(name) != std::string::npos;
 }
 
+bool is_lora_b_tensor(const std::string& name) {
+  const size_t at = marker_at(name);
+  return at != std::string::npos && name.compare(at, kMarkerSize, "lora_B.") == 0;
+}
+
 torch::Tensor LoraLinearImpl::forward(const torch::Tensor& input) {
   torch::Tensor out = torch::nn::functional::linear(input, weight, bias);
   if (active_.empty() || disabled_ || merged_ == active_) {

@@ -187,6 +187,7 @@ std::string pretrained_dit(const Options& o, const nlohmann::json& config,
   optim_json["warmup_style"] = "cosine";
   optim_json["lr_warmup_steps"] = std::min<int64_t>(50, o.pretrain_steps / 10);
   optim_json["min_lr_ratio"] = 0.1;
+  optim_json["loraplus_lr_ratio"] = nullptr;  // no adapters here
   stage["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] = 0;
   stage["trainer"]["total_training_steps"] = o.pretrain_steps;
   torch::manual_seed(o.seed);

@@ -1,4 +1,6 @@
 // verl's actor_rollout_ref layout, read into an EngineConfig.
+#include <fmt/format.h>
+
 #include "shardrl/trainer.h"
 
 namespace shardrl::trainer {
@@ -11,6 +13,7 @@ json engine_defaults() {
                 {"eps", 1e-8},
                 {"weight_decay", 0.01},
                 {"clip_grad", 1.0},
+                {"loraplus_lr_ratio", nullptr},
                 {"warmup_style", "constant"},
                 {"lr_warmup_steps", -1},
                 {"lr_warmup_steps_ratio", 0.0},
@@ -74,6 +77,20 @@ engine::EngineConfig engine_config(const json& config, const std::string& model_
   c.optim.eps = get<double>(config, o + ".eps");
   c.optim.weight_decay = get<double>(config, o + ".weight_decay");
   c.optim.clip_grad = get<double>(config, o + ".clip_grad");
+  if (!at(config, o + ".loraplus_lr_ratio").is_null()) {
+    const double ratio = get<double>(config, o + ".loraplus_lr_ratio");
+    if (!(ratio > 0.0)) {
+      throw std::invalid_argument(
+          fmt::format("config key '{}.loraplus_lr_ratio' must be a number > 0, got {}", o, ratio));
+    }
+    if (get<int64_t>(config, "actor_rollout_ref.model.lora_rank") <= 0) {
+      throw std::invalid_argument(fmt::format(
+          "config key '{}.loraplus_lr_ratio' is set, but the model has no LoRA adapters "
+          "(actor_rollout_ref.model.lora_rank is 0)",
+          o));
+    }
+    c.optim.loraplus_lr_ratio = ratio;
+  }
   auto& s = c.optim.schedule;
   s.warmup_style = get<std::string>(config, o + ".warmup_style");
   s.lr_warmup_steps = get<int64_t>(config, o + ".lr_warmup_steps");

@@ -98,6 +98,7 @@ std::string supervised_stage(const json& config, const std::shared_ptr<dist::Wor
   json sft = config;
   sft["actor_rollout_ref"]["model"]["config"] = model;
   sft["actor_rollout_ref"]["model"]["lora_rank"] = 0;
+  sft["actor_rollout_ref"]["actor"]["optim"]["loraplus_lr_ratio"] = nullptr;  // no adapters here
   sft["actor_rollout_ref"]["actor"]["optim"]["lr"] = get<double>(config, "sft.lr");
   sft["trainer"]["total_training_steps"] = steps;
   torch::manual_seed(seed);

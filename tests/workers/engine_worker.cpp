@@ -1,6 +1,8 @@
 // One rank of the Engine tests: builds the built-in GPT through the registry, trains on its
 // shard of a fixed global batch with train_batch, and writes the gathered parameters.
-//   --mode train         train --steps steps
+//   --mode train         train --steps steps (LoRA with --lora; LoRA+ with --loraplus-lr-ratio);
+//                        --save-at N saves a checkpoint after step N into OUT/checkpoints,
+//                        --resume DIR continues from a checkpoint (its step counts to --steps)
 //   --mode forward_only  a reference engine: infer_batch only; writes params before and after
 //   --mode weight_sync   two LoRA steps, then get_per_tensor_param as is, merged and in bf16;
 //                        writes each, and the params gathered before and after the syncs
@@ -13,6 +15,7 @@
 
 #include "shardrl/engine.h"
 #include "shardrl/models/transformer.h"
+#include "shardrl/optim.h"
 #include "workers/param_files.h"
 
 using namespace shardrl;
@@ -74,12 +77,21 @@ int main(int argc, char** argv) {
   app.add_flag("--offload-policy", policy, "offload_policy: the state stays offloaded in training");
   std::string pretrained;
   app.add_option("--pretrained", pretrained, "model.path");
+  bool lora = false;
+  app.add_flag("--lora", lora, "train LoRA adapters (mode train)");
+  double loraplus_lr_ratio = 0;
+  app.add_option("--loraplus-lr-ratio", loraplus_lr_ratio, "optim.loraplus_lr_ratio; 0: unset");
+  int64_t save_at = 0;
+  app.add_option("--save-at", save_at, "save a checkpoint after this step");
+  std::string resume;
+  app.add_option("--resume", resume, "checkpoint to continue from");
   CLI11_PARSE(app, argc, argv);
 
   auto world = dist::World::init_from_env();
   torch::manual_seed(0);  // the same initial weights at every world size
   auto engine_config = config(mode == "forward_only", micro_batch, offload, out + "/offload",
-                              mode == "weight_sync" || mode == "pretrained", policy);
+                              lora || mode == "weight_sync" || mode == "pretrained", policy);
+  if (loraplus_lr_ratio > 0) engine_config.optim.loraplus_lr_ratio = loraplus_lr_ratio;
   if (!pretrained.empty()) engine_config.model["path"] = pretrained;
   auto engine = engine::EngineRegistry::create(engine_config, world);
   int64_t local = batch / engine->data_parallel_size();
@@ -97,7 +109,8 @@ int main(int argc, char** argv) {
 
   if (mode == "train") {
     std::ofstream metrics_out(out + "/metrics." + std::to_string(world->rank()) + ".txt");
-    for (int64_t step = 0; step < steps; ++step) {
+    const int64_t first_step = resume.empty() ? 0 : engine->load_checkpoint(resume).step;
+    for (int64_t step = first_step; step < steps; ++step) {
       auto data = engine::slice_batch(global_batch(step, batch), first, local);
       engine::Metrics metrics;
       {
@@ -110,9 +123,20 @@ int main(int argc, char** argv) {
         TORCH_CHECK(memory.params.resident == 0 && memory.optimizer.resident == 0,
                     "train_mode left state resident: ", memory.params.resident, " param bytes, ",
                     memory.optimizer.resident, " optimizer bytes");
+        // Seen from the optimizers themselves, not through offload's own accounting: every part
+        // of a grouped optimizer (verl's MultiOptimizer bug offloaded only the first).
+        for (auto* leaf : optim::leaf_optimizers(*engine->optimizer())) {
+          for (const auto& entry : leaf->state()) {
+            for (const auto& t : optim::state_tensors(*entry.second)) {
+              TORCH_CHECK(t.storage().nbytes() == 0, "optimizer state of ", t.numel(),
+                          " elements is still resident after train_mode");
+            }
+          }
+        }
       }
       metrics_out << metrics.at("loss") << " " << metrics.at("grad_norm") << " " << metrics.at("lr")
                   << "\n";
+      if (step + 1 == save_at) engine->save_checkpoint(out + "/checkpoints", save_at);
     }
     write(out + "/final", gathered());
   } else if (mode == "forward_only") {

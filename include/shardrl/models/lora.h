@@ -90,6 +90,8 @@ TORCH_MODULE(LoraLinear);
 
 // Whether a param name is an adapter tensor ("...lora_A.<adapter>.weight" or lora_B).
 bool is_adapter_tensor(const std::string& name);
+// Whether it is an adapter's B matrix ("...lora_B.<adapter>.weight"), which LoRA+ steps faster.
+bool is_lora_b_tensor(const std::string& name);
 
 // scaling * B A: what an adapter adds to the base weight.
 torch::Tensor delta_weight(const torch::Tensor& a, const torch::Tensor& b, double scaling);
