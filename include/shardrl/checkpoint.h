@@ -152,7 +152,9 @@ struct SaveOptions {
 };
 
 // Collective over every rank of model.mesh(). Writes `<root>/global_step_<step>`, updates
-// `<root>/latest`, then rotates. Returns the checkpoint directory.
+// `<root>/latest`, then rotates. Returns the checkpoint directory. The optimizer is AdamW or a
+// GroupedOptimizer of AdamWs: state is saved per parameter name, whichever part steps it, and
+// load() puts it back into the part that holds the parameter then.
 std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
                  torch::optim::Optimizer& optimizer, const optim::LRScheduler* scheduler,
                  const nlohmann::json& extra = nlohmann::json::object(),
