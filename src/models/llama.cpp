@@ -229,11 +229,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     v = v.repeat_interleave(rep, 1);
   }
   auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
-  const auto hidden =
-      blocked.defined() ? blocked
-                        : torch::ones({T, past + T}, torch::dtype(torch::kBool).device(x.device()))
-                              .triu(past + 1);
-  scores = scores.masked_fill(hidden, -std::numeric_limits<float>::infinity());
+  scores = scores.masked_fill(blocked, -std::numeric_limits<float>::infinity());
   auto probs = torch::softmax(scores.to(torch::kFloat), -1).to(q.scalar_type());
   auto out = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, heads_ * head_dim_});
   return o_proj(out);
@@ -298,7 +294,10 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens, KVCache* cach
   const auto device = tokens.device();
   torch::Tensor positions =
       torch::arange(past, past + T, torch::dtype(torch::kLong).device(device));
-  torch::Tensor blocked;
+  // The keys each query may not see: [T, past + T] (the future), or per row [B, 1, T, past + T].
+  const auto future =
+      torch::ones({T, past + T}, torch::dtype(torch::kBool).device(device)).triu(past + 1);
+  torch::Tensor blocked = future;
   if (attention_mask.defined()) {
     TORCH_CHECK(attention_mask.dim() == 2 && attention_mask.size(0) == B &&
                     attention_mask.size(1) == past + T,
@@ -307,8 +306,6 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens, KVCache* cach
     const auto valid = attention_mask.to(device).to(torch::kBool);
     // HF's position_ids for left padding: each row counts its own tokens from 0.
     positions = (valid.to(torch::kLong).cumsum(1) - 1).clamp_min(0).narrow(1, past, T);
-    const auto future =
-        torch::ones({T, past + T}, torch::dtype(torch::kBool).device(device)).triu(past + 1);
     // A query sees the earlier tokens of its row, and always itself: a padding query then has
     // a key to attend to (its output is never used), where an all-hidden row would give NaN
     // and spread it through the values.

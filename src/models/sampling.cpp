@@ -70,9 +70,10 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
   KVCache cache;
   std::vector<torch::Tensor> tokens, log_probs, mask;
   torch::Tensor input = prompts;
-  // Grows by a column of ones a step: the new tokens are never padding.
-  torch::Tensor attention_mask =
+  const torch::Tensor prompt_attention =
       prompt_mask.defined() ? prompt_mask.to(prompts.device()).to(torch::kLong) : torch::Tensor();
+  // Grows by a column of ones a step: the new tokens are never padding.
+  torch::Tensor attention_mask = prompt_attention;
   const auto new_column = torch::ones({rows, 1}, prompts.options());
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     // The head on the last position only: the prompt's other logits are never used.
@@ -112,8 +113,7 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
   }
   out.sequences = torch::cat({prompts, out.responses}, 1);
   out.attention_mask =
-      torch::cat({prompt_mask.defined() ? prompt_mask.to(prompts.device()).to(torch::kLong)
-                                        : torch::ones_like(prompts),
+      torch::cat({prompt_attention.defined() ? prompt_attention : torch::ones_like(prompts),
                   torch::ones_like(out.responses)},
                  1);
   return out;

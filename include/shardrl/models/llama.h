@@ -68,9 +68,9 @@ class LlamaAttentionImpl : public torch::nn::Module {
  public:
   explicit LlamaAttentionImpl(const LlamaConfig& config);
   // x [B, T, D]; cos/sin [T, head_dim], or [B, 1, T, head_dim] with per-row positions, for the
-  // positions of x. `blocked` [B, 1, T, past + T] bool, true where a query may not see a key, or
-  // undefined for the plain causal mask. With a cache, attends to the cached keys too and
-  // appends this step's keys and values to `layer` of it.
+  // positions of x. `blocked` bool, true where a query may not see a key: [T, past + T] (the
+  // causal mask) or [B, 1, T, past + T] (with padding). With a cache, attends to the cached keys
+  // too and appends this step's keys and values to `layer` of it.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& blocked, KVCache* cache, size_t layer);
   lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
