@@ -4,6 +4,7 @@
 
 #include <fstream>
 #include <iostream>
+#include <set>
 
 #include "fsdp_run.h"
 #include "model_test_util.h"
@@ -13,12 +14,54 @@
 namespace shardrl::testing {
 namespace {
 
+// LibTorch's AdamW with the weight-decay groups written out by name, not by make_adamw's rule:
+// matrices and embeddings decay, biases and LayerNorm params do not. The sharded runs group with
+// make_adamw over their shards, so the parity checks that rule on the sharded params too.
+std::unique_ptr<torch::optim::AdamW> reference_adamw(const torch::nn::Module& model,
+                                                     const Scenario& s) {
+  std::set<std::string> decay = {"tok_emb.weight", "pos_emb.weight", "head.weight"};
+  std::set<std::string> no_decay = {"ln_f.weight", "ln_f.bias"};
+  if (s.unused_params) {
+    decay.insert("unused_root");
+    no_decay.insert("blocks.0.unused_in_block");
+  }
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string block = "blocks." + std::to_string(i) + ".";
+    for (const std::string m : {"q_proj", "k_proj", "v_proj", "proj", "fc1", "fc2"})
+      decay.insert(block + m + ".weight");
+    for (const std::string m : {"q_proj", "v_proj", "proj", "fc1", "fc2"})
+      no_decay.insert(block + m + ".bias");
+    for (const std::string m : {"ln1", "ln2"}) {
+      no_decay.insert(block + m + ".weight");
+      no_decay.insert(block + m + ".bias");
+    }
+  }
+  std::vector<torch::Tensor> decayed, kept;
+  size_t named = 0;
+  for (const auto& item : model.named_parameters()) {
+    EXPECT_TRUE(decay.count(item.key()) + no_decay.count(item.key()) == 1) << item.key();
+    ++named;
+    if (!item.value().requires_grad()) continue;  // frozen: not stepped
+    (decay.count(item.key()) ? decayed : kept).push_back(item.value());
+  }
+  EXPECT_EQ(named, decay.size() + no_decay.size());
+  const optim::AdamWConfig defaults;  // the sharded runs set only lr
+  auto options = torch::optim::AdamWOptions(s.lr)
+                     .betas({defaults.beta1, defaults.beta2})
+                     .eps(defaults.eps)
+                     .weight_decay(defaults.weight_decay);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decayed, std::make_unique<torch::optim::AdamWOptions>(options));
+  auto no_decay_options = options;
+  no_decay_options.weight_decay(0.0);
+  groups.emplace_back(kept, std::make_unique<torch::optim::AdamWOptions>(no_decay_options));
+  return std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+}
+
 // Plain LibTorch, one process, the whole global batch: what FSDP must reproduce.
 Run train_reference(const Scenario& s) {
   auto model = build_model(s);
-  optim::AdamWConfig adam;
-  adam.lr = s.lr;
-  auto optimizer = optim::make_adamw(optim::from_module(*model), adam);
+  auto optimizer = reference_adamw(*model, s);
   Run run;
   for (int64_t step = 0; step < s.steps; ++step) {
     auto tokens = global_batch(s, step, model->config().vocab_size);
