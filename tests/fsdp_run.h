@@ -17,6 +17,8 @@ struct Run {
   std::vector<bool> skipped;
   std::map<std::string, torch::Tensor> params;
   std::vector<nlohmann::json> memory;
+  // Per rank, with --trace: per step, the FSDP schedule's events (fsdp/trace.h) in order.
+  std::vector<nlohmann::json> traces;
 };
 
 inline std::vector<std::string> scenario_args(const Scenario& s) {
@@ -56,6 +58,8 @@ inline Run train_sharded(int nproc, const Scenario& s, const std::vector<std::st
   for (int r = 0; r < nproc; ++r) {
     run.memory.push_back(
         nlohmann::json::parse(std::ifstream(dir + "/memory_" + std::to_string(r) + ".json")));
+    std::ifstream trace(dir + "/trace_" + std::to_string(r) + ".json");
+    if (trace) run.traces.push_back(nlohmann::json::parse(trace));
   }
   return run;
 }

@@ -368,6 +368,7 @@ TEST(Checkpoint, RotationKeepsTheConfiguredCountAndSize) {
 }
 
 TEST(Checkpoint, ExportReadsBackWithAnIndependentReader) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"json", "struct"}));
   const std::string root = make_temp_dir("ckpt-export");
   auto trained = run_train(2, root, concat({"--end-step", "3"}, save_at({3})));
   ASSERT_FALSE(trained.params.empty());

@@ -261,6 +261,8 @@ TEST(DiffusionRL, ConfigErrorsNameTheField) {
 }
 
 TEST(RewardClassifier, LearnsFashionMnistQuickly) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_file(kFashion + "/train-images-idx3-ubyte.gz",
+                                          "the Debian package dataset-fashion-mnist"));
   data::ImageDatasetOptions ds;
   ds.image_size = 14;
   auto train = data::load_image_dataset(kFashion + "/train-images-idx3-ubyte.gz",
@@ -321,6 +323,8 @@ std::vector<std::string> tiny_demo(const std::string& dir) {
 // metrics line per RL step; a second run finds both supervised stages cached; a run stopped
 // after 2 steps and resumed to 3 logs the same rewards as an uninterrupted run of 3.
 TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_file(kFashion + "/train-images-idx3-ubyte.gz",
+                                          "the Debian package dataset-fashion-mnist"));
   const auto dir = make_temp_dir("fmnist_demo");
   const auto tiny = tiny_demo(dir);
   auto with = [&](std::vector<std::string> extra) {
@@ -366,6 +370,8 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStageAndResumes) {
 class DemoAlgorithm : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DemoAlgorithm, ResumesAfterAKillBitwise) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_file(kFashion + "/train-images-idx3-ubyte.gz",
+                                          "the Debian package dataset-fashion-mnist"));
   const std::string config = "fmnist_" + GetParam() + ".yaml";
   const auto dir = make_temp_dir("fmnist_" + GetParam());
   auto overrides = [&](const std::string& run) {

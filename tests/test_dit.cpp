@@ -59,6 +59,7 @@ TEST(DiT, ConfigJsonRoundTripsAndNamesBadFields) {
 }
 
 TEST(DiT, VelocityMatchesIndependentPythonReference) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"torch", "numpy"}));
   const DiTScenario s;
   const auto c = dit_test_config();
   auto model = build_dit(s);

@@ -4,6 +4,7 @@
 
 #include <fstream>
 #include <iostream>
+#include <set>
 
 #include "fsdp_run.h"
 #include "model_test_util.h"
@@ -13,12 +14,54 @@
 namespace shardrl::testing {
 namespace {
 
+// LibTorch's AdamW with the weight-decay groups written out by name, not by make_adamw's rule:
+// matrices and embeddings decay, biases and LayerNorm params do not. The sharded runs group with
+// make_adamw over their shards, so the parity checks that rule on the sharded params too.
+std::unique_ptr<torch::optim::AdamW> reference_adamw(const torch::nn::Module& model,
+                                                     const Scenario& s) {
+  std::set<std::string> decay = {"tok_emb.weight", "pos_emb.weight", "head.weight"};
+  std::set<std::string> no_decay = {"ln_f.weight", "ln_f.bias"};
+  if (s.unused_params) {
+    decay.insert("unused_root");
+    no_decay.insert("blocks.0.unused_in_block");
+  }
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string block = "blocks." + std::to_string(i) + ".";
+    for (const std::string m : {"q_proj", "k_proj", "v_proj", "proj", "fc1", "fc2"})
+      decay.insert(block + m + ".weight");
+    for (const std::string m : {"q_proj", "v_proj", "proj", "fc1", "fc2"})
+      no_decay.insert(block + m + ".bias");
+    for (const std::string m : {"ln1", "ln2"}) {
+      no_decay.insert(block + m + ".weight");
+      no_decay.insert(block + m + ".bias");
+    }
+  }
+  std::vector<torch::Tensor> decayed, kept;
+  size_t named = 0;
+  for (const auto& item : model.named_parameters()) {
+    EXPECT_TRUE(decay.count(item.key()) + no_decay.count(item.key()) == 1) << item.key();
+    ++named;
+    if (!item.value().requires_grad()) continue;  // frozen: not stepped
+    (decay.count(item.key()) ? decayed : kept).push_back(item.value());
+  }
+  EXPECT_EQ(named, decay.size() + no_decay.size());
+  const optim::AdamWConfig defaults;  // the sharded runs set only lr
+  auto options = torch::optim::AdamWOptions(s.lr)
+                     .betas({defaults.beta1, defaults.beta2})
+                     .eps(defaults.eps)
+                     .weight_decay(defaults.weight_decay);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decayed, std::make_unique<torch::optim::AdamWOptions>(options));
+  auto no_decay_options = options;
+  no_decay_options.weight_decay(0.0);
+  groups.emplace_back(kept, std::make_unique<torch::optim::AdamWOptions>(no_decay_options));
+  return std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+}
+
 // Plain LibTorch, one process, the whole global batch: what FSDP must reproduce.
 Run train_reference(const Scenario& s) {
   auto model = build_model(s);
-  optim::AdamWConfig adam;
-  adam.lr = s.lr;
-  auto optimizer = optim::make_adamw(optim::from_module(*model), adam);
+  auto optimizer = reference_adamw(*model, s);
   Run run;
   for (int64_t step = 0; step < s.steps; ++step) {
     auto tokens = global_batch(s, step, model->config().vocab_size);
@@ -65,6 +108,42 @@ Scenario base_scenario() {
   return s;
 }
 
+// What one rank sends per micro-batch on 2 ranks (fsdp_size 2), from the unsharded model's shapes
+// alone, not FSDP's layout code: a param's rows split into ceil(rows / 2) per rank, and each
+// collective sends this rank's part to the one peer.
+struct TwoRankTraffic {
+  // All-gathers of a forward and backward in fp32: the root's params once (it stays gathered
+  // until after backward), each block's twice (forward, and again for backward after resharding).
+  double gather_fp32 = 0;
+  // One reduce-scatter of every trainable param's grad in fp32, each with a 4-byte "had a grad"
+  // flag.
+  double reduce = 0;
+};
+
+TwoRankTraffic two_rank_traffic(const Scenario& s) {
+  TwoRankTraffic t;
+  auto model = build_model(s);
+  for (const auto& item : model->named_parameters()) {
+    const auto& p = item.value();
+    const int64_t rows = p.dim() == 0 ? 1 : p.size(0), row_numel = p.numel() / rows;
+    const double shard = static_cast<double>((rows + 1) / 2 * row_numel);
+    const bool in_block = item.key().rfind("blocks.", 0) == 0;
+    t.gather_fp32 += (in_block ? 2 : 1) * shard * 4;
+    if (p.requires_grad()) t.reduce += (shard + 1) * 4;
+  }
+  return t;
+}
+
+// Where one step's trace (fsdp/trace.h, as dist_worker writes it) has the nth `event` of `unit`.
+size_t position(const nlohmann::json& events, const std::string& event, int unit, int nth = 0) {
+  int seen = 0;
+  for (size_t i = 0; i < events.size(); ++i) {
+    if (events[i]["event"] == event && events[i]["unit"] == unit && seen++ == nth) return i;
+  }
+  ADD_FAILURE() << "no " << event << " #" << nth << " of unit " << unit << " in " << events.dump();
+  return events.size();
+}
+
 class ParityTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(ParityTest, ShardedTrainingMatchesUnshardedAdamW) {
@@ -87,9 +166,14 @@ TEST(FSDP, GradientAccumulationWithoutSyncMatchesAndReducesOnce) {
   auto synced = train_sharded(2, s);
   auto no_sync = train_sharded(2, s, {"--no-sync"});
   expect_matches(no_sync, train_reference(s), 1e-5);
-  // no_sync skips the reduce-scatter of the first two micro-batches.
-  ASSERT_FALSE(no_sync.bytes.empty());
-  EXPECT_LT(no_sync.bytes[0], synced.bytes[0]);
+  // no_sync skips the reduce-scatter of the first two micro-batches, and gathers as often.
+  const auto traffic = two_rank_traffic(s);
+  ASSERT_EQ(no_sync.bytes.size(), static_cast<size_t>(s.steps));
+  ASSERT_EQ(synced.bytes.size(), static_cast<size_t>(s.steps));
+  for (size_t i = 0; i < synced.bytes.size(); ++i) {
+    EXPECT_EQ(synced.bytes[i], s.micro * (traffic.gather_fp32 + traffic.reduce)) << "step " << i;
+    EXPECT_EQ(no_sync.bytes[i], s.micro * traffic.gather_fp32 + traffic.reduce) << "step " << i;
+  }
 }
 
 TEST(FSDP, HybridShardingOnTwoByTwoMeshMatches) {
@@ -108,6 +192,98 @@ TEST(FSDP, PrefetchDepthDoesNotChangeResults) {
   for (const std::string depth : {"0", "2"}) {
     expect_matches(train_sharded(2, s, {"--prefetch", depth}), reference, 1e-5);
   }
+}
+
+// The schedule itself, from the trace: with prefetch, unit k+1's all-gather is issued before
+// unit k's compute starts and waited for after it ends (it overlaps that compute), in forward and
+// in backward (where k-1 follows k); without prefetch, it is issued only after unit k is done.
+TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
+  Scenario s = base_scenario();
+  s.steps = 1;
+  s.layers = 3;  // blocks are units 1..3 (the root is 0): two neighbouring pairs each way
+  const int blocks = static_cast<int>(s.layers);
+  for (const int prefetch : {0, 1}) {
+    SCOPED_TRACE("prefetch " + std::to_string(prefetch));
+    auto run = train_sharded(2, s, {"--prefetch", std::to_string(prefetch), "--trace"});
+    ASSERT_EQ(run.traces.size(), 2u);
+    for (const auto& trace : run.traces) {
+      ASSERT_EQ(trace.size(), 1u);
+      const auto& events = trace[0];
+      auto check = [&](int k, int next, const std::string& phase, int nth) {
+        const size_t issued = position(events, "gather_issued", next, nth);
+        const size_t waited = position(events, "gather_waited", next, nth);
+        const size_t begin = position(events, phase + "_begin", k);
+        const size_t end = position(events, phase + "_end", k);
+        ASSERT_LT(begin, end);
+        ASSERT_LT(issued, waited);
+        if (prefetch) {
+          EXPECT_LT(issued, begin) << phase << " of unit " << k << ": " << events.dump();
+          EXPECT_GT(waited, end) << phase << " of unit " << k << ": " << events.dump();
+        } else {
+          EXPECT_GT(issued, end) << phase << " of unit " << k << ": " << events.dump();
+        }
+      };
+      // The root's forward encloses the blocks': with prefetch, block 1's gather is issued
+      // before the root's compute starts.
+      const size_t first_block = position(events, "gather_issued", 1);
+      const size_t root_begins = position(events, "forward_begin", 0);
+      if (prefetch) {
+        EXPECT_LT(first_block, root_begins) << events.dump();
+      } else {
+        EXPECT_GT(first_block, root_begins) << events.dump();
+      }
+      for (int k = 1; k < blocks; ++k) check(k, k + 1, "forward", 0);
+      for (int k = blocks; k > 1; --k) check(k, k - 1, "backward", 1);
+    }
+  }
+}
+
+// bf16 mixed precision really runs in bf16: every unit's params are gathered, and in bf16, when
+// its forward and backward compute, and the all-gathers carry bf16, exactly half the fp32 run's
+// bytes as the process group counted them.
+TEST(FSDP, Bf16GathersAndComputesInBf16AtHalfTheBytes) {
+  Scenario s = base_scenario();
+  s.steps = 2;
+  const auto traffic = two_rank_traffic(s);
+  std::map<std::string, double> gathered_per_step;
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    SCOPED_TRACE(dtype);
+    const std::string name = dtype == "bf16" ? "BFloat16" : "Float";
+    const double element_bytes = dtype == "bf16" ? 2 : 4;
+    auto run = train_sharded(2, s, {"--param-dtype", dtype, "--trace"});
+    ASSERT_EQ(run.traces.size(), 2u);
+    for (const auto& trace : run.traces) {
+      ASSERT_EQ(trace.size(), static_cast<size_t>(s.steps));
+      for (size_t step = 0; step < trace.size(); ++step) {
+        double gathered = 0;
+        std::map<std::string, int> computes;
+        for (const auto& e : trace[step]) {
+          const std::string event = e["event"];
+          EXPECT_GE(e["unit"].get<int>(), 0) << e.dump();
+          if (event == "gather_issued") {
+            EXPECT_EQ(e["dtype"], name) << e.dump();
+            gathered += e["bytes"].get<double>();
+          } else if (event == "forward_begin" || event == "backward_begin") {
+            ++computes[event];
+            EXPECT_EQ(e["dtype"], name) << e.dump();
+            EXPECT_TRUE(e["gathered"].get<bool>()) << e.dump();
+          }
+        }
+        // The root and the blocks, each forward and backward once.
+        EXPECT_EQ(computes["forward_begin"], s.layers + 1) << "step " << step;
+        EXPECT_EQ(computes["backward_begin"], s.layers + 1) << "step " << step;
+        EXPECT_EQ(gathered, traffic.gather_fp32 * element_bytes / 4) << "step " << step;
+        gathered_per_step[dtype] = gathered;
+      }
+    }
+    // Everything the step sent: the gathers, and the reduce-scatter, still in fp32.
+    ASSERT_EQ(run.bytes.size(), static_cast<size_t>(s.steps));
+    for (size_t i = 0; i < run.bytes.size(); ++i) {
+      EXPECT_EQ(run.bytes[i], traffic.gather_fp32 * element_bytes / 4 + traffic.reduce)
+          << "step " << i;
+    }
+  }
+  EXPECT_EQ(2 * gathered_per_step["bf16"], gathered_per_step["fp32"]);
 }
 
 TEST(FSDP, NonFiniteGradNormSkipsTheStep) {
@@ -157,6 +333,7 @@ TEST(FSDP, FrozenParamsStaySharedAndSendNoGradients) {
 // biases on this AVX2 CPU, whose bf16 is emulated), so no fixed bound against fp32 holds across
 // machines; FSDP2 on the same machine, same steps, is the bound.
 TEST(FSDP, Bf16MixedPrecisionMatchesPyTorchFsdp2) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"torch", "safetensors"}));
   Scenario s = base_scenario();
   s.steps = 4;
   const std::string dir = make_temp_dir("bf16");

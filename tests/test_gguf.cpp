@@ -59,6 +59,8 @@ void expect_import_refused(const std::string& gguf, const std::string& out_dir,
 // and `shardrl generate` on the import give the same logits and greedy tokens; the tokenizer and
 // the chat template (--chat) render as transformers' reading of the GGUF.
 TEST(Gguf, SyntheticFilesOfEveryTypeImportExactly) {
+  SHARDRL_REQUIRE_DEPENDENCY(
+      missing_python_modules({"gguf", "numpy", "torch", "safetensors", "transformers"}));
   expect_checks_pass(run_process({SHARDRL_PYTHON, script(), "synthetic", bin("shardrl"),
                                   make_temp_dir("gguf-synthetic")},
                                  kEnv, 600),
@@ -68,6 +70,8 @@ TEST(Gguf, SyntheticFilesOfEveryTypeImportExactly) {
 // A type ShardRL does not dequantize, a tensor left out, and metadata that disagrees with the
 // tensors' shapes: each an error naming the tensor and the metadata key as the file has them.
 TEST(Gguf, ImportNamesTheTensorOrFieldAtFault) {
+  SHARDRL_REQUIRE_DEPENDENCY(
+      missing_python_modules({"gguf", "numpy", "torch", "safetensors", "transformers"}));
   const std::string dir = make_temp_dir("gguf-broken");
   const auto written = run_process({SHARDRL_PYTHON, script(), "broken", dir}, kEnv);
   ASSERT_EQ(written.exit_code, 0) << written.output;
@@ -117,6 +121,8 @@ TEST(Gguf, ImportNamesTheTensorOrFieldAtFault) {
 // A GGUF cut short anywhere (in the header, the metadata, the tensor table, the tensor data, and
 // at points spread over the whole file) is an error naming the file, never a crash.
 TEST(Gguf, TruncatedFileIsAnErrorNamingIt) {
+  SHARDRL_REQUIRE_DEPENDENCY(
+      missing_python_modules({"gguf", "numpy", "torch", "safetensors", "transformers"}));
   const std::string dir = make_temp_dir("gguf-truncated");
   const auto written = run_process({SHARDRL_PYTHON, script(), "broken", dir}, kEnv);
   ASSERT_EQ(written.exit_code, 0) << written.output;
@@ -147,6 +153,9 @@ TEST(Gguf, TruncatedFileIsAnErrorNamingIt) {
 // 1e-4 relative, 20 greedy tokens, the chat template with and without a system message), and
 // transformers loads the import with the GGUF's logits and tokenizer.
 TEST(Gguf, SmolLM2ImportAnswersAsTransformersOnTheGguf) {
+  SHARDRL_REQUIRE_DEPENDENCY(
+      missing_python_modules({"gguf", "numpy", "torch", "safetensors", "transformers"}));
+  SHARDRL_REQUIRE_DEPENDENCY(missing_smollm2_gguf());
   const std::string gguf = smollm2_gguf();
   ASSERT_TRUE(fs::exists(gguf));
   const std::string dir = make_temp_dir("gguf-smollm2") + "/import";

@@ -100,11 +100,15 @@ void export_and_check(const TrainedRun& run, const std::string& family_model_typ
 
 // LLaMA with tied embeddings and GQA (the job's model), through train, export and the clients.
 TEST(HfClients, LlamaTrainerCheckpointExportsLoadInTransformersAndPeft) {
+  SHARDRL_REQUIRE_DEPENDENCY(
+      missing_python_modules({"torch", "safetensors", "transformers", "peft", "yaml"}));
   export_and_check(train_with_lora("hf-llama", json::object()), "llama", "1,5,12,3,14,7,11");
 }
 
 // Qwen2 (q/k/v biases) with untied embeddings, the same way.
 TEST(HfClients, Qwen2TrainerCheckpointExportsLoadInTransformersAndPeft) {
+  SHARDRL_REQUIRE_DEPENDENCY(
+      missing_python_modules({"torch", "safetensors", "transformers", "peft", "yaml"}));
   export_and_check(
       train_with_lora("hf-qwen2", {{"model_type", "qwen2"}, {"tie_word_embeddings", false}}),
       "qwen2", "2,9,13,4,14,6,10");
@@ -112,6 +116,8 @@ TEST(HfClients, Qwen2TrainerCheckpointExportsLoadInTransformersAndPeft) {
 
 // transformers' save_pretrained of random LLaMA / Qwen2 models, read by `shardrl generate`.
 TEST(HfClients, ShardrlLoadsTransformersSavePretrained) {
+  SHARDRL_REQUIRE_DEPENDENCY(
+      missing_python_modules({"torch", "safetensors", "transformers", "peft", "yaml"}));
   expect_checks_pass(run_process({SHARDRL_PYTHON, script(), "pretrained", bin("shardrl"),
                                   make_temp_dir("hf-pretrained")},
                                  {{"HF_HUB_OFFLINE", "1"}}, 600),

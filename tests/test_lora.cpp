@@ -170,6 +170,26 @@ TEST(Lora, MergeEqualsBasePlusScaledBAAndUnmergeRestores) {
   for (auto& [name, layer] : lora::lora_linears(*net)) layer->merge("default");
   EXPECT_TRUE(torch::allclose(net->head->weight, merged["head.weight"], 0, 1e-6));
   EXPECT_TRUE(torch::allclose(net(x), adapted, 1e-5, 1e-5));
+
+  for (auto& [name, layer] : lora::lora_linears(*net)) layer->unmerge();
+  int restored = 0;
+  for (const auto& item : net->named_parameters()) {
+    const auto& original = params.at(item.key());
+    const auto now = item.value().detach();
+    if (item.key().find(".lora_") != std::string::npos || !merged.count(item.key()) ||
+        torch::equal(merged.at(item.key()), original)) {
+      EXPECT_TRUE(torch::equal(now, original)) << item.key();  // merge never touched these
+      continue;
+    }
+    // unmerge subtracts the delta merge added: (w + d) - d in fp32 is w up to the rounding of
+    // the two operations, at most one unit in the last place of |w + d| and of |w| each.
+    const auto bound = std::ldexp(1.0, -23) * (merged.at(item.key()).abs() + original.abs());
+    EXPECT_TRUE((now - original).abs().le(bound).all().item<bool>())
+        << item.key() << ": off by " << (now - original).abs().max().item<double>();
+    ++restored;
+  }
+  EXPECT_EQ(restored, 5);  // fc1 and fc2 of both blocks, and the head
+  EXPECT_TRUE(torch::allclose(net(x), adapted, 1e-5, 1e-5));  // the adapters act unmerged again
 }
 
 TEST(Lora, MergedForwardRefusesDisabledAdapters) {
@@ -284,11 +304,24 @@ TEST(Lora, UnshardScopeSharesOneGatherBetweenReferenceAndPolicy) {
   const std::string dir = make_temp_dir("lora-gather");
   auto result = launch_workers(2, {"--out", dir, "--shared-gather"}, 300, "lora_worker");
   ASSERT_EQ(result.exit_code, 0) << result.output;
+  // From the unsharded net's shapes: a param's rows split into ceil(rows / 2) per rank, sent to
+  // the one peer. `full` gathers every param (fp32), `blocks` the blocks' (the units a backward
+  // gathers again after resharding; the root's head stays gathered), and `reduce` is the adapter
+  // grads' reduce-scatter, each with a 4-byte "had a grad" flag.
+  double full = 0, blocks = 0, reduce = 0;
+  for (const auto& item : build_lora_net(s)->named_parameters()) {
+    const auto& p = item.value();
+    const int64_t rows = p.size(0), row_numel = p.numel() / rows;
+    const double shard = static_cast<double>((rows + 1) / 2 * row_numel);
+    full += shard * 4;
+    if (item.key().rfind("blocks.", 0) == 0) blocks += shard * 4;
+    if (p.requires_grad()) reduce += (shard + 1) * 4;
+  }
   for (int rank = 0; rank < 2; ++rank) {
     const std::string r = std::to_string(rank);
     auto bytes = nlohmann::json::parse(std::ifstream(dir + "/gather_" + r + ".json"));
-    const double full = bytes["full_gather"].get<double>();
-    ASSERT_GT(full, 0);
+    EXPECT_DOUBLE_EQ(bytes["full_gather"].get<double>(), full);
+    EXPECT_DOUBLE_EQ(bytes["separate_backward"].get<double>(), blocks + reduce);
     // Apart, each forward gathers every unit.
     EXPECT_DOUBLE_EQ(bytes["separate_ref"].get<double>(), full);
     EXPECT_DOUBLE_EQ(bytes["separate_policy"].get<double>(), full);
@@ -299,9 +332,7 @@ TEST(Lora, UnshardScopeSharesOneGatherBetweenReferenceAndPolicy) {
     // stay gathered after forward (one gather plus the adapter reduce-scatter).
     EXPECT_DOUBLE_EQ(bytes["scope_total"].get<double>(),
                      bytes["kept_policy_and_backward"].get<double>());
-    EXPECT_LT(bytes["scope_total"].get<double>(), bytes["separate_ref"].get<double>() +
-                                                      bytes["separate_policy"].get<double>() +
-                                                      bytes["separate_backward"].get<double>());
+    EXPECT_DOUBLE_EQ(bytes["scope_total"].get<double>(), full + reduce);
     EXPECT_GT(bytes["scope_unsharded_param_bytes"].get<double>(), 0);
     EXPECT_EQ(bytes["after_scope_unsharded_param_bytes"].get<double>(), 0);
 
@@ -323,6 +354,7 @@ TEST(Lora, UnshardScopeSharesOneGatherBetweenReferenceAndPolicy) {
 // The adapter alone, as PEFT writes it, from a sharded checkpoint (the CLI) and from the live
 // sharded model: read back with an independent reader, PEFT names, the gathered values.
 TEST(Lora, AdapterExportHasPeftNamesAndTheGatheredAdapter) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"json", "struct"}));
   const LoraScenario s;
   const std::string dir = make_temp_dir("lora-export"), root = dir + "/ckpt", live = dir + "/live";
   auto trained = launch_workers(2, {"--out", dir, "--save", root, "--export-adapter", live}, 300,

@@ -135,6 +135,7 @@ TEST(Tokenizer, PretokenizationFollowsTheGpt2Regex) {
 }
 
 TEST(Tokenizer, EncodeEqualsHuggingFaceTokenizersExactly) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"tokenizers"}));
   auto tok = ByteLevelBpeTokenizer::load(vocabulary_dir());
   const auto texts = sample_texts();
   const auto expected = reference_encode(texts);
@@ -366,6 +367,24 @@ T made_or_error(const std::function<T()>& make) {
   }
 }
 
+// What SmolLM2's reference tokenizer needs: transformers converts the GGUF's tokenizer (with gguf)
+// and tokenizers encodes with it.
+std::string missing_smollm2_reference() {
+  std::string missing = missing_python_modules({"tokenizers", "transformers", "gguf"});
+  return missing.empty() ? missing_smollm2_gguf() : missing;
+}
+
+// The real texts' sources: Debian's KJV, fortunes and licence texts.
+std::string missing_real_texts() {
+  for (const auto& missing :
+       {missing_program("bible", "the Debian package bible-kjv"),
+        missing_file("/usr/share/games/fortunes", "the Debian packages fortunes, fortunes-min"),
+        missing_file("/usr/share/common-licenses", "the Debian package base-files")}) {
+    if (!missing.empty()) return missing;
+  }
+  return "";
+}
+
 const SmolLm2Files& smollm2_files() {
   static const SmolLm2Files files = made_or_error<SmolLm2Files>([] {
     SmolLm2Files f;
@@ -459,6 +478,8 @@ size_t count_added(const ByteLevelBpeTokenizer& tok, const std::vector<std::vect
 }
 
 TEST(SmolLm2Tokenizer, EncodesAndDecodesRealTextAsHuggingFace) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_smollm2_reference());
+  SHARDRL_REQUIRE_DEPENDENCY(missing_real_texts());
   const auto& ref = real_text_reference();
   ASSERT_EQ(ref.error, "");
   const auto tok = ByteLevelBpeTokenizer::load_tokenizer_json(smollm2_files().smollm2_json);
@@ -479,6 +500,8 @@ TEST(SmolLm2Tokenizer, EncodesAndDecodesRealTextAsHuggingFace) {
 
 // SmolLM2's ChatML tokens, and the variant's tokens that overlap them and each other.
 TEST(SmolLm2Tokenizer, SplitsAtAddedTokensAsHuggingFace) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_smollm2_reference());
+  SHARDRL_REQUIRE_DEPENDENCY(missing_program("bible", "the Debian package bible-kjv"));
   const auto& files = smollm2_files();
   ASSERT_EQ(files.error, "");
   const auto smollm2 = ByteLevelBpeTokenizer::load_tokenizer_json(files.smollm2_json);
@@ -508,6 +531,8 @@ TEST(SmolLm2Tokenizer, SplitsAtAddedTokensAsHuggingFace) {
 // tokenizers and transformers read ShardRL's tokenizer.json as the tokenizer ShardRL has: the
 // same ids as ShardRL's encode, which the tests above hold to tokenizers' on the original files.
 TEST(SmolLm2Tokenizer, SavedTokenizerJsonLoadsInTokenizersAndTransformers) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_smollm2_reference());
+  SHARDRL_REQUIRE_DEPENDENCY(missing_real_texts());
   const auto& files = smollm2_files();
   ASSERT_EQ(files.error, "");
   const std::string dir = make_temp_dir("tokenizer-saved");

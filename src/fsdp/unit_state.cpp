@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include "compat.h"
+#include "fsdp/trace.h"
 
 namespace shardrl::fsdp {
 UnitState::UnitState(std::shared_ptr<torch::nn::Module> module_in, const dist::DeviceMesh& mesh_in,
@@ -37,7 +38,12 @@ void UnitState::unshard() {
   torch::Tensor shard = residency ? residency->gather_input(view()) : flat_shard;
   torch::Tensor input = all_gather_input(shard, options.mixed_precision.param_dtype);
   gather_output_ = torch::empty({mesh.shard_size() * flat_shard.numel()}, input.options());
+  const uint64_t sent_before = mesh.shard_group().bytes_sent();
   gather_pending_ = mesh.shard_group().all_gather_async(input, gather_output_);
+  if (trace::enabled()) {
+    trace::record(trace::Event::kGatherIssued, *this, input.scalar_type(),
+                  mesh.shard_group().bytes_sent() - sent_before);
+  }
   stage = Stage::kUnsharding;
 }
 
@@ -59,6 +65,7 @@ void UnitState::wait_for_unshard() {
   all_gather_copy_out(params, gather_output_, mesh.shard_size());
   gather_output_ = torch::Tensor();
   stage = Stage::kUnsharded;
+  trace::record(trace::Event::kGatherWaited, *this);
 }
 
 void UnitState::reshard() {
@@ -97,9 +104,11 @@ void UnitState::pre_backward() {
   root->on_backward_started();
   wait_for_unshard();
   root->prefetch_before_in_backward(this);
+  trace::record(trace::Event::kBackwardBegin, *this);
 }
 
 void UnitState::post_backward() {
+  trace::record(trace::Event::kBackwardEnd, *this);
   reduce_grads();
   if (!is_root) reshard();
   post_backward_done = true;

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <thread>
 
+#include "fsdp/trace.h"
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
 #include "shardrl/offload.h"
@@ -32,7 +33,7 @@ struct OffloadArgs {
 int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
           const std::string& param_dtype, const std::string& reduce_dtype, bool no_sync,
           int die_rank, int die_step, int hang_rank, int timeout_ms, bool reshard_after_forward,
-          int prefetch, const OffloadArgs& offloading) {
+          int prefetch, bool trace, const OffloadArgs& offloading) {
   dist::InitOptions init;
   init.timeout = std::chrono::milliseconds(timeout_ms);
   auto world = dist::World::init_from_env(init);
@@ -56,6 +57,9 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
   auto optimizer = optim::make_adamw(optim::from_sharded(fsdp_model.sharded_parameters()), adam);
   if (offloading.any()) offload::set_policy(fsdp_model, optimizer.get(), offloading.policy);
   nlohmann::json offloaded = nlohmann::json::array();
+  // The FSDP schedule of each step's forwards and backwards (fsdp/trace.h).
+  nlohmann::json traced = nlohmann::json::array();
+  fsdp::trace::set_enabled(trace);
 
   const int dp = mesh.data_parallel_size();
   const int dp_rank = mesh.data_parallel_rank();
@@ -80,6 +84,17 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
       loss_sum += loss.detach();
     }
     bytes.push_back(fsdp_model.bytes_sent());
+    if (trace) {
+      nlohmann::json events = nlohmann::json::array();
+      for (const auto& r : fsdp::trace::take()) {
+        events.push_back({{"event", fsdp::trace::name(r.event)},
+                          {"unit", r.unit},
+                          {"dtype", std::string(c10::toString(r.dtype))},
+                          {"bytes", r.bytes},
+                          {"gathered", r.gathered}});
+      }
+      traced.push_back(events);
+    }
     if (step == offloading.round_trip_step) {
       offload::offload(fsdp_model, optimizer.get());
       auto m = offload::memory(fsdp_model, optimizer.get());
@@ -114,6 +129,8 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
         {"skipped", skipped}}.dump();
   }
   std::ofstream(out + "/memory_" + std::to_string(world->rank()) + ".json") << memory.dump();
+  if (trace)
+    std::ofstream(out + "/trace_" + std::to_string(world->rank()) + ".json") << traced.dump();
   world->group().barrier();
   return 0;
 }
@@ -126,7 +143,7 @@ int main(int argc, char** argv) {
   std::string out = ".", param_dtype = "fp32", reduce_dtype = "fp32";
   int fsdp_size = -1, die_rank = -1, die_step = -1, hang_rank = -1, timeout_ms = 60000,
       prefetch = 1;
-  bool no_sync = false, keep_unsharded = false;
+  bool no_sync = false, keep_unsharded = false, trace = false;
   OffloadArgs offloading;
   auto* train_cmd = app.add_subcommand("train", "FSDP training of the test transformer");
   train_cmd->add_option("--steps", s.steps);
@@ -149,6 +166,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--die-step", die_step, "Step at which --die-rank or --hang-rank acts");
   train_cmd->add_option("--hang-rank", hang_rank);
   train_cmd->add_option("--prefetch", prefetch);
+  train_cmd->add_flag("--trace", trace, "Write each step's FSDP schedule to trace_<rank>.json");
   train_cmd->add_option("--nan-step", s.nan_step);
   train_cmd->add_option("--timeout-ms", timeout_ms);
   train_cmd->add_flag("--param-offload", offloading.policy.param_offload);
@@ -159,7 +177,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     return train(s, out, fsdp_size, param_dtype, reduce_dtype, no_sync, die_rank, die_step,
-                 hang_rank, timeout_ms, !keep_unsharded, prefetch, offloading);
+                 hang_rank, timeout_ms, !keep_unsharded, prefetch, trace, offloading);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;
