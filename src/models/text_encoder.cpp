@@ -198,8 +198,7 @@ uint32_t crc32_of(const std::string& s) {
 
 }  // namespace
 
-// ---- config
-// --------------------------------------------------------------------------------------
+// ---- config ------------------------------------------------------------------------------------
 
 BertConfig BertConfig::from_json(const nlohmann::json& j) {
   BertConfig c;
@@ -252,8 +251,7 @@ BertConfig BertConfig::load(const std::string& path) {
   return with_path(path, [](const nlohmann::json& j) { return from_json(j); });
 }
 
-// ---- encoder
-// -------------------------------------------------------------------------------------
+// ---- encoder -----------------------------------------------------------------------------------
 
 struct TextEncoder::Impl {
   std::string dir;
@@ -425,8 +423,7 @@ const std::string& TextEncoder::fingerprint() const {
   return impl_->fingerprint;
 }
 
-// ---- cache
-// ---------------------------------------------------------------------------------------
+// ---- cache -------------------------------------------------------------------------------------
 
 CachedEncoding encode_cached(const TextEncoder& encoder, const std::vector<std::string>& prompts,
                              const std::string& cache_path, int64_t pad_to) {
