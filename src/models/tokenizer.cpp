@@ -14,70 +14,14 @@
 
 #include "checkpoint/io.h"
 #include "models/unicode_classes.h"
+#include "models/utf8.h"
 
 namespace shardrl::models {
 namespace {
 
-// Stands for a byte that is not valid UTF-8: a character of no class.
-constexpr char32_t kInvalid = 0xFFFFFFFF;
-
-std::string utf8(char32_t c) {
-  std::string out;
-  if (c < 0x80) {
-    out += static_cast<char>(c);
-  } else if (c < 0x800) {
-    out += static_cast<char>(0xC0 | (c >> 6));
-    out += static_cast<char>(0x80 | (c & 0x3F));
-  } else if (c < 0x10000) {
-    out += static_cast<char>(0xE0 | (c >> 12));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (c & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (c >> 18));
-    out += static_cast<char>(0x80 | ((c >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (c & 0x3F));
-  }
-  return out;
-}
-
-// Decodes the code point at s[i]; returns its length in bytes. A malformed, overlong or
-// surrogate sequence decodes as kInvalid of length 1.
-size_t next_code_point(const std::string& s, size_t i, char32_t& c) {
-  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
-  const unsigned char b0 = byte(i);
-  size_t len = 0;
-  char32_t min = 0;
-  if (b0 < 0x80) {
-    c = b0;
-    return 1;
-  } else if ((b0 & 0xE0) == 0xC0) {
-    len = 2, c = b0 & 0x1F, min = 0x80;
-  } else if ((b0 & 0xF0) == 0xE0) {
-    len = 3, c = b0 & 0x0F, min = 0x800;
-  } else if ((b0 & 0xF8) == 0xF0) {
-    len = 4, c = b0 & 0x07, min = 0x10000;
-  } else {
-    c = kInvalid;
-    return 1;
-  }
-  if (i + len > s.size()) {
-    c = kInvalid;
-    return 1;
-  }
-  for (size_t k = 1; k < len; ++k) {
-    if ((byte(i + k) & 0xC0) != 0x80) {
-      c = kInvalid;
-      return 1;
-    }
-    c = (c << 6) | (byte(i + k) & 0x3F);
-  }
-  if (c < min || c > 0x10FFFF || (c >= 0xD800 && c <= 0xDFFF)) {
-    c = kInvalid;
-    return 1;
-  }
-  return len;
-}
+using detail::kInvalid;
+using detail::next_code_point;
+using detail::utf8;
 
 enum class CharClass { kLetter, kNumber, kSpace, kOther };
 
@@ -130,14 +74,6 @@ std::array<char32_t, 256> byte_to_code_point() {
     map[b] = printable ? static_cast<char32_t>(b) : next++;
   }
   return map;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("tokenizer: cannot read '{}'", path));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
 }
 
 // Keeps the BPE cache of a long-running process bounded (tokenizers caps its at 10,000 words).
@@ -318,7 +254,7 @@ ByteLevelBpeTokenizer::ByteLevelBpeTokenizer(const std::string& encoder_json_pat
     : impl_(std::make_unique<Impl>()) {
   nlohmann::json entries;
   try {
-    entries = nlohmann::json::parse(read_file(encoder_json_path));
+    entries = nlohmann::json::parse(detail::read_file("tokenizer", encoder_json_path));
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(
         fmt::format("tokenizer: '{}' is not valid JSON: {}", encoder_json_path, e.what()));
@@ -339,7 +275,7 @@ ByteLevelBpeTokenizer::ByteLevelBpeTokenizer(const std::string& encoder_json_pat
   }
 
   std::vector<std::pair<std::string, std::string>> merges;
-  std::istringstream lines(read_file(vocab_bpe_path));
+  std::istringstream lines(detail::read_file("tokenizer", vocab_bpe_path));
   std::string line;
   int64_t line_number = 0;
   while (std::getline(lines, line)) {
@@ -420,7 +356,7 @@ bool adds_no_tokens(const json& post) {
 ByteLevelBpeTokenizer ByteLevelBpeTokenizer::load_tokenizer_json(const std::string& path) {
   json file;
   try {
-    file = json::parse(read_file(path));
+    file = json::parse(detail::read_file("tokenizer", path));
   } catch (const json::exception& e) {
     throw std::invalid_argument(
         fmt::format("tokenizer: '{}' is not valid JSON: {}", path, e.what()));

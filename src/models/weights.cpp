@@ -54,11 +54,12 @@ std::map<std::string, std::vector<int64_t>> weight_shapes(const std::string& pat
   return shapes;
 }
 
-void load_weights(torch::nn::Module& model, const std::string& path) {
+void load_weights(torch::nn::Module& model, const std::string& path,
+                  const std::set<std::string>& unused) {
   checkpoint::HfWeights weights(path);
   auto expected = base_params(model);
   for (const auto& name : weights.names()) {
-    if (!expected.count(name)) {
+    if (!expected.count(name) && !unused.count(name)) {
       throw std::invalid_argument(fmt::format("{}: unexpected tensor {}", path, name));
     }
   }

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -22,8 +23,10 @@ void save_weights(const std::map<std::string, torch::Tensor>& params, const std:
 std::map<std::string, std::vector<int64_t>> weight_shapes(const std::string& path);
 
 // Copies Hugging Face-style weights (as weight_shapes) into the module's base params. A missing or
-// unexpected tensor or a wrong shape is an error naming the file and the tensor. Call before
-// sharding.
-void load_weights(torch::nn::Module& model, const std::string& path);
+// unexpected tensor or a wrong shape is an error naming the file and the tensor; `unused` names
+// tensors the file may hold that the model does not use (transformers' unexpected keys it
+// ignores). Call before sharding.
+void load_weights(torch::nn::Module& model, const std::string& path,
+                  const std::set<std::string>& unused = {});
 
 }  // namespace shardrl::models
