@@ -7,6 +7,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include "shardrl/engine.h"
