@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -132,7 +133,8 @@ class World {
   ProcessGroup& group() { return *global_; }
   const InitOptions& options() const { return options_; }
 
-  // Every rank must call this with the same ranks and tag; members get their group, others null.
+  // Every rank must call this with the same ranks and tag, in the same order; members get their
+  // group, others null. A tag may be used again: each call makes a distinct group.
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& tag);
 
  private:
@@ -145,6 +147,7 @@ class World {
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<Liveness> liveness_;
   std::shared_ptr<ProcessGroup> global_;
+  std::map<std::string, int> tag_uses_;  // new_group calls per tag
 };
 
 // Ranks laid out as [replicate, shard]: parameters are sharded over `shard` ranks (fsdp_size) and

@@ -14,6 +14,15 @@
 //   auto loss = loss_fn(model(tokens));        // model is an fsdp::Unit<ModelImpl>
 //   loss.backward();                           // grads land in the shards
 //   auto shards = model.fsdp().sharded_parameters();   // what the optimizer steps
+//
+// When something throws: a forward or backward that throws on every rank at the same point (a
+// bad batch, an error in the loss) can be retried. The next forward or backward finishes the
+// collectives the failed one started, discards what they reduced and reshards every unit; call
+// zero_grad() first, since grads accumulated before the exception stay, as in unsharded LibTorch.
+// A collective that fails (a lost peer, a timeout) cannot be retried: its buffer was never
+// filled and the ranks may be at different collectives. From then on every forward, backward,
+// unshard(), grad_norm() and full_parameters() of the model throws, naming the unit whose
+// collective failed; restart the job from a checkpoint.
 #pragma once
 
 #include <torch/torch.h>
@@ -36,8 +45,10 @@ namespace shardrl::fsdp {
 torch::ScalarType parse_dtype(const std::string& name, const std::string& field);
 
 struct MixedPrecision {
-  torch::ScalarType param_dtype = torch::kFloat;   // unsharded params and compute
-  torch::ScalarType reduce_dtype = torch::kFloat;  // gradient reduce-scatter
+  torch::ScalarType param_dtype = torch::kFloat;  // unsharded params and compute
+  // Gradient reduce-scatter, and no_sync's unsharded grads kept between micro-batches when it is
+  // wider than param_dtype (as FSDP2: bf16 params, fp32 sums).
+  torch::ScalarType reduce_dtype = torch::kFloat;
   // Root outputs are cast to this when set (e.g. fp32 logits for the loss).
   std::optional<torch::ScalarType> output_dtype;
 };

@@ -231,10 +231,16 @@ std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
 
 std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks,
                                                const std::string& tag) {
+  // The tag names the group's rendezvous keys. A tag used again (the "shard0" of a second
+  // DeviceMesh: an actor and its reference) gets keys of its own; sharing the first group's would
+  // pair Gloo with that group's addresses ("connection refused"). Counted on every rank, members
+  // or not, so the names agree everywhere.
+  const int use = tag_uses_[tag]++;
+  const std::string name = use == 0 ? tag : fmt::format("{}#{}", tag, use);
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
   if (it == ranks.end()) return nullptr;
   auto impl = std::make_unique<ProcessGroup::Impl>();
-  impl->name = tag;
+  impl->name = name;
   impl->rank = static_cast<int>(it - ranks.begin());
   impl->global_ranks = ranks;
   impl->world_rank = rank_;
@@ -242,7 +248,7 @@ std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks,
   impl->is_nccl = use_nccl_;
   if (ranks.size() > 1) {
     auto prefixed =
-        c10::make_intrusive<c10d::PrefixStore>(fmt::format("{}pg/{}", kKeyPrefix, tag), store_);
+        c10::make_intrusive<c10d::PrefixStore>(fmt::format("{}pg/{}", kKeyPrefix, name), store_);
 #ifdef USE_C10D_NCCL
     if (use_nccl_) {
       impl->backend = compat::make_nccl(prefixed, impl->rank, static_cast<int>(ranks.size()),

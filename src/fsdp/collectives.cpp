@@ -30,9 +30,9 @@ ReduceScatterPack reduce_scatter_copy_in(const std::vector<ParamSlot*>& trainabl
   // Every element is written below: no zero-fill of the whole buffer first.
   pack.input = torch::empty({group_size, width}, torch::dtype(reduce_dtype).device(device));
   for (size_t k = 0; k < trainable.size(); ++k) {
-    const bool had_grad = trainable[k]->copy_in_grad(pack.input, pack.columns[k], scale);
+    const bool had_grad =
+        trainable[k]->copy_in_grad(trainable[k]->take_grad(), pack.input, pack.columns[k], scale);
     pack.input.select(1, pack.flags_at + static_cast<int64_t>(k)).fill_(had_grad ? 1 : 0);
-    trainable[k]->unsharded().mutable_grad() = torch::Tensor();
   }
   pack.output = torch::empty({width}, pack.input.options());
   return pack;

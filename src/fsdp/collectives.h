@@ -30,8 +30,9 @@ struct ReduceScatterPack {
   torch::Tensor output;  // [width] in reduce_dtype: this rank's sum after the collective
 };
 
-// Packs the unsharded grads of `trainable`, times `scale` (1 / data-parallel size: the sum that
-// comes back is the mean), and drops them (they live on in the pack).
+// Packs the unsharded grads of `trainable` (with what no_sync kept), times `scale` (1 /
+// data-parallel size: the sum that comes back is the mean), and drops them (they live on in the
+// pack).
 ReduceScatterPack reduce_scatter_copy_in(const std::vector<ParamSlot*>& trainable, int group_size,
                                          torch::ScalarType reduce_dtype, double scale);
 

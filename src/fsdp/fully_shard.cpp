@@ -104,11 +104,13 @@ void init_root(const std::shared_ptr<UnitState>& unit) {
   RootContext* root = unit->owned_root.get();
   root->units.push_back(unit.get());
   unit->root = root;
-  for (const auto& child : unit->module->modules(/*include_self=*/false)) {
-    auto sub = registry().find(child.get());
+  unit->path = "root";
+  for (const auto& item : unit->module->named_modules("", /*include_self=*/false)) {
+    auto sub = registry().find(item.value().get());
     if (!sub) continue;
     TORCH_CHECK(!sub->root, "fully_shard: a unit belongs to two sharded roots");
     sub->root = root;
+    sub->path = item.key();
     root->units.push_back(sub.get());
   }
 }
@@ -315,6 +317,8 @@ void FSDPModule::set_reshard_after_forward(bool reshard) {
 }
 
 double FSDPModule::grad_norm() {
+  // After a failed reduce-scatter the grads are incomplete: no norm, no step from them.
+  for (UnitState* unit : scoped_units(state_)) unit->check_usable();
   torch::NoGradGuard no_grad;
   torch::Tensor sum_sq =
       torch::zeros({1}, torch::dtype(torch::kDouble).device(state_->mesh.device()));
@@ -402,7 +406,7 @@ void FSDPModule::zero_grad() {
   for (UnitState* unit : scoped_units(state_)) {
     for (auto& slot : unit->params) {
       slot.shard().mutable_grad() = torch::Tensor();
-      slot.unsharded().mutable_grad() = torch::Tensor();
+      slot.clear_unsharded_grads();
     }
   }
 }
@@ -412,6 +416,7 @@ std::map<std::string, torch::Tensor> FSDPModule::full_parameters() const {
   torch::NoGradGuard no_grad;
   auto& group = state_->mesh.shard_group();
   std::map<std::string, torch::Tensor> out;
+  for (UnitState* unit : scoped_units(state_)) unit->check_usable();
   for (UnitState* unit : scoped_units(state_)) {
     // Offloaded shards come in one unit at a time; the gathered copies are new tensors.
     if (unit->residency) unit->residency->acquire(unit->view(), ShardUse::kParams);
@@ -436,7 +441,7 @@ MemoryStats FSDPModule::memory() const {
     for (const auto& slot : unit->params) {
       stats.sharded_grad_bytes += bytes(slot.shard().grad());
       stats.unsharded_param_bytes += bytes(slot.unsharded());
-      stats.unsharded_grad_bytes += bytes(slot.unsharded().grad());
+      stats.unsharded_grad_bytes += slot.unsharded_grad_bytes();
     }
   }
   return stats;
@@ -463,11 +468,17 @@ void FSDPModule::reshard() {
 
 void FSDPModule::unshard() {
   const auto units = scoped_units(state_);
-  // Every gather is in flight before the first wait, so they overlap.
-  for (UnitState* unit : units) unit->unshard();
-  for (UnitState* unit : units) {
-    unit->wait_for_unshard();
-    unit->held_unsharded = true;
+  try {
+    // Every gather is in flight before the first wait, so they overlap.
+    for (UnitState* unit : units) unit->unshard();
+    for (UnitState* unit : units) {
+      unit->wait_for_unshard();
+      unit->held_unsharded = true;
+    }
+  } catch (...) {
+    // No half-held model: what was gathered is freed, gathers still in flight are dropped.
+    reshard();
+    throw;
   }
 }
 

@@ -59,9 +59,47 @@ void ParamSlot::copy_out(const torch::Tensor& gathered_by_rank) {
   }
 }
 
-bool ParamSlot::copy_in_grad(const torch::Tensor& send_by_rank, int64_t column,
-                             double scale) const {
-  const torch::Tensor& grad = unsharded_.grad();
+void ParamSlot::keep_grad_for_sync(torch::ScalarType reduce_dtype) {
+  torch::Tensor& grad = unsharded_.mutable_grad();
+  if (!grad.defined() || c10::elementSize(reduce_dtype) <= c10::elementSize(grad.scalar_type()))
+    return;
+  torch::NoGradGuard no_grad;
+  if (kept_grad_.defined()) {
+    kept_grad_.add_(grad);
+  } else {
+    kept_grad_ = grad.to(reduce_dtype);
+  }
+  grad = torch::Tensor();
+}
+
+torch::Tensor ParamSlot::take_grad() {
+  torch::Tensor grad = std::move(unsharded_.mutable_grad());
+  unsharded_.mutable_grad() = torch::Tensor();
+  if (!kept_grad_.defined()) return grad;
+  torch::Tensor total = std::move(kept_grad_);
+  kept_grad_ = torch::Tensor();
+  if (grad.defined()) {
+    torch::NoGradGuard no_grad;
+    total.add_(grad);
+  }
+  return total;
+}
+
+void ParamSlot::clear_unsharded_grads() {
+  unsharded_.mutable_grad() = torch::Tensor();
+  kept_grad_ = torch::Tensor();
+}
+
+int64_t ParamSlot::unsharded_grad_bytes() const {
+  int64_t bytes = 0;
+  for (const auto* t : {&unsharded_.grad(), &kept_grad_}) {
+    if (t->defined()) bytes += static_cast<int64_t>(t->storage().nbytes());
+  }
+  return bytes;
+}
+
+bool ParamSlot::copy_in_grad(const torch::Tensor& grad, const torch::Tensor& send_by_rank,
+                             int64_t column, double scale) const {
   const torch::Tensor grad_rows = grad.defined() ? grad.reshape({rows_, row_numel_}) : grad;
   for (int r = 0; r < group_size_; ++r) {
     torch::Tensor chunk =

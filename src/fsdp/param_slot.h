@@ -32,10 +32,23 @@ class ParamSlot {
   // The unit's all-gather output viewed [group size, flat shard numel] -> the unsharded param
   // (its storage is reallocated; autograd's saved views of it come back to life).
   void copy_out(const torch::Tensor& gathered_by_rank);
-  // The unsharded grad, times `scale`, -> this param's columns of the reduce-scatter input
-  // [group size, width] at `column`, padding rows zeroed; without a grad this backward, zeros.
+  // Under no_sync: moves the param's .grad into the sum kept across micro-batches, in
+  // reduce_dtype when that is wider than the grad's dtype (FSDP2 accumulates in reduce_dtype:
+  // bf16 sums of many micro-batches lose the low bits fp32 keeps). Otherwise the grad stays,
+  // and autograd accumulates into it.
+  void keep_grad_for_sync(torch::ScalarType reduce_dtype);
+  // The unsharded grad to reduce (the kept sum plus this backward's .grad); both are dropped.
+  // Undefined when the param got no grad.
+  torch::Tensor take_grad();
+  // Drops the param's .grad and the kept sum.
+  void clear_unsharded_grads();
+  // Bytes of unsharded grads held (the .grad and the kept sum).
+  int64_t unsharded_grad_bytes() const;
+  // `grad` (from take_grad()), times `scale`, -> this param's columns of the reduce-scatter
+  // input [group size, width] at `column`, padding rows zeroed; undefined `grad`: zeros.
   // Returns whether there was a grad.
-  bool copy_in_grad(const torch::Tensor& send_by_rank, int64_t column, double scale) const;
+  bool copy_in_grad(const torch::Tensor& grad, const torch::Tensor& send_by_rank, int64_t column,
+                    double scale) const;
   // An all-gather output of this param's shards alone ([group size * shard_numel]) -> the full
   // param.
   torch::Tensor full_from_gathered(const torch::Tensor& gathered) const;
@@ -48,6 +61,7 @@ class ParamSlot {
  private:
   std::string name_;
   torch::Tensor unsharded_;  // the module's parameter; storage freed while sharded
+  torch::Tensor kept_grad_;  // no_sync's sum in reduce_dtype (see keep_grad_for_sync)
   std::vector<int64_t> shape_;
   int64_t rows_ = 1, row_numel_ = 1, chunk_rows_ = 1;
   int group_size_ = 1;

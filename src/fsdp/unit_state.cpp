@@ -1,14 +1,39 @@
 #include "fsdp/unit_state.h"
 
+#include <fmt/format.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "compat.h"
 #include "fsdp/trace.h"
 
 namespace shardrl::fsdp {
+namespace {
+
+std::string current_exception_message() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an unknown exception";
+  }
+}
+
+}  // namespace
+
 UnitState::UnitState(std::shared_ptr<torch::nn::Module> module_in, const dist::DeviceMesh& mesh_in,
                      const Options& options_in)
-    : module(std::move(module_in)), mesh(mesh_in), options(options_in) {}
+    : module(std::move(module_in)), path(module->name()), mesh(mesh_in), options(options_in) {}
+
+void UnitState::check_usable() const {
+  if (!root || root->failure.empty()) return;
+  throw std::runtime_error(fmt::format(
+      "FSDP unit '{}' cannot run: {}. Its buffers were never filled and the ranks' collectives "
+      "may be out of step, so this model cannot be used again in this process: restart the job "
+      "(from the last checkpoint)",
+      path, root->failure));
+}
 
 void UnitState::shard_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& named) {
   const int group_size = mesh.shard_size();
@@ -34,17 +59,30 @@ void UnitState::unshard() {
                 " was created under fsdp::EmptyInit and has no values yet: load the model "
                 "(checkpoint::load_hf_from_rank0, load_hf or checkpoint::load) before using it");
   }
+  check_usable();
   torch::NoGradGuard no_grad;
   torch::Tensor shard = residency ? residency->gather_input(view()) : flat_shard;
   torch::Tensor input = all_gather_input(shard, options.mixed_precision.param_dtype);
   gather_output_ = torch::empty({mesh.shard_size() * flat_shard.numel()}, input.options());
   const uint64_t sent_before = mesh.shard_group().bytes_sent();
-  gather_pending_ = mesh.shard_group().all_gather_async(input, gather_output_);
+  try {
+    gather_pending_ = mesh.shard_group().all_gather_async(input, gather_output_);
+  } catch (...) {
+    drop_gather();
+    root->fail(*this, "all-gather", current_exception_message());
+    throw;
+  }
   if (trace::enabled()) {
     trace::record(trace::Event::kGatherIssued, *this, input.scalar_type(),
                   mesh.shard_group().bytes_sent() - sent_before);
   }
   stage = Stage::kUnsharding;
+}
+
+void UnitState::drop_gather() {
+  gather_pending_ = dist::Pending();
+  gather_output_ = torch::Tensor();
+  stage = Stage::kSharded;
 }
 
 void UnitState::wait_for_unshard() {
@@ -53,13 +91,17 @@ void UnitState::wait_for_unshard() {
     return;
   }
   if (stage == Stage::kUnsharded) return;
+  // A gather started before another unit's collective failed is not waited on: its output could
+  // hold another collective's data.
+  check_usable();
   if (stage == Stage::kSharded) unshard();
   try {
     gather_pending_.wait();
   } catch (...) {
-    // The output was never filled: back to sharded, so that nothing reads it as gathered.
-    gather_output_ = torch::Tensor();
-    stage = Stage::kSharded;
+    // The output was never filled: sharded, and the model refuses to run (a retried gather would
+    // pair with whatever collective the other ranks are in).
+    drop_gather();
+    root->fail(*this, "all-gather", current_exception_message());
     throw;
   }
   all_gather_copy_out(params, gather_output_, mesh.shard_size());
@@ -69,7 +111,13 @@ void UnitState::wait_for_unshard() {
 }
 
 void UnitState::reshard() {
-  if (stage == Stage::kUnsharding) wait_for_unshard();  // must complete on every rank
+  if (stage == Stage::kUnsharding) {
+    if (root && !root->failure.empty()) {
+      drop_gather();  // never read; resharding must not throw (UnshardScope's destructor)
+    } else {
+      wait_for_unshard();  // must complete on every rank
+    }
+  }
   if (held_unsharded) return;
   for (auto& slot : params) compat::free_storage(slot.unsharded());
   stage = Stage::kSharded;
@@ -80,14 +128,26 @@ void UnitState::reduce_grads() {
   for (auto& slot : params) {
     if (slot.unsharded().requires_grad()) trainable.push_back(&slot);
   }
-  if (trainable.empty() || !root->requires_gradient_sync) return;
+  if (trainable.empty()) return;
+  if (!root->requires_gradient_sync) {
+    for (ParamSlot* slot : trainable)
+      slot->keep_grad_for_sync(options.mixed_precision.reduce_dtype);
+    return;
+  }
+  check_usable();
 
   auto pack = std::make_shared<ReduceScatterPack>(
       reduce_scatter_copy_in(trainable, mesh.shard_size(), options.mixed_precision.reduce_dtype,
                              1.0 / mesh.data_parallel_size()));
-  auto pending = mesh.shard_group().reduce_scatter_async(pack->input.view(-1), pack->output);
+  dist::Pending pending;
+  try {
+    pending = mesh.shard_group().reduce_scatter_async(pack->input.view(-1), pack->output);
+  } catch (...) {
+    root->fail(*this, "reduce-scatter", current_exception_message());
+    throw;
+  }
   dist::ProcessGroup* replicate = mesh.replicate_group();
-  root->enqueue_reduce(std::move(pending), [this, pack, replicate] {
+  root->enqueue_reduce(this, std::move(pending), [this, pack, replicate] {
     torch::NoGradGuard guard;
     pack->input = torch::Tensor();
     torch::Tensor summed = pack->output.to(torch::kFloat);
@@ -101,6 +161,7 @@ void UnitState::reduce_grads() {
 }
 
 void UnitState::pre_backward() {
+  check_usable();
   root->on_backward_started();
   wait_for_unshard();
   root->prefetch_before_in_backward(this);
@@ -116,7 +177,19 @@ void UnitState::post_backward() {
 
 RootContext::RootContext(UnitState* root) : root_(root) {}
 
+void RootContext::fail(const UnitState& unit, const std::string& op, const std::string& cause) {
+  if (failure.empty())
+    failure = fmt::format("the {} of unit '{}' failed ({})", op, unit.path, cause);
+  reduces_.clear();
+  created_grads_.clear();
+}
+
 void RootContext::begin_forward() {
+  root_->check_usable();
+  // A forward inside the backward (recomputation) belongs to that backward.
+  if (backward_callback_queued && torch::autograd::get_current_graph_task_id() != backward_task) {
+    abandon_stale_backward();
+  }
   forward_order.clear();
 }
 
@@ -137,24 +210,55 @@ void RootContext::prefetch_before_in_backward(UnitState* unit) {
 }
 
 void RootContext::on_backward_started() {
-  if (backward_callback_queued) return;
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (backward_callback_queued) {
+    if (task == backward_task) return;
+    abandon_stale_backward();
+  }
   backward_callback_queued = true;
+  backward_task = task;
   for (auto* unit : units) unit->post_backward_done = false;
   // Runs once the whole backward is done: units whose inputs carried no grad (the root, say)
   // reduce here, and everything is resharded.
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
 }
 
-void RootContext::enqueue_reduce(dist::Pending pending, std::function<CreatedGrads()> apply) {
-  reduces_.push_back({std::move(pending), std::move(apply)});
+void RootContext::abandon_stale_backward() {
+  backward_callback_queued = false;
+  while (!reduces_.empty()) {
+    auto oldest = std::move(reduces_.front());
+    reduces_.pop_front();
+    try {
+      oldest.pending.wait();
+    } catch (...) {
+      fail(*oldest.unit, "reduce-scatter", current_exception_message());
+      throw;
+    }
+  }
+  drop_unused_grads();
+  for (auto* unit : units) {
+    unit->reshard();
+    unit->post_backward_done = false;
+  }
+}
+
+void RootContext::enqueue_reduce(UnitState* unit, dist::Pending pending,
+                                 std::function<CreatedGrads()> apply) {
+  reduces_.push_back({unit, std::move(pending), std::move(apply)});
   while (reduces_.size() > 1) apply_oldest_reduce();
 }
 
 void RootContext::apply_oldest_reduce() {
   auto oldest = std::move(reduces_.front());
   reduces_.pop_front();
-  oldest.pending.wait();
-  created_grads_.push_back(oldest.apply());
+  try {
+    oldest.pending.wait();
+    created_grads_.push_back(oldest.apply());
+  } catch (...) {
+    // The unit's grads of this backward are lost (part of them may have been added).
+    fail(*oldest.unit, "reduce-scatter", current_exception_message());
+    throw;
+  }
 }
 
 void RootContext::drain_reduces() {
@@ -167,6 +271,14 @@ void RootContext::finalize_backward() {
     if (!unit->post_backward_done) unit->reduce_grads();
   }
   drain_reduces();
+  drop_unused_grads();
+  for (auto* unit : units) {
+    unit->reshard();
+    unit->post_backward_done = false;
+  }
+}
+
+void RootContext::drop_unused_grads() {
   // One host read of every "had a grad" flag this backward created a grad shard for: a param no
   // rank used keeps no grad, as in unsharded training.
   std::vector<torch::Tensor> flags;
@@ -186,10 +298,6 @@ void RootContext::finalize_backward() {
     }
   }
   created_grads_.clear();
-  for (auto* unit : units) {
-    unit->reshard();
-    unit->post_backward_done = false;
-  }
 }
 
 }  // namespace shardrl::fsdp

@@ -33,12 +33,17 @@ class UnitState {
   void pre_backward();
   void post_backward();
 
+  // Throws, naming the unit, once a collective of this model has failed: its buffers were never
+  // filled and the ranks' collectives may be out of step, so nothing may run on it again.
+  void check_usable() const;
+
   // Builds the slots and the flat shard from the module's parameters `named`.
   void shard_parameters(const std::vector<std::pair<std::string, torch::Tensor>>& named);
   // The shards as layers above FSDP (offload) see this unit.
   ShardedUnit view() { return ShardedUnit(this); }
 
   std::shared_ptr<torch::nn::Module> module;
+  std::string path;  // where the unit sits in its root ("root", "blocks.1"), for messages
   dist::DeviceMesh mesh;
   Options options;
   std::vector<ParamSlot> params;
@@ -52,6 +57,8 @@ class UnitState {
   bool held_unsharded = false;  // FSDPModule::unshard(): reshard() keeps the params until released
 
  private:
+  // Forgets an all-gather that will never be read: the unit is sharded, its params unfilled.
+  void drop_gather();
   torch::Tensor gather_output_;
   dist::Pending gather_pending_;
 };
@@ -65,13 +72,28 @@ class RootContext {
   std::vector<UnitState*> forward_order;  // non-root units in the order this forward ran them
   bool requires_gradient_sync = true;
   bool backward_callback_queued = false;
+  int backward_task = -1;  // the autograd graph task finalize_backward is queued on
+  // Set by the first collective of this model that failed (the unit, the op, the cause); from
+  // then on every unit refuses to run.
+  std::string failure;
+
+  // Records a failed collective of `unit` (only the first one counts) and drops the reduce-
+  // scatters in flight, which can no longer be trusted.
+  void fail(const UnitState& unit, const std::string& op, const std::string& cause);
 
   void begin_forward();
   void prefetch_after_in_forward(UnitState* unit);
   void prefetch_before_in_backward(UnitState* unit);
   void on_backward_started();
+  // A backward that threw never runs its queued finalize_backward (autograd drops the callbacks
+  // of a failed graph task). Called when the next forward or backward finds it so: waits for the
+  // collectives it started (every rank that threw at the same place started them too, so the
+  // ranks stay in step), discards what they reduced and reshards every unit. Grads that reached
+  // the grad shards or the unsharded params before the exception stay, as the .grad of an
+  // unsharded model keeps what autograd accumulated before it threw; zero_grad() drops them.
+  void abandon_stale_backward();
   // Bounded: at most one reduce-scatter stays in flight while the next unit computes.
-  void enqueue_reduce(dist::Pending pending, std::function<CreatedGrads()> apply);
+  void enqueue_reduce(UnitState* unit, dist::Pending pending, std::function<CreatedGrads()> apply);
   void drain_reduces();
   // Runs once the whole backward is done: reduces what no post-backward reduced, drains the
   // reduce-scatters, drops grads no rank had and reshards every unit.
@@ -79,10 +101,14 @@ class RootContext {
 
  private:
   struct InFlightReduce {
+    UnitState* unit;
     dist::Pending pending;
     std::function<CreatedGrads()> apply;
   };
   void apply_oldest_reduce();
+  // After the reduce-scatters: drops each grad shard this backward created that no rank had a
+  // grad for.
+  void drop_unused_grads();
   UnitState* root_;
   std::deque<InFlightReduce> reduces_;
   std::vector<CreatedGrads> created_grads_;  // checked once per backward
