@@ -19,6 +19,7 @@ packages=(
   zlib1g-dev libisal-dev libpng-dev
   dataset-fashion-mnist
   bible-kjv fortunes fortunes-min
+  iproute2  # ip netns and veth pairs: the two-host tests (tests/test_multihost.cpp)
 )
 
 missing=()

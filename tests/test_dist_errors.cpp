@@ -2,8 +2,14 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
 
 #include "test_util.h"
 
@@ -91,8 +97,10 @@ TEST(DistErrors, KilledStoreHostIsNamed) {
   auto r = launch_workers(
       2, train_args({"--die-rank", "0", "--die-step", "2", "--timeout-ms", "10000"}));
   EXPECT_NE(r.exit_code, 0);
+  // The survivor's own diagnosis, not the launcher's "rank 0 was killed" line.
   EXPECT_NE(r.output.find("[rank 1] error:"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("rank 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("the rendezvous store at 127.0.0.1:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(hosted by rank 0)"), std::string::npos) << r.output;
   EXPECT_LT(r.seconds, 10.0 + 5.0) << r.output;
 }
 
@@ -105,6 +113,50 @@ TEST(DistErrors, StuckRankMakesOthersTimeOut) {
   EXPECT_NE(r.output.find("every rank of the group is alive"), std::string::npos) << r.output;
   // The stuck rank is stopped by the launcher after the grace period.
   EXPECT_LT(r.seconds, 3.0 + 20.0 + 10.0) << r.output;
+}
+
+// The live processes whose environment holds `entry` (NAME=value).
+std::vector<pid_t> processes_with_env(const std::string& entry) {
+  std::vector<pid_t> found;
+  std::error_code ignored;
+  for (const auto& dir : std::filesystem::directory_iterator("/proc", ignored)) {
+    const std::string name = dir.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(dir.path() / "environ");
+    for (std::string var; std::getline(in, var, '\0');) {
+      if (var == entry) found.push_back(std::stoi(name));
+    }
+  }
+  return found;
+}
+
+// shardrl launch gives every rank a process group of its own, so killing the launcher's group
+// alone would leave ranks running after a test gave up on them.
+TEST(TestHarness, TimeoutKillsEveryProcessOfTheJob) {
+  const std::string value = std::to_string(getpid()) + "-harness";
+  const std::string entry = "SHARDRL_HARNESS_MARK=" + value;
+  BackgroundProcess job(
+      {bin("shardrl"), "launch", "-n", "2", "--", "/bin/sh", "-c", "sleep 600 & wait"},
+      {{"SHARDRL_HARNESS_MARK", value}});
+  size_t most = 0;
+  auto r = job.wait(
+      3,
+      [&] {
+        most = std::max(most, processes_with_env(entry).size());
+        return false;
+      },
+      0);
+  EXPECT_EQ(r.exit_code, -2) << r.output;
+  // The launcher, two ranks' shells and their sleeps.
+  EXPECT_EQ(most, 5u);
+  std::vector<pid_t> left;
+  for (int i = 0; i < 20; ++i) {
+    left = processes_with_env(entry);
+    if (left.empty()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(left.empty()) << left.size() << " processes of the job outlived the harness";
+  for (pid_t pid : left) kill(pid, SIGKILL);
 }
 
 }  // namespace

@@ -129,6 +129,31 @@ TEST(Trainer, BadResumeModeNamesTheKey) {
   EXPECT_NE(result.output.find("trainer.resume_from_path"), std::string::npos) << result.output;
 }
 
+// verl's actor_rollout_ref.nccl_timeout, in seconds, bounds every collective; a value that could
+// not is refused before any rank starts. (tests/test_multihost.cpp shows the value reaching the
+// process groups: a cut link ends the run after it, and the error names it.)
+TEST(Trainer, NcclTimeoutIsVerlsKeyAndBadValuesNameIt) {
+  const auto dir = make_temp_dir("trainer_nccl_timeout");
+  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  EXPECT_EQ(trainer::get<int64_t>(trainer::task_config(path, {}), "actor_rollout_ref.nccl_timeout"),
+            600);
+  for (const std::string bad : {"0", "-5", "2592001"}) {
+    auto result =
+        train(path, {"trainer.default_local_dir=" + dir, "actor_rollout_ref.nccl_timeout=" + bad});
+    EXPECT_NE(result.exit_code, 0) << bad;
+    EXPECT_NE(result.output.find("config key 'actor_rollout_ref.nccl_timeout' must be a number of "
+                                 "seconds in [1, 2592000], got " +
+                                 bad),
+              std::string::npos)
+        << result.output;
+  }
+  auto result =
+      train(path, {"trainer.default_local_dir=" + dir, "actor_rollout_ref.nccl_timeout=2.5"});
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_NE(result.output.find("actor_rollout_ref.nccl_timeout"), std::string::npos)
+      << result.output;
+}
+
 TEST(Trainer, MissingDataFileNamesTheKeyAndTheFile) {
   const auto dir = make_temp_dir("trainer_missing_data");
   const auto path = write_file(dir, "lm.yaml", kSmallLm);

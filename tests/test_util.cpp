@@ -6,7 +6,6 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -15,8 +14,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 namespace shardrl::testing {
 
@@ -87,19 +88,83 @@ int free_port() {
 
 namespace {
 
-ProcessResult run_process_impl(const std::vector<std::string>& argv,
-                               const std::map<std::string, std::string>& env, double timeout_s,
-                               const std::function<bool()>& stop_when, int stop_signal) {
-  int pipe_fds[2];
-  if (pipe(pipe_fds) != 0) throw std::runtime_error("pipe failed");
-  const auto start = std::chrono::steady_clock::now();
-  pid_t pid = fork();
-  if (pid == 0) {
+struct ProcStat {
+  pid_t ppid = 0, pgrp = 0;
+};
+
+// /proc/PID/stat is "pid (comm) state ppid pgrp ..."; comm may hold spaces and parentheses, so the
+// fields are read after the last ')'.
+std::optional<ProcStat> proc_stat(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');
+  if (close == std::string::npos) return std::nullopt;
+  std::istringstream fields(text.substr(close + 1));
+  char state = 0;
+  ProcStat stat;
+  if (!(fields >> state >> stat.ppid >> stat.pgrp)) return std::nullopt;
+  return stat;
+}
+
+// root and every process below it, with their process groups.
+std::map<pid_t, ProcStat> process_tree(pid_t root) {
+  std::map<pid_t, ProcStat> all;
+  std::error_code ignored;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ignored)) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = std::stoi(name);
+    if (auto stat = proc_stat(pid)) all[pid] = *stat;
+  }
+  std::map<pid_t, ProcStat> tree;
+  if (auto it = all.find(root); it != all.end()) tree.insert(*it);
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (const auto& [pid, stat] : all) {
+      if (!tree.count(pid) && tree.count(stat.ppid)) grew = tree.insert({pid, stat}).second;
+    }
+  }
+  return tree;
+}
+
+}  // namespace
+
+void kill_process_tree(pid_t root) {
+  // A stopped process cannot fork, so stopping what is found until nothing new turns up fixes
+  // the tree before anything in it dies (a dying parent would orphan its children to init, out
+  // of sight). shardrl launch gives every rank its own process group, so killing root's group
+  // alone would leave the ranks running: every group in the tree is killed.
+  std::map<pid_t, ProcStat> tree;
+  for (int round = 0; round < 50; ++round) {
+    auto found = process_tree(root);
+    bool grew = false;
+    for (const auto& [pid, stat] : found) {
+      if (tree.insert({pid, stat}).second) grew = true;
+      kill(pid, SIGSTOP);
+    }
+    if (!grew) break;
+  }
+  for (const auto& [pid, stat] : tree) {
+    kill(-stat.pgrp, SIGKILL);
+    kill(pid, SIGKILL);
+  }
+}
+
+BackgroundProcess::BackgroundProcess(const std::vector<std::string>& argv,
+                                     const std::map<std::string, std::string>& env)
+    : start_(std::chrono::steady_clock::now()) {
+  // Output goes to an unlinked file, not a pipe: a process nobody reads from while the test waits
+  // on another one can never block on a full pipe.
+  std::string pattern = (std::filesystem::temp_directory_path() / "shardrl-out-XXXXXX").string();
+  output_fd_ = mkstemp(pattern.data());
+  if (output_fd_ < 0) throw std::runtime_error("mkstemp failed");
+  unlink(pattern.c_str());
+  pid_ = fork();
+  if (pid_ == 0) {
     setpgid(0, 0);
-    dup2(pipe_fds[1], 1);
-    dup2(pipe_fds[1], 2);
-    close(pipe_fds[0]);
-    close(pipe_fds[1]);
+    dup2(output_fd_, 1);
+    dup2(output_fd_, 2);
+    close(output_fd_);
     for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -107,55 +172,81 @@ ProcessResult run_process_impl(const std::vector<std::string>& argv,
     execvp(args[0], args.data());
     _exit(127);
   }
-  close(pipe_fds[1]);
-  ProcessResult result;
+}
+
+BackgroundProcess::~BackgroundProcess() {
+  if (pid_ > 0 && !reaped_) {
+    kill_process_tree(pid_);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+  }
+  close(output_fd_);
+}
+
+bool BackgroundProcess::exited() {
+  if (reaped_) return true;
+  if (waitpid(pid_, &status_, WNOHANG) == pid_) {
+    reaped_ = true;
+    end_ = std::chrono::steady_clock::now();
+  }
+  return reaped_;
+}
+
+std::string BackgroundProcess::output() const {
+  std::string text;
   char buf[4096];
+  for (off_t at = 0;;) {
+    ssize_t n = pread(output_fd_, buf, sizeof(buf), at);
+    if (n <= 0) break;
+    text.append(buf, n);
+    at += n;
+  }
+  return text;
+}
+
+ProcessResult BackgroundProcess::wait(double timeout_s, const std::function<bool()>& stop_when,
+                                      int stop_signal) {
+  ProcessResult result;
   bool timed_out = false;
-  while (true) {
+  while (!exited()) {
     const double elapsed =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     if (elapsed > timeout_s) {
       timed_out = true;
-      kill(-pid, SIGKILL);
+      kill_process_tree(pid_);
+      waitpid(pid_, &status_, 0);
+      reaped_ = true;
+      end_ = std::chrono::steady_clock::now();
       break;
     }
     if (!result.stopped && stop_when && stop_when()) {
-      kill(-pid, stop_signal);
+      kill(-pid_, stop_signal);
       result.stopped = true;
     }
-    pollfd p{pipe_fds[0], POLLIN, 0};
-    if (poll(&p, 1, 200) > 0) {
-      ssize_t n = read(pipe_fds[0], buf, sizeof(buf));
-      if (n <= 0) break;
-      result.output.append(buf, n);
-    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  close(pipe_fds[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.output = output();
+  result.seconds = std::chrono::duration<double>(end_ - start_).count();
   if (timed_out) {
     result.exit_code = -2;
     result.output += "\n[test harness: killed after timeout]\n";
-  } else if (WIFEXITED(status)) {
-    result.exit_code = WEXITSTATUS(status);
+  } else if (WIFEXITED(status_)) {
+    result.exit_code = WEXITSTATUS(status_);
   } else {
-    result.exit_code = 128 + WTERMSIG(status);
+    result.exit_code = 128 + WTERMSIG(status_);
   }
   return result;
 }
 
-}  // namespace
-
 ProcessResult run_process(const std::vector<std::string>& argv,
                           const std::map<std::string, std::string>& env, double timeout_s) {
-  return run_process_impl(argv, env, timeout_s, nullptr, 0);
+  return BackgroundProcess(argv, env).wait(timeout_s);
 }
 
 ProcessResult run_process_until(const std::vector<std::string>& argv,
                                 const std::function<bool()>& stop_when, int stop_signal,
                                 double timeout_s) {
-  return run_process_impl(argv, {}, timeout_s, stop_when, stop_signal);
+  return BackgroundProcess(argv).wait(timeout_s, stop_when, stop_signal);
 }
 
 ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,

@@ -3,6 +3,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/types.h>
+
+#include <chrono>
 #include <functional>
 #include <map>
 #include <string>
@@ -17,7 +20,42 @@ struct ProcessResult {
   bool stopped = false;  // run_process_until sent its signal
 };
 
-// Runs argv with extra environment variables; output captured; killed after timeout_s.
+// A process started beside the test, in its own process group, stdout and stderr captured. When
+// it outlives wait()'s timeout or the object, it is killed with every process it started
+// (kill_process_tree), so no rank outlives the test.
+class BackgroundProcess {
+ public:
+  BackgroundProcess(const std::vector<std::string>& argv,
+                    const std::map<std::string, std::string>& env = {});
+  ~BackgroundProcess();
+  BackgroundProcess(const BackgroundProcess&) = delete;
+  BackgroundProcess& operator=(const BackgroundProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  // Whether it has exited (reaped on the first call that sees it).
+  bool exited();
+  // Waits at most timeout_s from the start; sends stop_signal to its process group once
+  // stop_when() holds (polled every 50 ms).
+  ProcessResult wait(double timeout_s, const std::function<bool()>& stop_when = nullptr,
+                     int stop_signal = 0);
+  // What it wrote so far.
+  std::string output() const;
+  // When it exited (valid once exited()).
+  std::chrono::steady_clock::time_point end_time() const { return end_; }
+
+ private:
+  pid_t pid_ = -1;
+  int output_fd_ = -1;
+  int status_ = 0;
+  bool reaped_ = false;
+  std::chrono::steady_clock::time_point start_, end_;
+};
+
+// SIGKILLs root, everything below it and their process groups.
+void kill_process_tree(pid_t root);
+
+// Runs argv with extra environment variables; output captured; killed with every process it
+// started after timeout_s.
 ProcessResult run_process(const std::vector<std::string>& argv,
                           const std::map<std::string, std::string>& env = {},
                           double timeout_s = 300);

@@ -25,7 +25,9 @@ namespace shardrl::dist {
 class Liveness;
 
 // A collective failed or timed out. The message names the op, this rank and, when it can be
-// found out, the rank that stopped answering.
+// found out, the rank that stopped answering, or the store's host:port when rank 0, which hosts
+// it, is gone or cut off. Finding that out takes a few seconds at most and never blocks: a rank
+// that lost its peers reports and exits within the timeout plus that.
 class CollectiveError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -33,7 +35,8 @@ class CollectiveError : public std::runtime_error {
 
 struct InitOptions {
   std::string backend = "auto";  // "gloo", "nccl" or "auto" (nccl on CUDA)
-  std::chrono::milliseconds timeout{std::chrono::seconds(120)};  // every collective and rendezvous
+  // Every collective and the rendezvous (`shardrl train`: actor_rollout_ref.nccl_timeout).
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
 };
 
 class ProcessGroup;

@@ -14,7 +14,12 @@ uint64_t nbytes(const torch::Tensor& t) {
 }  // namespace
 
 ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+  // Gloo's destructor drains its queue first, and after a failure every queued collective would
+  // wait out its own timeout against a peer that is gone: a rank reporting a lost peer could take
+  // minutes to exit. A failed transport is left to the process's end instead.
+  if (impl_ && impl_->failed && impl_->backend) (void)impl_->backend.release();
+}
 
 int ProcessGroup::rank() const {
   return impl_->rank;
@@ -193,13 +198,13 @@ void ProcessGroup::barrier() {
 }
 
 void ProcessGroup::raise_failure(const std::string& op, const std::string& cause) {
+  impl_->failed = true;
   std::string culprit;
   try {
     culprit = impl_->liveness ? impl_->liveness->describe_unresponsive(impl_->global_ranks)
                               : "no liveness information";
   } catch (const std::exception& e) {
-    culprit = fmt::format("the rendezvous store on rank 0 is unreachable, so rank 0 is down ({})",
-                          e.what());
+    culprit = fmt::format("the liveness probe failed ({})", e.what());
   }
   std::string first_line = cause.substr(0, cause.find('\n'));
   throw CollectiveError(

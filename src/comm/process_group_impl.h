@@ -4,6 +4,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "compat.h"
@@ -13,22 +14,36 @@ namespace shardrl::dist {
 
 // Every rank bumps a counter in the store from a background thread. When a collective fails, the
 // counters that stopped moving name the dead ranks; a store that stops answering means rank 0,
-// which hosts it, is gone. A rank that is merely slow keeps beating and is not blamed.
+// which hosts it, is gone or cut off. A rank that is merely slow keeps beating and is not blamed.
+//
+// Nothing here waits unboundedly on the store: across hosts a partition leaves a store request
+// unanswered for as long as TCP retransmits (a quarter of an hour), and LibTorch's TCPStore bounds
+// only get() and wait() by its timeout. So the probe runs on a thread of its own that is abandoned
+// when it misses its deadline, and the heartbeat thread is abandoned, not joined, when it is stuck.
 class Liveness {
  public:
   Liveness(c10::intrusive_ptr<c10d::Store> heartbeat_store,
-           c10::intrusive_ptr<c10d::Store> probe_store, int rank, std::chrono::milliseconds period);
+           c10::intrusive_ptr<c10d::Store> probe_store, int rank, std::chrono::milliseconds period,
+           std::string store_address);
   ~Liveness();
   std::string describe_unresponsive(const std::vector<int>& ranks);
 
  private:
-  void beat_loop();
-  c10::intrusive_ptr<c10d::Store> heartbeat_store_, probe_store_;
+  // Shared with the heartbeat thread, which may outlive this object.
+  struct Beat {
+    c10::intrusive_ptr<c10d::Store> store;
+    std::mutex mutex;
+    std::condition_variable wake;
+    bool stop = false, done = false;
+  };
+  // The heartbeat counts of `ranks`, or nullopt when the store does not answer by the deadline.
+  std::optional<std::vector<int64_t>> read_heartbeats(const std::vector<int>& ranks);
+
+  c10::intrusive_ptr<c10d::Store> probe_store_;
   int rank_;
   std::chrono::milliseconds period_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool stop_ = false;
+  std::string store_address_;
+  std::shared_ptr<Beat> beat_;
   std::thread thread_;
 };
 
@@ -40,6 +55,7 @@ struct ProcessGroup::Impl {
   int world_rank = 0;
   std::chrono::milliseconds timeout{0};
   bool is_nccl = false;
+  bool failed = false;  // a collective failed: the transport is abandoned, not torn down
   std::shared_ptr<Liveness> liveness;
 };
 

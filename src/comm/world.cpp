@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <future>
 #include <optional>
 
 #include "comm/process_group_impl.h"
@@ -69,48 +70,90 @@ void ignore_sigpipe_unless_handled() {
 
 Liveness::Liveness(c10::intrusive_ptr<c10d::Store> heartbeat_store,
                    c10::intrusive_ptr<c10d::Store> probe_store, int rank,
-                   std::chrono::milliseconds period)
-    : heartbeat_store_(std::move(heartbeat_store)),
-      probe_store_(std::move(probe_store)),
+                   std::chrono::milliseconds period, std::string store_address)
+    : probe_store_(std::move(probe_store)),
       rank_(rank),
       period_(period),
-      thread_([this] { beat_loop(); }) {}
-
-Liveness::~Liveness() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  thread_.join();
+      store_address_(std::move(store_address)),
+      beat_(std::make_shared<Beat>()) {
+  beat_->store = std::move(heartbeat_store);
+  thread_ =
+      std::thread([beat = beat_, key = fmt::format("{}heartbeat/{}", kKeyPrefix, rank), period] {
+        std::unique_lock<std::mutex> lock(beat->mutex);
+        while (!beat->stop) {
+          lock.unlock();
+          try {
+            beat->store->add(key, 1);
+          } catch (const std::exception&) {
+            break;  // the store is gone; failures will be diagnosed by whoever notices it
+          }
+          lock.lock();
+          beat->wake.wait_for(lock, period, [&] { return beat->stop; });
+        }
+        if (!lock.owns_lock()) lock.lock();
+        beat->done = true;
+        beat->wake.notify_all();
+      });
 }
 
-void Liveness::beat_loop() {
-  const std::string key = fmt::format("{}heartbeat/{}", kKeyPrefix, rank_);
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (!stop_) {
-    try {
-      heartbeat_store_->add(key, 1);
-    } catch (const std::exception&) {
-      return;  // the store is gone; failures will be diagnosed by whoever notices it
-    }
-    wake_.wait_for(lock, period_, [this] { return stop_; });
+Liveness::~Liveness() {
+  std::unique_lock<std::mutex> lock(beat_->mutex);
+  beat_->stop = true;
+  beat_->wake.notify_all();
+  // A beat blocked on a store that no longer answers would hold the exit back for minutes; the
+  // thread owns what it uses, so it is left to the process's end.
+  if (beat_->wake.wait_for(lock, period_ * 4, [&] { return beat_->done; })) {
+    lock.unlock();
+    thread_.join();
+  } else {
+    thread_.detach();
   }
+}
+
+std::optional<std::vector<int64_t>> Liveness::read_heartbeats(const std::vector<int>& ranks) {
+  auto counts = std::make_shared<std::promise<std::vector<int64_t>>>();
+  auto answer = counts->get_future();
+  std::thread([counts, store = probe_store_, ranks] {
+    try {
+      std::vector<int64_t> values;
+      for (int r : ranks)
+        values.push_back(store->add(fmt::format("{}heartbeat/{}", kKeyPrefix, r), 0));
+      counts->set_value(std::move(values));
+    } catch (...) {
+      counts->set_exception(std::current_exception());
+    }
+  }).detach();
+  // The store answers in milliseconds when it is there; a second is generous even on a busy host.
+  if (answer.wait_for(std::max<std::chrono::milliseconds>(std::chrono::seconds(1), period_ * 4)) !=
+      std::future_status::ready) {
+    return std::nullopt;
+  }
+  return answer.get();  // rethrows the store's own error (connection reset or refused)
 }
 
 std::string Liveness::describe_unresponsive(const std::vector<int>& ranks) {
-  auto read_all = [&] {
-    std::vector<int64_t> counts;
-    for (int r : ranks)
-      counts.push_back(probe_store_->add(fmt::format("{}heartbeat/{}", kKeyPrefix, r), 0));
-    return counts;
+  auto store_lost = [&](const std::string& why) {
+    return fmt::format(
+        "the rendezvous store at {} (hosted by rank 0) {}, so rank 0 is down or the network to "
+        "it is cut",
+        store_address_, why);
   };
-  auto before = read_all();
-  std::this_thread::sleep_for(period_ * 6);
-  auto after = read_all();
+  std::optional<std::vector<int64_t>> before, after;
+  try {
+    before = read_heartbeats(ranks);
+    if (before) {
+      std::this_thread::sleep_for(period_ * 6);
+      after = read_heartbeats(ranks);
+    }
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    return store_lost(fmt::format("fails ({})", why.substr(0, why.find('\n'))));
+  }
+  if (!before || !after) return store_lost("does not answer");
   std::vector<std::string> silent;
   for (size_t i = 0; i < ranks.size(); ++i) {
-    if (ranks[i] != rank_ && after[i] == before[i]) silent.push_back(std::to_string(ranks[i]));
+    if (ranks[i] != rank_ && (*after)[i] == (*before)[i])
+      silent.push_back(std::to_string(ranks[i]));
   }
   // Rank 0 hosts the store: when it exits on this error, peers still diagnosing the same loss
   // could no longer read heartbeats and would blame rank 0. One more window lets them finish.
@@ -119,7 +162,7 @@ std::string Liveness::describe_unresponsive(const std::vector<int>& ranks) {
     return "every rank of the group is alive, so the collective itself failed or timed out "
            "(ranks calling different collectives, or one rank far slower than the timeout)";
   }
-  return fmt::format("rank {} stopped responding (exited, was killed or is frozen)",
+  return fmt::format("rank {} stopped responding (exited, was killed, is frozen or is cut off)",
                      fmt::join(silent, ", "));
 }
 
@@ -268,7 +311,8 @@ std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks,
       o.timeout = options_.timeout;
       auto beat_store = c10::make_intrusive<c10d::TCPStore>(master_addr_, o);
       liveness_ =
-          std::make_shared<Liveness>(beat_store, store_, rank_, std::chrono::milliseconds(250));
+          std::make_shared<Liveness>(beat_store, store_, rank_, std::chrono::milliseconds(250),
+                                     fmt::format("{}:{}", master_addr_, o.port));
     }
     impl->liveness = liveness_;
   }

@@ -2,11 +2,13 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
 #include <sstream>
 
+#include "shardrl/dist.h"
 #include "shardrl/launcher.h"
 #include "shardrl/trainer.h"
 #include "tasks.h"
@@ -30,7 +32,23 @@ json trainer_defaults() {
             {"max_actor_ckpt_to_keep", 2},
             {"max_mem_gb", 0.0},
             {"seed", 0},
-            {"logger", "console"}}}};
+            {"logger", "console"}}},
+          // verl's key and default: the bound, in seconds, on every collective and on the
+          // rendezvous, for Gloo and NCCL alike.
+          {"actor_rollout_ref", {{"nccl_timeout", 600}}}};
+}
+
+constexpr int64_t kMaxCollectiveTimeoutSeconds = 30 * 24 * 3600;
+
+std::chrono::seconds collective_timeout(const json& config, const std::string& source) {
+  const auto seconds = get<int64_t>(config, "actor_rollout_ref.nccl_timeout");
+  if (seconds < 1 || seconds > kMaxCollectiveTimeoutSeconds) {
+    throw std::invalid_argument(
+        fmt::format("{}: config key 'actor_rollout_ref.nccl_timeout' must be a number of seconds "
+                    "in [1, {}], got {}",
+                    source, kMaxCollectiveTimeoutSeconds, seconds));
+  }
+  return std::chrono::seconds(seconds);
 }
 
 struct TaskTable {
@@ -108,6 +126,8 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
                const std::string& self_exe) {
   // Every rank checks the config, so a bad key fails before any rank waits for another.
   const json config = task_config(config_path, overrides);
+  dist::InitOptions init;
+  init.timeout = collective_timeout(config, config_path);
   const int nproc = get<int>(config, "trainer.nproc_per_node");
   if (std::getenv("RANK") == nullptr && nproc > 1) {
     dist::LaunchOptions launch;
@@ -116,12 +136,18 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
     launch.command.insert(launch.command.end(), overrides.begin(), overrides.end());
     return dist::launch(launch);
   }
-  auto world = dist::World::init_from_env();
+  auto world = dist::World::init_from_env(init);
   if (world->rank() == 0) {
     spdlog::info("task {} on {} rank(s); config:\n{}", get<std::string>(config, "trainer.task"),
                  world->size(), config.dump(2));
   }
-  return find_task(get<std::string>(config, "trainer.task"), config_path).run(config, world);
+  try {
+    return find_task(get<std::string>(config, "trainer.task"), config_path).run(config, world);
+  } catch (const dist::CollectiveError& e) {
+    throw dist::CollectiveError(
+        fmt::format("{} (the timeout is actor_rollout_ref.nccl_timeout={})", e.what(),
+                    std::chrono::duration_cast<std::chrono::seconds>(init.timeout).count()));
+  }
 }
 
 }  // namespace shardrl::trainer
