@@ -283,10 +283,10 @@ TEST(Trainer, AutoResumeWithOnlyDamagedCheckpointsStopsAndTouchesNothing) {
   const auto before = snapshot();
   auto result = train(path, {"trainer.default_local_dir=" + dir, "trainer.total_training_steps=6"});
   EXPECT_NE(result.exit_code, 0) << result.output;
-  for (const std::string named :
+  for (const std::string& named :
        {root + "/global_step_4/index.json is damaged", "every checkpoint under " + root,
         root + "/global_step_2/optim_rank0.safetensors is truncated",
-        "trainer.resume_mode=disable"}) {
+        std::string("trainer.resume_mode=disable")}) {
     EXPECT_NE(result.output.find(named), std::string::npos) << named << "\n" << result.output;
   }
   EXPECT_EQ(result.output.find("resumed from"), std::string::npos) << result.output;
