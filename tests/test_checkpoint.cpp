@@ -342,6 +342,57 @@ TEST(Checkpoint, DamagedTruncatedOrMissingFilesAreNamed) {
       << result.output;
 }
 
+// Every byte of a checkpoint is covered: a flipped bit in every 11th byte of index.json (most of
+// which leave valid JSON) and in every byte of index.json.crc32 is an error of read_index naming
+// the index, and find_damage names each shard file with a flip in every 4099th byte (samples: every
+// file is under one crc32 whole). An index of version 1, saved before the checksum file, still
+// reads without one.
+TEST(Checkpoint, EveryByteIsCoveredByAChecksum) {
+  const std::string root = make_temp_dir("ckpt-every-byte");
+  run_train(2, root, concat({"--end-step", "2"}, save_at({2})));
+  const std::string dir = root + "/global_step_2";
+  ASSERT_EQ(checkpoint::find_damage(dir), "");
+  auto index_problem = [&] {
+    try {
+      checkpoint::read_index(dir);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto flip_each = [&](const std::string& file, size_t stride, const std::string& named,
+                       const std::function<std::string()>& problem_of) {
+    const std::string path = dir + "/" + file;
+    const std::string good = slurp(path);
+    for (size_t at = 0; at < good.size(); at += stride) {
+      std::string bad = good;
+      bad[at] = static_cast<char>(bad[at] ^ (1 << (at % 8)));
+      std::ofstream(path, std::ios::binary | std::ios::trunc) << bad;
+      const std::string problem = problem_of();
+      if (problem.find(dir + "/" + named) == std::string::npos) {
+        ADD_FAILURE() << "a flip at byte " << at << " of " << file << ": '" << problem << "'";
+        break;
+      }
+    }
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << good;
+  };
+  flip_each("index.json", 11, "index.json", index_problem);
+  flip_each("index.json.crc32", 1, "index.json", index_problem);
+  for (const char* file : {"model_rank0.safetensors", "model_rank1.safetensors",
+                           "optim_rank0.safetensors", "optim_rank1.safetensors"}) {
+    flip_each(file, 4099, file, [&] { return checkpoint::find_damage(dir); });
+  }
+  ASSERT_EQ(checkpoint::find_damage(dir), "");
+
+  json index = checkpoint::read_index(dir);
+  index["version"] = 1;
+  std::ofstream(dir + "/index.json", std::ios::trunc) << index.dump(1);
+  EXPECT_NE(checkpoint::find_damage(dir), "") << "version 1 with a checksum file that differs";
+  fs::remove(dir + "/index.json.crc32");
+  EXPECT_EQ(checkpoint::find_damage(dir), "");
+  EXPECT_EQ(checkpoint::read_index(dir)["step"], 2);
+}
+
 TEST(Checkpoint, RotationKeepsTheConfiguredCountAndSize) {
   auto remaining = [](const std::string& root) {
     std::set<std::string> names;

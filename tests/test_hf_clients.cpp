@@ -66,12 +66,15 @@ void export_and_check(const TrainedRun& run, const std::string& family_model_typ
   EXPECT_EQ(extra["lora"]["default"]["lora_alpha"], 8.0) << extra.dump();
 
   // A checkpoint without the model's config is refused rather than exported into a directory no
-  // library loads.
+  // library loads. Such a checkpoint is an old one: its index is of version 1, from before
+  // index.json.crc32.
   const std::string bare = run.root + "/bare-checkpoint";
   fs::copy(run.checkpoint, bare, fs::copy_options::recursive);
   json index = json::parse(std::ifstream(bare + "/index.json"));
   index["extra"].erase("config");
+  index["version"] = 1;
   std::ofstream(bare + "/index.json") << index.dump();
+  fs::remove(bare + "/index.json.crc32");
   const auto refused = run_process({bin("shardrl"), "export", bare, run.root + "/export-bare"});
   EXPECT_NE(refused.exit_code, 0);
   EXPECT_NE(refused.output.find("extra.config"), std::string::npos) << refused.output;

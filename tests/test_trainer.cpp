@@ -193,6 +193,162 @@ TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
   EXPECT_LT(reference[5]["loss"].get<double>(), reference[0]["loss"].get<double>());
 }
 
+// Damage to a checkpoint `shardrl train` wrote, of every kind a disk or a copy can do.
+struct Damage {
+  std::string kind, file, reason;  // reason: what the error and the warning say
+  std::function<void(const std::string& path)> apply;
+};
+
+void flip_byte(const std::string& path, int64_t at) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(at);
+  const char c = static_cast<char>(f.get());
+  f.seekp(at);
+  f.put(static_cast<char>(c ^ 0x01));
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+const std::vector<Damage>& damages() {
+  static const std::vector<Damage> all = {
+      // One bit of a number (an optimizer step count, 4 -> 5): still valid JSON, so only the
+      // checksum can tell.
+      {"flipped byte in the index", "index.json", "is damaged: its crc32 is",
+       [](const std::string& p) {
+         const auto at = slurp(p).find("\"step\": 4");
+         ASSERT_NE(at, std::string::npos);
+         flip_byte(p, static_cast<int64_t>(at + 8));
+       }},
+      {"flipped byte in a shard", "model_rank1.safetensors", "is damaged: crc32",
+       [](const std::string& p) { flip_byte(p, static_cast<int64_t>(fs::file_size(p) / 2)); }},
+      {"truncated shard", "optim_rank0.safetensors", "is truncated",
+       [](const std::string& p) { fs::resize_file(p, fs::file_size(p) - 100); }},
+      {"missing shard", "model_rank0.safetensors", "is missing",
+       [](const std::string& p) { fs::remove(p); }},
+      {"missing index checksum", "index.json.crc32", "is missing",
+       [](const std::string& p) { fs::remove(p); }},
+      {"garbage index", "index.json", "is damaged: not valid JSON",
+       [](const std::string& p) { std::ofstream(p, std::ios::trunc) << "{\"step\": 4, garbage"; }},
+  };
+  return all;
+}
+
+// Each kind of damage to the newest checkpoint (global_step_4 of a 4-step run that saved at 2
+// and 4): `shardrl inspect` exits non-zero naming the file and why; resume_mode=resume_path on it
+// is an error naming the same; resume_mode=auto warns naming it, resumes from global_step_2, and
+// logs what an uninterrupted run logs from there.
+TEST(Trainer, DamagedCheckpointsAreNamedAndAutoResumePassesOverThem) {
+  const auto dir = make_temp_dir("trainer_damaged");
+  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  auto straight = train(
+      path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6"});
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  auto base = train(path, {"trainer.default_local_dir=" + dir + "/base"});
+  ASSERT_EQ(base.exit_code, 0) << base.output;
+  auto whole = run_process({bin("shardrl"), "inspect", dir + "/base/checkpoints/global_step_4"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  EXPECT_NE(whole.output.find("index.json: ok"), std::string::npos) << whole.output;
+
+  for (const auto& d : damages()) {
+    SCOPED_TRACE(d.kind);
+    const std::string run = dir + "/" + d.file + "-" + std::to_string(&d - damages().data());
+    fs::copy(dir + "/base", run, fs::copy_options::recursive);
+    const std::string ckpt = run + "/checkpoints/global_step_4";
+    const std::string file = ckpt + "/" + d.file;
+    d.apply(file);
+    const std::string named = file + " " + d.reason;
+
+    auto inspect = run_process({bin("shardrl"), "inspect", ckpt});
+    EXPECT_EQ(inspect.exit_code, 1) << inspect.output;
+    EXPECT_NE(inspect.output.find(named), std::string::npos) << inspect.output;
+    EXPECT_NE(inspect.output.find("checksums FAILED"), std::string::npos) << inspect.output;
+
+    auto by_path =
+        train(path, {"trainer.default_local_dir=" + run, "trainer.total_training_steps=6",
+                     "trainer.resume_mode=resume_path", "trainer.resume_from_path=" + ckpt});
+    EXPECT_NE(by_path.exit_code, 0) << by_path.output;
+    for (const std::string& expected :
+         {"'trainer.resume_from_path': checkpoint " + ckpt + " is damaged", named}) {
+      EXPECT_NE(by_path.output.find(expected), std::string::npos) << by_path.output;
+    }
+
+    auto resumed =
+        train(path, {"trainer.default_local_dir=" + run, "trainer.total_training_steps=6"});
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    for (const std::string& expected :
+         {"passing over damaged checkpoint " + ckpt, named,
+          "resumed from " + run + "/checkpoints/global_step_2 at step 2"}) {
+      EXPECT_NE(resumed.output.find(expected), std::string::npos) << resumed.output;
+    }
+    expect_same_metrics(run + "/metrics.jsonl", dir + "/straight/metrics.jsonl", 6,
+                        {"step", "loss"});
+  }
+}
+
+// Every checkpoint damaged: auto stops with an error naming each (rather than silently start
+// over and overwrite them), and leaves every byte of them as it was.
+TEST(Trainer, AutoResumeWithOnlyDamagedCheckpointsStopsAndTouchesNothing) {
+  const auto dir = make_temp_dir("trainer_all_damaged");
+  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  auto base = train(path, {"trainer.default_local_dir=" + dir});
+  ASSERT_EQ(base.exit_code, 0) << base.output;
+  const std::string root = dir + "/checkpoints";
+  damages()[0].apply(root + "/global_step_4/index.json");
+  damages()[2].apply(root + "/global_step_2/optim_rank0.safetensors");
+  auto snapshot = [&] {
+    std::map<std::string, std::string> files;
+    for (const auto& e : fs::recursive_directory_iterator(root)) {
+      if (e.is_regular_file()) files[e.path().string()] = slurp(e.path().string());
+    }
+    return files;
+  };
+  const auto before = snapshot();
+  auto result = train(path, {"trainer.default_local_dir=" + dir, "trainer.total_training_steps=6"});
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  for (const std::string& named :
+       {root + "/global_step_4/index.json is damaged", "every checkpoint under " + root,
+        root + "/global_step_2/optim_rank0.safetensors is truncated",
+        std::string("trainer.resume_mode=disable")}) {
+    EXPECT_NE(result.output.find(named), std::string::npos) << named << "\n" << result.output;
+  }
+  EXPECT_EQ(result.output.find("resumed from"), std::string::npos) << result.output;
+  EXPECT_TRUE(snapshot() == before) << "a checkpoint was changed while choosing one";
+}
+
+// Resuming from global_step_2 past a damaged global_step_4 and saving at step 3 with
+// trainer.max_actor_ckpt_to_keep=2: rotation removes the damaged later checkpoint, not the whole
+// earlier one, and the run goes on from step 3 as if never interrupted.
+TEST(Trainer, RotationAfterAFallbackKeepsTheWholeCheckpoints) {
+  const auto dir = make_temp_dir("trainer_rotation_fallback");
+  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  auto straight = train(
+      path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6"});
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const std::string run = dir + "/run", root = run + "/checkpoints";
+  auto base = train(path, {"trainer.default_local_dir=" + run});
+  ASSERT_EQ(base.exit_code, 0) << base.output;
+  damages()[1].apply(root + "/global_step_4/model_rank1.safetensors");
+  auto to_3 = train(path, {"trainer.default_local_dir=" + run, "trainer.total_training_steps=3",
+                           "trainer.max_actor_ckpt_to_keep=2"});
+  ASSERT_EQ(to_3.exit_code, 0) << to_3.output;
+  EXPECT_TRUE(fs::exists(root + "/global_step_2"));
+  EXPECT_TRUE(fs::exists(root + "/global_step_3"));
+  EXPECT_FALSE(fs::exists(root + "/global_step_4"));
+  for (const char* step : {"2", "3"}) {
+    auto inspect = run_process({bin("shardrl"), "inspect", root + "/global_step_" + step});
+    EXPECT_EQ(inspect.exit_code, 0) << inspect.output;
+  }
+  auto to_6 = train(path, {"trainer.default_local_dir=" + run, "trainer.total_training_steps=6"});
+  ASSERT_EQ(to_6.exit_code, 0) << to_6.output;
+  EXPECT_NE(to_6.output.find("resumed from " + root + "/global_step_3 at step 3"),
+            std::string::npos)
+      << to_6.output;
+  expect_same_metrics(run + "/metrics.jsonl", dir + "/straight/metrics.jsonl", 6, {"step", "loss"});
+}
+
 // GRPO for the decoder on single-digit addition, from a supervised stage that gets about half the
 // answers right: the exact-match reward rises.
 TEST(Trainer, LmGrpoRaisesTheArithmeticReward) {

@@ -6,7 +6,9 @@
 // `optim_rank{r}.safetensors` (AdamW moments of those rows and the rank's RNG state), plus one
 // `index.json` written by rank 0: each tensor's global shape and dtype, where every shard of it
 // lives (file, first row, rows, byte offset, length), a crc32 and size per file, the world size,
-// the optimizer steps, the LR-scheduler step and the caller's extra JSON (e.g. the model config).
+// the optimizer steps, the LR-scheduler step and the caller's extra JSON (e.g. the model config);
+// and `index.json.crc32`, the crc32 of index.json's bytes, checked before the index is trusted.
+// So every byte of a checkpoint is covered by a checksum.
 //
 //   checkpoint::SaveOptions keep;  keep.max_ckpt_to_keep = 3;
 //   checkpoint::save(root, step, model.fsdp(), *optimizer, &scheduler, {{"config", cfg}}, keep);
@@ -174,16 +176,20 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
                 optim::LRScheduler* scheduler);
 
 // The directory `latest` points to, or the highest global_step_* when the pointer is absent;
-// nullopt when root holds no checkpoint.
+// nullopt when root holds no checkpoint. Checks nothing but that the index exists; see
+// find_latest_whole.
 std::optional<std::string> find_latest(const std::string& root);
 
-// Deletes the oldest global_step_* under root until both limits hold, never `keep`.
+// Deletes global_step_* under root until both limits hold, never `keep`: first those of steps after
+// `keep`'s (left behind by a resume from an earlier step), then the oldest.
 void rotate(const std::string& root, const SaveOptions& options, const std::string& keep);
 
 // Bytes of the regular files under `dir`.
 int64_t directory_bytes(const std::string& dir);
 
-// The parsed index.json of a checkpoint directory (errors name the file).
+// The parsed index.json of a checkpoint directory, checked against index.json.crc32 first (errors
+// name the file: missing, not valid JSON, or not matching its checksum). An index of version 1,
+// from before the checksum file, is read without one.
 nlohmann::json read_index(const std::string& dir);
 
 struct FileStatus {
@@ -193,8 +199,28 @@ struct FileStatus {
   bool ok = false;
   std::string problem;  // empty when ok
 };
-// Checks every file the index names (size and crc32).
+// Checks every file the index names (size and crc32). Index damage throws, as read_index.
 std::vector<FileStatus> verify(const std::string& dir);
+
+// Empty when the checkpoint in `dir` is whole, else what is first found wrong with it, naming the
+// file and why: the index (missing, not valid JSON, not matching its checksum, lacking a field) or
+// a file it lists (missing, truncated, not matching its crc32). Reads every byte; changes nothing.
+std::string find_damage(const std::string& dir);
+
+// Collective over `group` (tensors on `device`), every rank passing the same dir: find_damage
+// with the files shared out among the ranks, so each reads only its share. Every rank returns the
+// same answer (the first problem in rank order).
+std::string find_damage(const std::string& dir, dist::ProcessGroup& group, torch::Device device);
+
+// Collective over `group`. The checkpoint under root to resume from: the one `latest` names, then
+// every other global_step_* from the highest step down, the first that find_damage (collective)
+// finds whole; nullopt when none is. Rank 0 lists the candidates and sends them to the others, so
+// every rank checks the same ones and returns the same directory. Each damaged checkpoint passed
+// over is handed to on_damaged (on every rank) with what is wrong with it. Nothing is changed or
+// deleted.
+std::optional<std::string> find_latest_whole(
+    const std::string& root, dist::ProcessGroup& group, torch::Device device,
+    const std::function<void(const std::string& dir, const std::string& problem)>& on_damaged);
 
 // One whole tensor of a checkpoint, assembled from its shards in its saved dtype. `section` is
 // "model" or "optimizer" (optimizer names are "<param>.exp_avg", "<param>.exp_avg_sq").

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <unordered_map>
 
 #include "checkpoint/io.h"
@@ -63,6 +64,22 @@ std::vector<std::string> all_gather_strings(dist::ProcessGroup& group, const std
     out.emplace_back(p, static_cast<size_t>(lengths[r].item<int64_t>()));
   }
   return out;
+}
+
+// Rank 0's string on every rank of group.
+std::string broadcast_string(dist::ProcessGroup& group, const std::string& mine,
+                             torch::Device device) {
+  torch::Tensor length =
+      torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong).to(device);
+  group.broadcast(length, 0);
+  const int64_t n = length.cpu().item<int64_t>();
+  torch::Tensor bytes = torch::zeros({n}, torch::kByte);
+  if (group.rank() == 0) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  bytes = bytes.to(device);
+  group.broadcast(bytes, 0);
+  bytes = bytes.cpu();
+  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()),
+                     static_cast<size_t>(n));
 }
 
 // Every data-parallel rank's JSON, in data_parallel_rank() order (replica-major).
@@ -146,7 +163,9 @@ std::optional<int64_t> step_of(const std::string& dir_name) {
   const std::string prefix = kStepPrefix;
   if (dir_name.rfind(prefix, 0) != 0 || dir_name.size() == prefix.size()) return std::nullopt;
   const std::string digits = dir_name.substr(prefix.size());
-  if (!std::all_of(digits.begin(), digits.end(), ::isdigit)) return std::nullopt;
+  // 18 digits at most: stoll cannot overflow on a stray directory name.
+  if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), ::isdigit))
+    return std::nullopt;
   return std::stoll(digits);
 }
 
@@ -273,7 +292,7 @@ json build_index(int64_t step, const fsdp::FSDPModule& model, const optim::LRSch
                  const json& extra, const std::vector<json>& ranks) {
   const auto& mesh = model.mesh();
   json index = {{"format", kFormat},
-                {"version", 1},
+                {"version", kIndexVersion},
                 {"step", step},
                 {"world_size", mesh.data_parallel_size()},
                 {"shard_size", mesh.shard_size()},
@@ -370,7 +389,9 @@ std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
   collectively(mesh, what, [&] {
     if (!leader) return;
     const json index = build_index(step, model, scheduler, extra, ranks);
-    write_file_durably((tmp / kIndexFile).string(), index.dump(1));
+    const std::string text = index.dump(1);
+    write_file_durably((tmp / kIndexFile).string(), text);
+    write_file_durably((tmp / kIndexChecksumFile).string(), index_checksum_line(text));
     publish(root_path, tmp, final_dir);
     rotate(root, options, final_dir.string());
   });
@@ -607,6 +628,44 @@ std::optional<std::string> find_latest(const std::string& root) {
   return std::nullopt;
 }
 
+std::string find_damage(const std::string& dir, dist::ProcessGroup& group, torch::Device device) {
+  const std::string mine =
+      find_damage(dir, static_cast<size_t>(group.rank()), static_cast<size_t>(group.size()));
+  for (const auto& problem : all_gather_strings(group, mine, device)) {
+    if (!problem.empty()) return problem;
+  }
+  return "";
+}
+
+std::optional<std::string> find_latest_whole(
+    const std::string& root, dist::ProcessGroup& group, torch::Device device,
+    const std::function<void(const std::string& dir, const std::string& problem)>& on_damaged) {
+  // Ranks on different hosts may list a shared directory differently for a moment (NFS caches
+  // listings): rank 0's list is the one all check. A global_step_* without index.json is a
+  // candidate too: a save only publishes complete directories, so it is damaged, not unfinished.
+  json candidates = json::array();
+  if (group.rank() == 0) {
+    std::vector<std::pair<int64_t, fs::path>> all = list_checkpoints(root);
+    std::ifstream pointer(fs::path(root) / kLatest);
+    std::string latest;
+    if (pointer && std::getline(pointer, latest) && step_of(latest) &&
+        fs::is_directory(fs::path(root) / latest)) {
+      candidates.push_back((fs::path(root) / latest).string());
+    }
+    for (auto it = all.rbegin(); it != all.rend(); ++it) {
+      if (it->second.filename().string() != latest) candidates.push_back(it->second.string());
+    }
+  }
+  candidates = json::parse(broadcast_string(group, candidates.dump(), device));
+  for (const auto& candidate : candidates) {
+    const std::string dir = candidate.get<std::string>();
+    const std::string problem = find_damage(dir, group, device);
+    if (problem.empty()) return dir;
+    on_damaged(dir, problem);
+  }
+  return std::nullopt;
+}
+
 int64_t directory_bytes(const std::string& dir) {
   int64_t total = 0;
   std::error_code ec;
@@ -619,13 +678,21 @@ int64_t directory_bytes(const std::string& dir) {
 void rotate(const std::string& root, const SaveOptions& options, const std::string& keep) {
   auto all = list_checkpoints(root);
   const fs::path kept = fs::weakly_canonical(keep);
-  std::vector<std::pair<fs::path, int64_t>> candidates;  // oldest first, never `keep`
+  const int64_t kept_step =
+      step_of(kept.filename().string()).value_or(std::numeric_limits<int64_t>::max());
+  // Checkpoints of steps after the one just saved go first: the run resumed from an earlier step
+  // (past a damaged checkpoint, or from resume_from_path), so they belong to a course of training
+  // it has left. Removing them before the oldest keeps a whole earlier checkpoint rather than
+  // a damaged later one. Then the oldest first; never `keep`.
+  std::vector<std::pair<fs::path, int64_t>> candidates, left_behind;
   int64_t total = 0;
   for (const auto& [step, path] : all) {
     const int64_t bytes = directory_bytes(path.string());
     total += bytes;
-    if (fs::weakly_canonical(path) != kept) candidates.emplace_back(path, bytes);
+    if (fs::weakly_canonical(path) == kept) continue;
+    (step > kept_step ? left_behind : candidates).emplace_back(path, bytes);
   }
+  candidates.insert(candidates.begin(), left_behind.begin(), left_behind.end());
   size_t count = all.size();
   const double limit = options.max_mem_gb * double(int64_t{1} << 30);
   for (const auto& [path, bytes] : candidates) {

@@ -10,10 +10,23 @@
 namespace shardrl::checkpoint {
 
 constexpr const char* kIndexFile = "index.json";
+// The crc32 of index.json's bytes as 8 hex digits and a newline, written beside it. A separate
+// file, so that index.json stays plain JSON and every byte of it is covered (a checksum field
+// inside would have to leave its own bytes out).
+constexpr const char* kIndexChecksumFile = "index.json.crc32";
+// The index format; version 1 had no checksum file.
+constexpr int kIndexVersion = 2;
+
+// The checksum file's content for index bytes `text`.
+std::string index_checksum_line(const std::string& text);
 
 // Empty when the file exists with the expected size (and crc32), else what is wrong, naming path.
 std::string check_file_size(const std::string& path, int64_t expected_bytes);
 std::string check_file(const std::string& path, int64_t expected_bytes, uint32_t expected_crc);
+
+// find_damage for the files at positions `share` modulo `shares` of the index's (sorted) file
+// list; the index itself is always checked. Shares let the ranks check a checkpoint together.
+std::string find_damage(const std::string& dir, size_t share, size_t shares);
 
 class CheckpointReader {
  public:

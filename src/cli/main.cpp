@@ -20,10 +20,17 @@
 
 namespace {
 
-// `shardrl inspect CKPT`: what a checkpoint holds and whether its files are intact.
+// `shardrl inspect CKPT`: what a checkpoint holds and whether its files are intact. Exits 1 on any
+// damage, naming it: the index (missing, not JSON, not matching its checksum) or a file it lists.
 int inspect(const std::string& dir) {
   namespace ckpt = shardrl::checkpoint;
-  const auto index = ckpt::read_index(dir);
+  nlohmann::json index;
+  try {
+    index = ckpt::read_index(dir);
+  } catch (const std::exception& e) {
+    std::cout << fmt::format("checkpoint {}\nindex: {}\nchecksums FAILED\n", dir, e.what());
+    return 1;
+  }
   std::cout << fmt::format("checkpoint {}\nstep {}\nworld size {} (shard {} x replicate {})\n", dir,
                            index["step"].get<int64_t>(), index["world_size"].get<int>(),
                            index.value("shard_size", 0), index.value("replicate_size", 0));
@@ -43,6 +50,10 @@ int inspect(const std::string& dir) {
   bool all_ok = true;
   int64_t bytes = 0;
   std::cout << "files:\n";
+  // Version 1 indexes predate index.json.crc32.
+  std::cout << fmt::format("  index.json: {}\n", index.value("version", 0) >= 2
+                                                     ? "ok (index.json.crc32)"
+                                                     : "not covered (saved before checksums)");
   for (const auto& f : ckpt::verify(dir)) {
     all_ok &= f.ok;
     bytes += std::max<int64_t>(f.bytes, 0);

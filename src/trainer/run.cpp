@@ -1,4 +1,5 @@
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <filesystem>
@@ -15,7 +16,8 @@ Run::Run(const nlohmann::json& config, dist::World& world)
       resume_from_path_(get<std::string>(config, "trainer.resume_from_path")),
       total_steps_(get<int64_t>(config, "trainer.total_training_steps")),
       save_freq_(get<int64_t>(config, "trainer.save_freq")),
-      rank0_(world.rank() == 0) {
+      rank0_(world.rank() == 0),
+      world_(&world) {
   if (total_steps_ <= 0) {
     throw std::invalid_argument("config key 'trainer.total_training_steps' must be positive");
   }
@@ -33,12 +35,42 @@ Run::Run(const nlohmann::json& config, dist::World& world)
 int64_t Run::resume(engine::Engine& engine) {
   std::string dir;
   if (resume_mode_ == "auto") {
-    dir = checkpoint::find_latest((fs::path(dir_) / "checkpoints").string()).value_or("");
+    const std::string root = (fs::path(dir_) / "checkpoints").string();
+    std::vector<std::string> damaged;
+    const auto whole = checkpoint::find_latest_whole(
+        root, world_->group(), world_->device(),
+        [&](const std::string& ckpt, const std::string& problem) {
+          damaged.push_back(fmt::format("{}: {}", ckpt, problem));
+          if (rank0_) {
+            spdlog::warn("trainer.resume_mode=auto: passing over damaged checkpoint {}: {}", ckpt,
+                         problem);
+          }
+        });
+    // Checkpoints that are all damaged stop the run rather than start it afresh, as verl's auto
+    // does only when there are none: starting over would silently throw away the training they
+    // hold, and its saves would replace them step for step, leaving nothing to repair or copy back.
+    // resume_mode=disable starts afresh on purpose.
+    if (!whole && !damaged.empty()) {
+      throw std::runtime_error(fmt::format(
+          "trainer.resume_mode=auto: every checkpoint under {} is damaged ({}); restore one, or "
+          "set trainer.resume_mode=disable to start afresh (its saves will replace them)",
+          root, fmt::join(damaged, "; ")));
+    }
+    dir = whole.value_or("");
   } else if (resume_mode_ == "resume_path") {
     if (!fs::is_directory(resume_from_path_)) {
       throw std::invalid_argument(
           fmt::format("config key 'trainer.resume_from_path': '{}' is not a checkpoint directory",
                       resume_from_path_));
+    }
+    // Checked whole before any of it is loaded, as auto checks; the path was asked for by name,
+    // so damage is an error rather than a reason to look elsewhere.
+    const std::string problem =
+        checkpoint::find_damage(resume_from_path_, world_->group(), world_->device());
+    if (!problem.empty()) {
+      throw std::runtime_error(
+          fmt::format("config key 'trainer.resume_from_path': checkpoint {} is damaged: {}",
+                      resume_from_path_, problem));
     }
     dir = resume_from_path_;
   }

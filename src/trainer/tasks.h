@@ -26,8 +26,10 @@ class Run {
  public:
   Run(const nlohmann::json& config, dist::World& world);
 
-  // Per trainer.resume_mode (verl's): "auto" continues from the latest checkpoint if there is
-  // one, "disable" starts fresh, "resume_path" continues from trainer.resume_from_path. Returns the
+  // Per trainer.resume_mode (verl's): "auto" continues from the latest whole checkpoint if there
+  // is one, warning about each damaged one it passes over (and failing when all are damaged),
+  // "disable" starts fresh, "resume_path" continues from trainer.resume_from_path (an error when it
+  // is damaged). Collective over the world: every rank continues from the same step. Returns the
   // step to continue from.
   // Call it once, before the first after_step().
   int64_t resume(engine::Engine& engine);
@@ -46,6 +48,7 @@ class Run {
   std::string resume_mode_, resume_from_path_;
   int64_t total_steps_, save_freq_;
   bool rank0_;
+  dist::World* world_;
   std::optional<MetricsLogger> metrics_;  // opened by resume(), which knows the first step
 };
 
