@@ -55,8 +55,14 @@ std::map<std::string, std::vector<int64_t>> weight_shapes(const std::string& pat
 }
 
 void load_weights(torch::nn::Module& model, const std::string& path) {
+  load_weights(model, path, {});
+}
+
+void load_weights(torch::nn::Module& model, const std::string& path,
+                  const std::map<std::string, torch::Tensor>& extra) {
   checkpoint::HfWeights weights(path);
   auto expected = base_params(model);
+  expected.insert(extra.begin(), extra.end());
   for (const auto& name : weights.names()) {
     if (!expected.count(name)) {
       throw std::invalid_argument(fmt::format("{}: unexpected tensor {}", path, name));

@@ -25,5 +25,9 @@ std::map<std::string, std::vector<int64_t>> weight_shapes(const std::string& pat
 // unexpected tensor or a wrong shape is an error naming the file and the tensor. Call before
 // sharding.
 void load_weights(torch::nn::Module& model, const std::string& path);
+// As above, where the file also carries tensors that are no params of the model (a diffusers
+// model's persistent buffers): each of `extra` is checked and filled like a param.
+void load_weights(torch::nn::Module& model, const std::string& path,
+                  const std::map<std::string, torch::Tensor>& extra);
 
 }  // namespace shardrl::models
