@@ -3,7 +3,7 @@
 //
 //   python tests/python/sd3_reference.py pretrained /tmp/sd3-bench bench
 //   OMP_NUM_THREADS=1 build/bin/bench_sd3 --model /tmp/sd3-bench --repeats 20
-//   OMP_NUM_THREADS=1 python tests/python/sd3_reference.py bench /tmp/sd3-bench \
+//   OMP_NUM_THREADS=1 python tests/python/sd3_reference.py bench /tmp/sd3-bench
 //       /tmp/sd3-bench/io.safetensors 20
 //
 // Timing is a benchmark, never a test: it depends on the machine being quiet.
