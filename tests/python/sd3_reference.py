@@ -15,7 +15,7 @@ usage:
       inputs; LORA_DIR (ShardRL's save_sd3_lora) loads with load_lora_adapter and gives
       `out_lora`.
   sd3_reference.py bench MODEL_DIR IO_FILE REPEATS
-      mean seconds of diffusers' forward + backward (sum of the output) on IO_FILE's inputs.
+      median seconds of diffusers' forward + backward (sum of the output) on IO_FILE's inputs.
 """
 import json
 import sys
@@ -117,10 +117,12 @@ def bench(model_dir, io_file, repeats):
         model(io["x"], io["prompt_embeds"], io["pooled"], io["t"], return_dict=False)[0].sum().backward()
 
     step()
-    start = time.perf_counter()
+    times = []
     for _ in range(repeats):
+        start = time.perf_counter()
         step()
-    print(json.dumps({"diffusers_seconds": (time.perf_counter() - start) / repeats,
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"diffusers_median_seconds": sorted(times)[len(times) // 2],
                       "threads": torch.get_num_threads()}))
 
 
