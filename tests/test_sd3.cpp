@@ -93,20 +93,26 @@ TEST(SD3, ConfigJsonRoundTripsAndNamesBadFields) {
 
 class SD3Diffusers : public ::testing::TestWithParam<std::string> {};
 
-// diffusers' random-init save_pretrained (config.json + diffusion_pytorch_model.safetensors)
-// loads into ShardRL and gives diffusers' output, on square and non-square latents.
+// diffusers' random-init save_pretrained (config.json + diffusion_pytorch_model.safetensors, or
+// its sharded index) loads into ShardRL and gives diffusers' output, on square and non-square
+// latents.
 TEST_P(SD3Diffusers, SavePretrainedLoadsWithDiffusersOutput) {
   const std::string dir = make_temp_dir("sd3-pretrained") + "/model";
   const auto made = sd3_reference({"pretrained", dir, GetParam()});
   ASSERT_EQ(made.exit_code, 0) << made.output;
-  auto model = models::load_sd3(dir);
   auto io = read_safetensors(dir + "/io.safetensors");
-  for (const std::string x : {"x", "x_wide"}) {
-    const auto want = io.at(x == "x" ? "out" : "out_wide");
-    const auto got = forward(model, io, x);
-    ASSERT_EQ(got.sizes(), want.sizes()) << x;
-    EXPECT_GT(want.abs().max().item<double>(), 0.5) << x;
-    EXPECT_LE(relative_error_max(got, want), 1e-5) << x;
+  // One file, and the same weights in several files with diffusers' sharded index.
+  ASSERT_TRUE(
+      std::filesystem::exists(dir + "-sharded/diffusion_pytorch_model.safetensors.index.json"));
+  for (const std::string& folder : {dir, dir + "-sharded"}) {
+    auto model = models::load_sd3(folder);
+    for (const std::string x : {"x", "x_wide"}) {
+      const auto want = io.at(x == "x" ? "out" : "out_wide");
+      const auto got = forward(model, io, x);
+      ASSERT_EQ(got.sizes(), want.sizes()) << folder << " " << x;
+      EXPECT_GT(want.abs().max().item<double>(), 0.5) << x;
+      EXPECT_LE(relative_error_max(got, want), 1e-5) << folder << " " << x;
+    }
   }
 }
 

@@ -7,7 +7,8 @@ Outputs are compared in fp32 by max |a - b| / max(1, max |b|).
 usage:
   sd3_reference.py pretrained OUT_DIR VARIANT
       a randomly initialised diffusers model (VARIANT sd3: plain; sd35: qk_norm rms_norm and
-      dual_attention_layers; bench: bench_sd3's) saved by save_pretrained into OUT_DIR, and OUT_DIR/io.safetensors:
+      dual_attention_layers; bench: bench_sd3's) saved by save_pretrained into OUT_DIR (and
+      OUT_DIR-sharded, in several files with diffusion_pytorch_model.safetensors.index.json), and OUT_DIR/io.safetensors:
       inputs (x, prompt_embeds, pooled, t; x_wide a non-square latent) and diffusers' outputs
       (out, out_wide).
   sd3_reference.py check MODEL_DIR IO_FILE [LORA_DIR]
@@ -68,6 +69,8 @@ def pretrained(out_dir, variant):
             if "norm" in name and name.endswith("weight") and p.dim() == 1:
                 p.normal_(1.0, 0.2)
     model.save_pretrained(out_dir)
+    # The same weights split into several files with diffusers' sharded index.
+    model.save_pretrained(out_dir + "-sharded", max_shard_size="40KB")
     cfg = model.config
     gen = torch.Generator().manual_seed(11)
     size, tokens = cfg.sample_size, 5 if variant != "bench" else 32
