@@ -233,8 +233,9 @@ void for_each_full_tensor(
     const std::function<void(const std::string& name, const torch::Tensor& tensor)>& callback);
 
 // The tensors of Hugging Face-style weights: a directory with model.safetensors.index.json (its
-// weight_map names each tensor's file) or with model.safetensors, or one .safetensors file. Files
-// are opened when first read. Errors name the file and the tensor.
+// weight_map names each tensor's file) or with model.safetensors (diffusers' folders:
+// diffusion_pytorch_model.safetensors[.index.json]), or one .safetensors file. Files are opened
+// when first read. Errors name the file and the tensor.
 class HfWeights {
  public:
   explicit HfWeights(const std::string& path);

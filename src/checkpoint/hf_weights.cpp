@@ -1,5 +1,5 @@
 // Hugging Face-style weights: one safetensors file, or a directory of them with or without the
-// sharded index.
+// sharded index, named as transformers or diffusers name them.
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -12,9 +12,26 @@ namespace shardrl::checkpoint {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+namespace {
+
+// transformers' file stem, then diffusers' (save_pretrained of a diffusers model).
+constexpr const char* kStems[] = {"model", "diffusion_pytorch_model"};
+
+// The first of the stems for which `dir`/<stem><suffix> exists, or "" when none does.
+fs::path find_stem(const std::string& dir, const std::string& suffix) {
+  for (const char* stem : kStems) {
+    const fs::path candidate = fs::path(dir) / (std::string(stem) + suffix);
+    if (fs::exists(candidate)) return candidate;
+  }
+  return {};
+}
+
+}  // namespace
+
 HfWeights::HfWeights(const std::string& path) : path_(path) {
-  const fs::path index_path = fs::path(path) / "model.safetensors.index.json";
-  if (fs::is_directory(path) && fs::exists(index_path)) {
+  const fs::path index_path =
+      fs::is_directory(path) ? find_stem(path, ".safetensors.index.json") : fs::path();
+  if (!index_path.empty()) {
     dir_ = path;
     try {
       const json index = json::parse(std::ifstream(index_path));
@@ -31,12 +48,13 @@ HfWeights::HfWeights(const std::string& path) : path_(path) {
     }
     return;
   }
-  // One file: the directory's model.safetensors, or the file `path` names.
-  const fs::path file =
-      fs::is_directory(path) ? fs::path(path) / "model.safetensors" : fs::path(path);
-  if (!fs::is_regular_file(file)) {
-    throw std::runtime_error(
-        fmt::format("{}: no model.safetensors.index.json or model.safetensors there", path));
+  // One file: the directory's model.safetensors (or diffusers'), or the file `path` names.
+  const fs::path file = fs::is_directory(path) ? find_stem(path, ".safetensors") : fs::path(path);
+  if (file.empty() || !fs::is_regular_file(file)) {
+    throw std::runtime_error(fmt::format(
+        "{}: no model.safetensors(.index.json) or diffusion_pytorch_model.safetensors(.index.json) "
+        "there",
+        path));
   }
   dir_ = file.parent_path().string();
   const std::string single = file.filename().string();

@@ -348,7 +348,9 @@ TextEncoder TextEncoder::load(const std::string& dir) {
     throw std::invalid_argument(fmt::format("text encoder: {} is missing", weights));
   }
   impl->bert = Bert(config);
-  load_weights(*impl->bert, weights, kUnusedTensors);
+  LoadWeightsOptions options;
+  options.unused = kUnusedTensors;
+  load_weights(*impl->bert, weights, options);
   impl->bert->eval();
   for (auto& p : impl->bert->parameters()) p.set_requires_grad(false);
 

@@ -55,11 +55,12 @@ std::map<std::string, std::vector<int64_t>> weight_shapes(const std::string& pat
 }
 
 void load_weights(torch::nn::Module& model, const std::string& path,
-                  const std::set<std::string>& unused) {
+                  const LoadWeightsOptions& options) {
   checkpoint::HfWeights weights(path);
   auto expected = base_params(model);
+  expected.insert(options.extra.begin(), options.extra.end());
   for (const auto& name : weights.names()) {
-    if (!expected.count(name) && !unused.count(name)) {
+    if (!expected.count(name) && !options.unused.count(name)) {
       throw std::invalid_argument(fmt::format("{}: unexpected tensor {}", path, name));
     }
   }

@@ -22,11 +22,20 @@ void save_weights(const std::map<std::string, torch::Tensor>& params, const std:
 // with model.safetensors or the sharded model.safetensors.index.json (checkpoint::HfWeights).
 std::map<std::string, std::vector<int64_t>> weight_shapes(const std::string& path);
 
+// What a weights file may hold besides the model's params.
+struct LoadWeightsOptions {
+  // Tensors the file may hold that the model does not use (transformers' unexpected keys it
+  // ignores): skipped.
+  std::set<std::string> unused;
+  // Tensors the file carries that are no params of the model (a diffusers model's persistent
+  // buffers): each is checked and filled like a param.
+  std::map<std::string, torch::Tensor> extra;
+};
+
 // Copies Hugging Face-style weights (as weight_shapes) into the module's base params. A missing or
-// unexpected tensor or a wrong shape is an error naming the file and the tensor; `unused` names
-// tensors the file may hold that the model does not use (transformers' unexpected keys it
-// ignores). Call before sharding.
+// unexpected tensor or a wrong shape is an error naming the file and the tensor. Call before
+// sharding.
 void load_weights(torch::nn::Module& model, const std::string& path,
-                  const std::set<std::string>& unused = {});
+                  const LoadWeightsOptions& options = {});
 
 }  // namespace shardrl::models
