@@ -12,8 +12,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <new>
 #include <stdexcept>
@@ -29,7 +31,8 @@ namespace shardrl::fuzz {
 
 // A directory of this process's own under /dev/shm (no disk writes per input), or TMPDIR.
 inline const std::string& scratch_dir() {
-  static const std::string dir = [] {
+  // Never destroyed: the atexit handler that removes it runs after static destructors.
+  static const std::string& dir = *new std::string([] {
     namespace fs = std::filesystem;
     const fs::path base = fs::exists("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
     const fs::path dir = base / ("shardrl-fuzz-" + std::to_string(::getpid()));
@@ -39,14 +42,15 @@ inline const std::string& scratch_dir() {
       fs::remove_all(scratch_dir(), ec);
     });
     return dir.string();
-  }();
+  }());
   return dir;
 }
 
 // Replaces the file at path with exactly these bytes.
 inline void write_file(const std::string& path, const uint8_t* data, size_t size) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) finding("harness", "cannot create " + path);
+  // EMFILE here means the parser leaks a file descriptor per input.
+  if (fd < 0) finding("harness", "cannot create " + path + ": " + std::strerror(errno));
   for (size_t done = 0; done < size;) {
     const ssize_t n = ::write(fd, data + done, size - done);
     if (n <= 0) finding("harness", "cannot write " + path);

@@ -34,7 +34,7 @@ for target in ${FUZZ_TARGETS:-safetensors index yaml gguf}; do
     exit 1
   fi
   # The status lines: last progress line and the final statistics.
-  grep -E '^#[0-9]+ +(DONE|pulse|NEW|REDUCE|INITED)' "$scratch.log" | tail -n 1
+  grep -E '^#[0-9]+[[:space:]]+(DONE|pulse|NEW|REDUCE|INITED)' "$scratch.log" | tail -n 1 || true
   grep -E '^(stat::|Done )' "$scratch.log" || true
   echo "fuzz: $target: no finding in $(( $(date +%s) - start )) s"
   rm -rf "$scratch" "$scratch.log"
