@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -141,7 +142,8 @@ json read_value(Cursor& in, uint32_t type, const std::string& key, const std::st
     case 6: {
       // The shortest decimal that reads back as this float (1e-05, not 9.999999747378752e-06):
       // the value a config.json written from it should show.
-      return std::stod(fmt::format("{}", in.scalar<float>(key)));
+      // strtod, not stod: a subnormal float sets ERANGE, which stod throws as a bare "stod".
+      return std::strtod(fmt::format("{}", in.scalar<float>(key)).c_str(), nullptr);
     }
     case 7: {
       const auto b = in.scalar<uint8_t>(key);
@@ -271,7 +273,7 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
         (a.get<uint64_t>() & (a.get<uint64_t>() - 1)) != 0) {
       throw std::invalid_argument(fmt::format(
           "GGUF {}: metadata 'general.alignment' must be a power of two up to 2^20, got {}", path,
-          a.dump()));
+          a.dump(-1, ' ', false, json::error_handler_t::replace)));
     }
     alignment = a.get<int64_t>();
   }
