@@ -15,6 +15,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 
 #include "checkpoint/io.h"
@@ -38,6 +39,24 @@ const std::vector<std::pair<torch::ScalarType, const char*>>& dtype_names() {
       {torch::kShort, "I16"},  {torch::kChar, "I8"},       {torch::kByte, "U8"},
       {torch::kBool, "BOOL"}};
   return names;
+}
+
+// nlohmann converts a number such as 1e30 to int64_t with undefined behaviour: sizes and offsets
+// must be written as integers that fit.
+std::vector<int64_t> integers(const nlohmann::json& value, const std::string& path,
+                              const std::string& tensor, const char* field) {
+  bool ok = value.is_array();
+  for (size_t i = 0; ok && i < value.size(); ++i) {
+    ok = value[i].is_number_integer() &&
+         !(value[i].is_number_unsigned() &&
+           value[i].get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
+  }
+  if (!ok) {
+    throw std::runtime_error(
+        fmt::format("{}: tensor '{}' {} must be a list of integers, got {}", path, tensor, field,
+                    value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
+  }
+  return value.get<std::vector<int64_t>>();
 }
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
@@ -217,7 +236,7 @@ SafetensorsReader::SafetensorsReader(std::string path, BlockChecksums checksums)
         TensorInfo info;
         info.name = name;
         info.dtype = dtype_from_name(entry.at("dtype").get<std::string>(), path_);
-        info.shape = entry.at("shape").get<std::vector<int64_t>>();
+        info.shape = integers(entry.at("shape"), path_, name, "shape");
         // Sizes are checked before any arithmetic on them, so none can overflow.
         int64_t elements = 1;
         for (int64_t d : info.shape) {
@@ -228,7 +247,7 @@ SafetensorsReader::SafetensorsReader(std::string path, BlockChecksums checksums)
           }
           if (d != 0) elements *= d;
         }
-        const auto offsets = entry.at("data_offsets").get<std::vector<int64_t>>();
+        const auto offsets = integers(entry.at("data_offsets"), path_, name, "data_offsets");
         if (offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] ||
             offsets[1] > file_size_ - data_start || offsets[1] - offsets[0] != info.nbytes()) {
           throw std::runtime_error(
