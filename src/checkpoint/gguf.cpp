@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <array>
-#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -142,8 +141,7 @@ json read_value(Cursor& in, uint32_t type, const std::string& key, const std::st
     case 6: {
       // The shortest decimal that reads back as this float (1e-05, not 9.999999747378752e-06):
       // the value a config.json written from it should show.
-      // strtod, not stod: a subnormal float sets ERANGE, which stod throws as a bare "stod".
-      return std::strtod(fmt::format("{}", in.scalar<float>(key)).c_str(), nullptr);
+      return std::stod(fmt::format("{}", in.scalar<float>(key)));
     }
     case 7: {
       const auto b = in.scalar<uint8_t>(key);
