@@ -15,6 +15,14 @@ flags=("$@")
 artifacts="$build/fuzz-artifacts"
 mkdir -p "$artifacts"
 
+# The regression tests of past findings, under the same sanitizers.
+"$build/bin/parser_tests" --gtest_brief=1 >/dev/null || {
+  "$build/bin/parser_tests" --gtest_brief=1 >&2 || true
+  echo "fuzz: parser_tests failed" >&2
+  exit 1
+}
+echo "fuzz: parser_tests passed"
+
 # Extra seed folders beyond fuzz/corpus/<target>.
 declare -A seeds=([yaml]="$repo/examples/configs")
 # Tokens that reach deeper than random bytes: the formats' field names.
