@@ -247,5 +247,11 @@ TEST(ParserFindings, YamlConfigEmptySectionKeepsItsDefaults) {
   EXPECT_EQ(trainer::get<int64_t>(config, "trainer.total_training_steps"), 100);
 }
 
+TEST(ParserFindings, YamlConfigNullOverAValueIsAnErrorNamingTheKey) {
+  const std::string path = config_file("pf-yaml-null", "trainer:\n  total_training_steps:\n");
+  expect_error_naming<std::invalid_argument>([&] { trainer::load_config(path, {}, kDefaults); },
+                                             {path, "'trainer.total_training_steps'", "null"});
+}
+
 }  // namespace
 }  // namespace shardrl::testing

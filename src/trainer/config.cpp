@@ -147,8 +147,12 @@ void merge_into(json& base, const json& over, const std::string& prefix,
       // than erasing them, after which every key of it would read as missing.
       continue;
     }
-    if (target.is_null() || value.is_null()) {
+    if (target.is_null()) {
       target = value;
+    } else if (value.is_null()) {
+      // `lr:` left empty: every read of the key would fail later, in an error naming no file.
+      throw std::invalid_argument(
+          fmt::format("{}: config key '{}' must be {}, got null", source, name, kind(target)));
     } else if (target.is_object() && value.is_object()) {
       merge_into(target, value, name, source);
     } else if (!same_kind(target, value)) {
