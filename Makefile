@@ -8,8 +8,12 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 CUDA_CHECK_TARGETS ?= shardrl dist_worker
 # The tests that run on one GPU: World picks NCCL and cuda:LOCAL_RANK when a GPU is visible.
 CUDA_TESTS ?= WorldSizes/ParityTest.*/0$$
+# The parsers' libFuzzer harnesses (clang, ASan + UBSan), in a build dir of their own.
+FUZZ_BUILD ?= build-fuzz
+FUZZ_FLAGS ?= -max_total_time=7
 
-.PHONY: deps configure build test demo smollm2 bench format clean build-cuda test-cuda
+.PHONY: deps configure build test demo smollm2 bench format clean build-cuda test-cuda fuzz-build \
+	fuzz-smoke
 
 deps:
 	@scripts/install-deps.sh
@@ -44,8 +48,17 @@ test-cuda: deps
 	@cmake --build $(CUDA_BUILD) -j $(JOBS)
 	cd $(CUDA_BUILD) && ctest --output-on-failure --timeout 900 -R '$(CUDA_TESTS)'
 
+fuzz-build: deps
+	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ \
+		-DSHARDRL_FUZZ=ON >/dev/null
+	@cmake --build $(FUZZ_BUILD) -j $(JOBS)
+
+# A short run of each harness (FUZZ_FLAGS; -runs=1000000 for the BENCHMARKS.md figures).
+fuzz-smoke: fuzz-build
+	@scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_FLAGS)
+
 format:
 	clang-format -i $$(git ls-files '*.cpp' '*.h')
 
 clean:
-	rm -rf $(BUILD) $(CUDA_BUILD)
+	rm -rf $(BUILD) $(CUDA_BUILD) $(FUZZ_BUILD)

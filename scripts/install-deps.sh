@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what ShardRL builds, tests and benchmarks with:
-#   - Debian packages (compiler, Gloo headers, JSON/YAML/CLI/logging libraries, GoogleTest, ...);
+#   - Debian packages (compiler, clang with its libFuzzer runtime for fuzz/, Gloo headers,
+#     JSON/YAML/CLI/logging libraries, GoogleTest, ...);
 #   - a Python venv with the pinned torch 2.11 wheel, whose LibTorch (headers, libraries, CMake
 #     config) the C++ build links, plus the Python references the tests compare against
 #     (scripts/requirements.txt).
@@ -17,6 +18,7 @@ packages=(
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev libspdlog-dev
   googletest libgtest-dev libbenchmark-dev
   zlib1g-dev libisal-dev libpng-dev
+  clang libclang-rt-14-dev
   dataset-fashion-mnist
   bible-kjv fortunes fortunes-min
   iproute2  # ip netns and veth pairs: the two-host tests (tests/test_multihost.cpp)

@@ -271,7 +271,7 @@ GgufFile::GgufFile(const std::string& path) : path_(path) {
         (a.get<uint64_t>() & (a.get<uint64_t>() - 1)) != 0) {
       throw std::invalid_argument(fmt::format(
           "GGUF {}: metadata 'general.alignment' must be a power of two up to 2^20, got {}", path,
-          a.dump()));
+          a.dump(-1, ' ', false, json::error_handler_t::replace)));
     }
     alignment = a.get<int64_t>();
   }

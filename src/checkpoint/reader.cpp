@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "checkpoint/io.h"
 
@@ -83,6 +84,7 @@ json read_index(const std::string& dir) {
       throw std::runtime_error(fmt::format("checkpoint index {} has no '{}'", path, field));
     }
   }
+  check_index(index, path);
   return index;
 }
 
@@ -181,8 +183,19 @@ void CheckpointReader::read_rows(const json& entry, const std::string& what, int
     const int64_t end = begin + shard.at("rows").get<int64_t>();
     const int64_t lo = std::max(first, begin), hi = std::min(first + rows, end);
     if (lo >= hi) continue;
-    const SafetensorsReader& reader = file(shard.at("file").get<std::string>());
+    const std::string name = shard.at("file").get<std::string>();
+    const SafetensorsReader& reader = file(name);
     const std::string tensor = shard.at("tensor").get<std::string>();
+    // Rows of another size than the entry's would be read past the shard or into the wrong place.
+    const auto& saved = reader.info(tensor).shape;
+    const int64_t saved_row =
+        saved.empty() ? 1 : c10::multiply_integers(saved.begin() + 1, saved.end());
+    const int64_t out_row = c10::multiply_integers(out.sizes().begin() + 1, out.sizes().end());
+    if (saved_row != out_row) {
+      throw std::runtime_error(fmt::format(
+          "checkpoint {}: '{}' in {} has rows of {} elements, its index entry ('{}') rows of {}",
+          dir_, tensor, name, saved_row, what, out_row));
+    }
     torch::Tensor dst = out.narrow(0, lo - first, hi - lo);
     if (reader.info(tensor).dtype == out.scalar_type()) {
       reader.read_rows_into(tensor, lo - begin, hi - lo, dst);
@@ -200,8 +213,26 @@ void CheckpointReader::read_rows(const json& entry, const std::string& what, int
 
 torch::Tensor CheckpointReader::read_full(const json& entry, const std::string& what) {
   const auto shape = entry.at("shape").get<std::vector<int64_t>>();
-  torch::Tensor out = torch::empty(
-      shape, torch::dtype(dtype_from_name(entry.at("dtype").get<std::string>(), what)));
+  const auto dtype = dtype_from_name(entry.at("dtype").get<std::string>(), what);
+  // The tensor's data is in its shard files: a shape they cannot hold is damage, found before
+  // allocating it. check_index bounded the shape, so the product does not overflow.
+  const int64_t bytes =
+      c10::multiply_integers(shape) * static_cast<int64_t>(c10::elementSize(dtype));
+  int64_t held = 0;
+  std::set<std::string> files;
+  for (const auto& shard : entry.at("shards")) {
+    const std::string name = shard.at("file").get<std::string>();
+    if (!files.insert(name).second) continue;
+    file(name);  // its size checked against the index
+    held += index_.at("files").at(name).at("bytes").get<int64_t>();
+  }
+  if (bytes > held) {
+    throw std::runtime_error(
+        fmt::format("checkpoint {}: '{}' of shape {} needs {} bytes, more than its shard files "
+                    "hold ({} bytes)",
+                    dir_, what, entry.at("shape").dump(), bytes, held));
+  }
+  torch::Tensor out = torch::empty(shape, torch::dtype(dtype));
   // Scalars are stored as one row.
   torch::Tensor rows = shape.empty() ? out.view({1}) : out;
   read_rows(entry, what, 0, rows.size(0), rows);

@@ -23,6 +23,9 @@ std::string index_checksum_line(const std::string& text);
 // Empty when the file exists with the expected size (and crc32), else what is wrong, naming path.
 std::string check_file_size(const std::string& path, int64_t expected_bytes);
 std::string check_file(const std::string& path, int64_t expected_bytes, uint32_t expected_crc);
+// Throws naming `path` and the field unless `index` has the structure save() writes: every field
+// load, export and inspect read, of its type, sizes in range, shard files listed under 'files'.
+void check_index(const nlohmann::json& index, const std::string& path);
 
 // find_damage for the files at positions `share` modulo `shares` of the index's (sorted) file
 // list; the index itself is always checked. Shares let the ranks check a checkpoint together.

@@ -15,6 +15,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 
 #include "checkpoint/io.h"
@@ -28,6 +29,8 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 
 // A header larger than this is a damaged file, not a real model.
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+// Far beyond any tensor, and small enough that elements times an element size cannot overflow.
+constexpr int64_t kMaxElements = int64_t{1} << 48;
 
 const std::vector<std::pair<torch::ScalarType, const char*>>& dtype_names() {
   static const std::vector<std::pair<torch::ScalarType, const char*>> names = {
@@ -36,6 +39,24 @@ const std::vector<std::pair<torch::ScalarType, const char*>>& dtype_names() {
       {torch::kShort, "I16"},  {torch::kChar, "I8"},       {torch::kByte, "U8"},
       {torch::kBool, "BOOL"}};
   return names;
+}
+
+// nlohmann converts a number such as 1e30 to int64_t with undefined behaviour: sizes and offsets
+// must be written as integers that fit.
+std::vector<int64_t> integers(const nlohmann::json& value, const std::string& path,
+                              const std::string& tensor, const char* field) {
+  bool ok = value.is_array();
+  for (size_t i = 0; ok && i < value.size(); ++i) {
+    ok = value[i].is_number_integer() &&
+         !(value[i].is_number_unsigned() &&
+           value[i].get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
+  }
+  if (!ok) {
+    throw std::runtime_error(
+        fmt::format("{}: tensor '{}' {} must be a list of integers, got {}", path, tensor, field,
+                    value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
+  }
+  return value.get<std::vector<int64_t>>();
 }
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
@@ -167,66 +188,89 @@ SafetensorsReader::SafetensorsReader(std::string path, BlockChecksums checksums)
     : path_(std::move(path)), checksums_(std::move(checksums)) {
   fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) throw io_error("cannot open", path_);
-  struct stat st {};
-  if (::fstat(fd_, &st) != 0) throw io_error("cannot stat", path_);
-  file_size_ = st.st_size;
-  if (checksums_.block_bytes < 0) {
-    throw std::invalid_argument(fmt::format("{}: negative checksum block size", path_));
-  }
-  if (!checksums_.empty()) {
-    const int64_t blocks = (file_size_ + checksums_.block_bytes - 1) / checksums_.block_bytes;
-    if (blocks != static_cast<int64_t>(checksums_.crc32.size())) {
-      throw std::runtime_error(fmt::format(
-          "checkpoint file {} is truncated or resized: {} bytes do not fit its {} block checksums",
-          path_, file_size_, checksums_.crc32.size()));
-    }
-    verified_.assign(checksums_.crc32.size(), false);
-  }
-  uint64_t length = 0;
-  if (file_size_ < 8) {
-    throw std::runtime_error(
-        fmt::format("{}: truncated: {} bytes, no safetensors header", path_, file_size_));
-  }
-  read_bytes(&length, 8, 0);
-  if (length > kMaxHeaderBytes || static_cast<int64_t>(length) > file_size_ - 8) {
-    throw std::runtime_error(fmt::format(
-        "{}: damaged: header length {} does not fit the {}-byte file", path_, length, file_size_));
-  }
-  std::string text(length, '\0');
-  read_bytes(text.data(), static_cast<int64_t>(length), 8);
-  nlohmann::json header;
   try {
-    header = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(fmt::format("{}: damaged safetensors header: {}", path_, e.what()));
-  }
-  const int64_t data_start = 8 + static_cast<int64_t>(length);
-  try {
-    for (const auto& [name, entry] : header.items()) {
-      if (name == "__metadata__") {
-        for (const auto& [k, v] : entry.items()) metadata_[k] = v.get<std::string>();
-        continue;
-      }
-      TensorInfo info;
-      info.name = name;
-      info.dtype = dtype_from_name(entry.at("dtype").get<std::string>(), path_);
-      info.shape = entry.at("shape").get<std::vector<int64_t>>();
-      const auto offsets = entry.at("data_offsets").get<std::vector<int64_t>>();
-      if (offsets.size() != 2 || offsets[1] - offsets[0] != info.nbytes() || offsets[0] < 0 ||
-          data_start + offsets[1] > file_size_) {
-        throw std::runtime_error(fmt::format(
-            "{}: tensor '{}' data_offsets do not match its shape or the {}-byte file (truncated?)",
-            path_, name, file_size_));
-      }
-      info.offset = data_start + offsets[0];
-      tensors_.push_back(std::move(info));
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) throw io_error("cannot stat", path_);
+    file_size_ = st.st_size;
+    if (checksums_.block_bytes < 0) {
+      throw std::invalid_argument(fmt::format("{}: negative checksum block size", path_));
     }
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(fmt::format("{}: damaged safetensors header: {}", path_, e.what()));
+    if (!checksums_.empty()) {
+      // Rounded up without an addition that a huge block size would overflow.
+      const int64_t blocks =
+          file_size_ / checksums_.block_bytes + (file_size_ % checksums_.block_bytes != 0);
+      if (blocks != static_cast<int64_t>(checksums_.crc32.size())) {
+        throw std::runtime_error(
+            fmt::format("checkpoint file {} is truncated or resized: {} bytes do not fit its {} "
+                        "block checksums",
+                        path_, file_size_, checksums_.crc32.size()));
+      }
+      verified_.assign(checksums_.crc32.size(), false);
+    }
+    uint64_t length = 0;
+    if (file_size_ < 8) {
+      throw std::runtime_error(
+          fmt::format("{}: truncated: {} bytes, no safetensors header", path_, file_size_));
+    }
+    read_bytes(&length, 8, 0);
+    if (length > kMaxHeaderBytes || static_cast<int64_t>(length) > file_size_ - 8) {
+      throw std::runtime_error(
+          fmt::format("{}: damaged: header length {} does not fit the {}-byte file", path_, length,
+                      file_size_));
+    }
+    std::string text(length, '\0');
+    read_bytes(text.data(), static_cast<int64_t>(length), 8);
+    nlohmann::json header;
+    try {
+      header = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw std::runtime_error(fmt::format("{}: damaged safetensors header: {}", path_, e.what()));
+    }
+    const int64_t data_start = 8 + static_cast<int64_t>(length);
+    try {
+      for (const auto& [name, entry] : header.items()) {
+        if (name == "__metadata__") {
+          for (const auto& [k, v] : entry.items()) metadata_[k] = v.get<std::string>();
+          continue;
+        }
+        TensorInfo info;
+        info.name = name;
+        info.dtype = dtype_from_name(entry.at("dtype").get<std::string>(), path_);
+        info.shape = integers(entry.at("shape"), path_, name, "shape");
+        // Sizes are checked before any arithmetic on them, so none can overflow.
+        int64_t elements = 1;
+        for (int64_t d : info.shape) {
+          if (d < 0 || (d != 0 && elements > kMaxElements / d)) {
+            throw std::runtime_error(fmt::format(
+                "{}: tensor '{}' has shape {}: sizes must be >= 0, at most 2^48 elements", path_,
+                name, entry.at("shape").dump()));
+          }
+          if (d != 0) elements *= d;
+        }
+        const auto offsets = integers(entry.at("data_offsets"), path_, name, "data_offsets");
+        if (offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] ||
+            offsets[1] > file_size_ - data_start || offsets[1] - offsets[0] != info.nbytes()) {
+          throw std::runtime_error(
+              fmt::format("{}: tensor '{}' data_offsets do not match its shape or the {}-byte file "
+                          "(truncated?)",
+                          path_, name, file_size_));
+        }
+        info.offset = data_start + offsets[0];
+        tensors_.push_back(std::move(info));
+      }
+    } catch (const nlohmann::json::exception& e) {
+      throw std::runtime_error(fmt::format("{}: damaged safetensors header: {}", path_, e.what()));
+    }
+    std::sort(tensors_.begin(), tensors_.end(),
+              [](const TensorInfo& a, const TensorInfo& b) { return a.offset < b.offset; });
+    for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
+  } catch (...) {
+    // A constructor that throws runs no destructor: without this, every damaged file would leak
+    // a descriptor, and a process that meets enough of them could open no more files.
+    ::close(fd_);
+    fd_ = -1;
+    throw;
   }
-  std::sort(tensors_.begin(), tensors_.end(),
-            [](const TensorInfo& a, const TensorInfo& b) { return a.offset < b.offset; });
-  for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
 }
 
 SafetensorsReader::~SafetensorsReader() {

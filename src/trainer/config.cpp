@@ -14,8 +14,20 @@ namespace {
 
 using nlohmann::json;
 
-json scalar_to_json(const YAML::Node& node) {
+// YAML text is Unicode; a string of other bytes would pass here and fail later, wherever the
+// config is printed (nlohmann::json refuses to dump it).
+void check_utf8(const std::string& text, const YAML::Node& node, const std::string& source) {
+  try {
+    json(text).dump();
+  } catch (const json::type_error&) {
+    throw std::invalid_argument(
+        fmt::format("{}: not valid YAML: line {}: not UTF-8 text", source, node.Mark().line + 1));
+  }
+}
+
+json scalar_to_json(const YAML::Node& node, const std::string& source) {
   const std::string& text = node.Scalar();
+  check_utf8(text, node, source);
   // Quoted scalars stay strings; plain ones get YAML 1.2 core types.
   if (node.Tag() == "!") return text;
   if (text == "null" || text == "~" || text.empty()) return nullptr;
@@ -36,21 +48,45 @@ json scalar_to_json(const YAML::Node& node) {
   return text;
 }
 
-json node_to_json(const YAML::Node& node) {
+// Aliases make a YAML document a graph: expanded, a few lines can stand for billions of nodes, and
+// an anchor used inside its own node for a cycle. The expansion is bounded in depth and in size
+// (a config expands to about as many nodes as it has lines).
+struct Expansion {
+  const std::string& source;
+  size_t nodes_left;
+  static constexpr int kMaxDepth = 64;
+};
+
+json node_to_json(const YAML::Node& node, Expansion& budget, int depth) {
+  if (depth > Expansion::kMaxDepth) {
+    throw std::invalid_argument(
+        fmt::format("{}: not valid YAML: line {}: nested deeper than {} levels (an alias inside "
+                    "its own anchor?)",
+                    budget.source, node.Mark().line + 1, Expansion::kMaxDepth));
+  }
+  if (budget.nodes_left == 0) {
+    throw std::invalid_argument(
+        fmt::format("{}: not valid YAML: its aliases expand to too many nodes", budget.source));
+  }
+  --budget.nodes_left;
   switch (node.Type()) {
     case YAML::NodeType::Null:
     case YAML::NodeType::Undefined:
       return nullptr;
     case YAML::NodeType::Scalar:
-      return scalar_to_json(node);
+      return scalar_to_json(node, budget.source);
     case YAML::NodeType::Sequence: {
       json out = json::array();
-      for (const auto& item : node) out.push_back(node_to_json(item));
+      for (const auto& item : node) out.push_back(node_to_json(item, budget, depth + 1));
       return out;
     }
     case YAML::NodeType::Map: {
       json out = json::object();
-      for (const auto& item : node) out[item.first.as<std::string>()] = node_to_json(item.second);
+      for (const auto& item : node) {
+        const auto key = item.first.as<std::string>();
+        check_utf8(key, item.first, budget.source);
+        out[key] = node_to_json(item.second, budget, depth + 1);
+      }
       return out;
     }
   }
@@ -106,8 +142,17 @@ void merge_into(json& base, const json& over, const std::string& prefix,
       throw std::invalid_argument(fmt::format("{}: unknown config key '{}'", source, name));
     }
     json& target = base[key];
-    if (target.is_null() || value.is_null()) {
+    if (target.is_object() && value.is_null()) {
+      // A section left empty (`trainer:` with its keys commented out) keeps its defaults rather
+      // than erasing them, after which every key of it would read as missing.
+      continue;
+    }
+    if (target.is_null()) {
       target = value;
+    } else if (value.is_null()) {
+      // `lr:` left empty: every read of the key would fail later, in an error naming no file.
+      throw std::invalid_argument(
+          fmt::format("{}: config key '{}' must be {}, got null", source, name, kind(target)));
     } else if (target.is_object() && value.is_object()) {
       merge_into(target, value, name, source);
     } else if (!same_kind(target, value)) {
@@ -123,7 +168,8 @@ void merge_into(json& base, const json& over, const std::string& prefix,
 
 json yaml_to_json(const std::string& yaml_text, const std::string& source) {
   try {
-    return node_to_json(YAML::Load(yaml_text));
+    Expansion budget{source, 16 * yaml_text.size() + 4096};
+    return node_to_json(YAML::Load(yaml_text), budget, 0);
   } catch (const YAML::Exception& e) {
     throw std::invalid_argument(fmt::format("{}: not valid YAML: {}", source, e.what()));
   }

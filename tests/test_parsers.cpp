@@ -1,0 +1,257 @@
+// Regressions for what fuzzing the parsers found (fuzz/): each input here once crashed, leaked,
+// allocated what the file's size did not justify, or escaped as a library's exception naming no
+// file. Through the public entry points, as a user's file reaches them.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include "shardrl/checkpoint.h"
+#include "shardrl/trainer.h"
+#include "test_util.h"
+
+namespace shardrl::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+// Runs fn, which must throw E with a message holding every one of `words`.
+template <class E>
+void expect_error_naming(const std::function<void()>& fn, const std::vector<std::string>& words) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error was raised";
+  } catch (const E& e) {
+    for (const auto& w : words) {
+      EXPECT_NE(std::string(e.what()).find(w), std::string::npos)
+          << "'" << w << "' not in " << e.what();
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "another exception than expected: " << e.what();
+  }
+}
+
+// ---- safetensors -------------------------------------------------------------------------------
+
+// A safetensors file of this JSON header and data, as a writer would lay it out.
+std::string safetensors_bytes(const std::string& header, const std::string& data) {
+  std::string text = header;
+  text.append((8 - text.size() % 8) % 8, ' ');
+  uint64_t length = text.size();
+  std::string out(reinterpret_cast<const char*>(&length), 8);
+  return out + text + data;
+}
+
+int open_descriptors() {
+  int n = 0;
+  for (const auto& entry : fs::directory_iterator("/proc/self/fd")) n += entry.exists() ? 1 : 0;
+  return n;
+}
+
+TEST(ParserFindings, SafetensorsDamagedHeaderLeavesNoDescriptorOpen) {
+  const std::string path = make_temp_dir("pf-st-fd") + "/bad.safetensors";
+  write_bytes(path, safetensors_bytes("{\"t\": {\"dtype\": \"F32\"", ""));
+  const int before = open_descriptors();
+  for (int i = 0; i < 64; ++i) {
+    EXPECT_THROW(checkpoint::SafetensorsReader reader(path), std::runtime_error);
+  }
+  EXPECT_EQ(open_descriptors(), before);
+}
+
+TEST(ParserFindings, SafetensorsNegativeOrOverflowingShapeIsAnErrorNamingIt) {
+  const std::string dir = make_temp_dir("pf-st-shape");
+  struct Case {
+    std::string shape, offsets, says;
+  };
+  const std::vector<Case> cases = {
+      // 4 elements, 16 bytes, as the offsets say.
+      {"[-1, -4]", "[0, 16]", "sizes must be >= 0"},
+      // Wraps to 0 elements.
+      {"[4294967296, 4294967296]", "[0, 0]", "at most 2^48 elements"},
+      // Not an integer: converting it to int64_t was undefined behaviour.
+      {"[1e30]", "[0, 16]", "shape must be a list of integers"},
+      {"[4]", "[0, 1.6e1]", "data_offsets must be a list of integers"},
+  };
+  for (const auto& c : cases) {
+    const std::string path = dir + "/shape.safetensors";
+    write_bytes(path, safetensors_bytes("{\"t\": {\"dtype\": \"F32\", \"shape\": " + c.shape +
+                                            ", \"data_offsets\": " + c.offsets + "}}",
+                                        std::string(16, '\0')));
+    expect_error_naming<std::runtime_error>([&] { checkpoint::SafetensorsReader reader(path); },
+                                            {path, "'t'", c.says});
+  }
+}
+
+TEST(ParserFindings, SafetensorsChecksumBlockLargerThanAnyFileReads) {
+  const std::string path = make_temp_dir("pf-st-blocks") + "/t.safetensors";
+  const torch::Tensor t = torch::arange(6, torch::kFloat).view({2, 3});
+  checkpoint::SafetensorsWriter writer(path, {{"t", torch::kFloat, {2, 3}}});
+  writer.write("t", t);
+  const auto summary = writer.close();
+  // One block of the largest size holds the whole file: its checksum is the file's.
+  checkpoint::BlockChecksums blocks;
+  blocks.block_bytes = std::numeric_limits<int64_t>::max();
+  blocks.crc32 = {summary.crc32};
+  checkpoint::SafetensorsReader reader(path, blocks);
+  EXPECT_TRUE(torch::equal(reader.read("t"), t));
+}
+
+// ---- checkpoint index --------------------------------------------------------------------------
+
+// A copy of the checkpoint fuzz/ seeds with (a 1-step `shardrl train` of a tiny GPT), its index
+// changed by `edit`.
+std::string checkpoint_with_index(const std::string& tag, const std::function<void(json&)>& edit) {
+  const fs::path src = fs::path(SHARDRL_SOURCE_DIR) / "fuzz";
+  const std::string dir = make_temp_dir(tag);
+  for (const auto& file : fs::directory_iterator(src / "data" / "checkpoint")) {
+    fs::copy_file(file.path(), fs::path(dir) / file.path().filename());
+  }
+  json index = json::parse(std::ifstream(src / "corpus" / "index" / "index.json"));
+  edit(index);
+  std::ofstream(fs::path(dir) / "index.json") << index.dump(1);
+  return dir;
+}
+
+TEST(ParserFindings, CheckpointIndexSeedReads) {
+  const std::string dir = checkpoint_with_index("pf-index-ok", [](json&) {});
+  const auto weight = checkpoint::read_full_tensor(dir, "model", "tok_emb.weight");
+  EXPECT_EQ(weight.sizes(), (std::vector<int64_t>{256, 4}));
+  const auto moment = checkpoint::read_full_tensor(dir, "optimizer", "tok_emb.weight.exp_avg");
+  EXPECT_EQ(moment.sizes(), weight.sizes());
+  for (const auto& f : checkpoint::verify(dir)) EXPECT_TRUE(f.ok) << f.problem;
+}
+
+TEST(ParserFindings, CheckpointIndexFieldMissingOrMistypedIsAnErrorNamingIt) {
+  struct Case {
+    std::function<void(json&)> edit;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](json& i) { i["model"]["tok_emb.weight"]["shards"][0].erase("rows"); },
+       "model.tok_emb.weight.shards[0].rows"},
+      {[](json& i) { i["model"]["tok_emb.weight"]["shards"][0]["row_offset"] = "0"; },
+       "model.tok_emb.weight.shards[0].row_offset"},
+      {[](json& i) { i["model"]["tok_emb.weight"]["shards"][0]["file"] = "../index.json"; },
+       "model.tok_emb.weight.shards[0].file"},
+      {[](json& i) { i["files"]["model_rank0.safetensors"]["crc32"] = -1; },
+       "files.model_rank0.safetensors.crc32"},
+      {[](json& i) { i["optimizer"]["state"]["tok_emb.weight"].erase("step"); },
+       "optimizer.state.tok_emb.weight.step"},
+      {[](json& i) {
+         i["scheduler"] = {{"last_step", "1"}};
+       },
+       "scheduler.last_step"},
+      {[](json& i) { i["rng"][0] = 0; }, "rng[0].file"},
+  };
+  for (const auto& c : cases) {
+    const std::string dir = checkpoint_with_index("pf-index-field", c.edit);
+    expect_error_naming<std::runtime_error>(
+        [&] { checkpoint::read_full_tensor(dir, "model", "tok_emb.weight"); },
+        {dir + "/index.json", c.field});
+  }
+}
+
+TEST(ParserFindings, CheckpointTensorLargerThanItsFilesIsAnErrorBeforeAllocating) {
+  // 2^40 x 4 floats: 16 TiB, from a 10 KB file.
+  const std::string dir = checkpoint_with_index("pf-index-huge", [](json& i) {
+    i["model"]["tok_emb.weight"]["shape"] = {int64_t{1} << 40, 4};
+  });
+  expect_error_naming<std::runtime_error>(
+      [&] { checkpoint::read_full_tensor(dir, "model", "tok_emb.weight"); },
+      {dir, "'tok_emb.weight'", "more than its shard files hold"});
+}
+
+TEST(ParserFindings, CheckpointRowsOfAnotherSizeThanTheFilesAreAnError) {
+  // The file holds 256 x 4 floats; the index claims 256 x 2 doubles (as many bytes), so the rows
+  // are converted, and would be viewed as rows of 2.
+  const std::string dir = checkpoint_with_index("pf-index-rows", [](json& i) {
+    i["model"]["tok_emb.weight"]["shape"] = {256, 2};
+    i["model"]["tok_emb.weight"]["dtype"] = "F64";
+  });
+  expect_error_naming<std::runtime_error>(
+      [&] { checkpoint::read_full_tensor(dir, "model", "tok_emb.weight"); },
+      {dir, "'tok_emb.weight'", "rows of 4 elements"});
+}
+
+// ---- GGUF --------------------------------------------------------------------------------------
+
+// A GGUF v3 file with no tensors and one metadata value of `type` (raw bytes).
+std::string gguf_with(const std::string& key, uint32_t type, const std::string& value) {
+  std::string out = "GGUF";
+  auto put = [&](auto v) { out.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put(uint32_t{3});
+  put(uint64_t{0});  // tensors
+  put(uint64_t{1});  // metadata
+  put(static_cast<uint64_t>(key.size()));
+  out += key;
+  put(type);
+  return out + value;
+}
+
+TEST(ParserFindings, GgufNonUtf8AlignmentIsAnErrorNamingIt) {
+  const std::string path = make_temp_dir("pf-gguf-align") + "/a.gguf";
+  const uint64_t length = 1;
+  write_bytes(path, gguf_with("general.alignment", 8,
+                              std::string(reinterpret_cast<const char*>(&length), 8) + "\xff"));
+  expect_error_naming<std::invalid_argument>([&] { checkpoint::GgufFile gguf(path); },
+                                             {path, "general.alignment"});
+}
+
+// ---- YAML config -------------------------------------------------------------------------------
+
+const json kDefaults = {{"trainer", {{"task", "lm_pretrain"}, {"total_training_steps", 100}}},
+                        {"data", nullptr}};
+
+std::string config_file(const std::string& tag, const std::string& text) {
+  const std::string path = make_temp_dir(tag) + "/config.yaml";
+  write_bytes(path, text);
+  return path;
+}
+
+TEST(ParserFindings, YamlConfigNotUtf8IsAnErrorNamingTheFile) {
+  const std::string path = config_file("pf-yaml-utf8", "trainer:\n  task: lm\xff\n");
+  expect_error_naming<std::invalid_argument>([&] { trainer::load_config(path, {}, kDefaults); },
+                                             {path, "line 2", "UTF-8"});
+}
+
+TEST(ParserFindings, YamlConfigAliasesExpandBounded) {
+  // Five levels of ten aliases: a million nodes from 300 bytes.
+  std::string bomb = "data:\n  a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n";
+  for (int level = 1; level <= 5; ++level) {
+    const std::string prev = "*a" + std::to_string(level - 1);
+    bomb += "  a" + std::to_string(level) + ": &a" + std::to_string(level) + " [";
+    for (int i = 0; i < 10; ++i) bomb += (i ? ", " : "") + prev;
+    bomb += "]\n";
+  }
+  const std::string path = config_file("pf-yaml-bomb", bomb);
+  expect_error_naming<std::invalid_argument>([&] { trainer::load_config(path, {}, kDefaults); },
+                                             {path, "aliases expand to too many nodes"});
+  // A few aliases, as a config uses them, still expand.
+  const std::string reuse =
+      config_file("pf-yaml-alias", "data:\n  a: &betas [0.9, 0.95]\n  b: *betas\n");
+  EXPECT_EQ(trainer::load_config(reuse, {}, kDefaults)["data"]["b"], json({0.9, 0.95}));
+}
+
+TEST(ParserFindings, YamlConfigEmptySectionKeepsItsDefaults) {
+  const std::string path = config_file("pf-yaml-empty", "trainer:\n  # task: arithmetic\n");
+  const json config = trainer::load_config(path, {}, kDefaults);
+  EXPECT_EQ(trainer::get<std::string>(config, "trainer.task"), "lm_pretrain");
+  EXPECT_EQ(trainer::get<int64_t>(config, "trainer.total_training_steps"), 100);
+}
+
+TEST(ParserFindings, YamlConfigNullOverAValueIsAnErrorNamingTheKey) {
+  const std::string path = config_file("pf-yaml-null", "trainer:\n  total_training_steps:\n");
+  expect_error_naming<std::invalid_argument>([&] { trainer::load_config(path, {}, kDefaults); },
+                                             {path, "'trainer.total_training_steps'", "null"});
+}
+
+}  // namespace
+}  // namespace shardrl::testing
