@@ -36,22 +36,6 @@ constexpr double kGraceSeconds = 10;
 // The store's port; each namespace has its own ports, so a fixed one cannot clash.
 constexpr int kPort = 29500;
 
-const char* kConfig = R"(trainer:
-  task: lm_pretrain
-  nproc_per_node: 2
-  total_training_steps: 4
-  save_freq: 2
-data:
-  train_batch_size: 8
-  max_seq_len: 16
-actor_rollout_ref:
-  model:
-    family: gpt
-    config: {vocab_size: 256, max_seq_len: 16, d_model: 32, n_heads: 4, n_layers: 2}
-  actor:
-    ppo_micro_batch_size_per_gpu: 2
-)";
-
 std::string join(const std::vector<std::string>& words) {
   std::string text;
   for (const auto& w : words) text += (text.empty() ? "" : " ") + w;
@@ -149,7 +133,7 @@ class TwoHosts {
 
 std::string write_config(const std::string& dir) {
   const std::string path = dir + "/lm.yaml";
-  std::ofstream(path) << kConfig;
+  std::ofstream(path) << kSmallLmConfig;
   return path;
 }
 

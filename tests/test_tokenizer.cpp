@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "models/utf8.h"
 #include "shardrl/models/tokenizer.h"
 #include "test_util.h"
 #include "text_corpus.h"
@@ -29,25 +30,7 @@ std::string vocabulary_dir() {
   return std::string(SHARDRL_SOURCE_DIR) + "/data/gpt2-bpe";
 }
 
-std::string utf8(char32_t c) {
-  std::string out;
-  if (c < 0x80) {
-    out += static_cast<char>(c);
-  } else if (c < 0x800) {
-    out += static_cast<char>(0xC0 | (c >> 6));
-    out += static_cast<char>(0x80 | (c & 0x3F));
-  } else if (c < 0x10000) {
-    out += static_cast<char>(0xE0 | (c >> 12));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (c & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (c >> 18));
-    out += static_cast<char>(0x80 | ((c >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (c & 0x3F));
-  }
-  return out;
-}
+using models::detail::utf8;
 
 // Text that exercises every branch of the pre-tokenisation regex.
 std::vector<std::string> sample_texts() {

@@ -33,25 +33,9 @@ void expect_error_naming(const std::function<void()>& fn, const std::vector<std:
   }
 }
 
-const char* kSmallLm = R"(trainer:
-  task: lm_pretrain
-  nproc_per_node: 2
-  total_training_steps: 4
-  save_freq: 2
-data:
-  train_batch_size: 8
-  max_seq_len: 16
-actor_rollout_ref:
-  model:
-    family: gpt
-    config: {vocab_size: 256, max_seq_len: 16, d_model: 32, n_heads: 4, n_layers: 2}
-  actor:
-    ppo_micro_batch_size_per_gpu: 2
-)";
-
 TEST(TrainerConfig, FileThenOverridesWithTypesKept) {
   const auto dir = make_temp_dir("trainer_config");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   auto config =
       trainer::task_config(path, {"actor_rollout_ref.actor.optim.lr=0.5", "trainer.save_freq=3",
                                   "actor_rollout_ref.actor.optim.betas=[0.8, 0.9]"});
@@ -68,7 +52,7 @@ TEST(TrainerConfig, FileThenOverridesWithTypesKept) {
 
 TEST(TrainerConfig, ErrorsNameTheKeyAndTheFile) {
   const auto dir = make_temp_dir("trainer_config_errors");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   expect_error_naming([&] { trainer::task_config(path, {"trainer.totl_training_steps=3"}); },
                       {"trainer.totl_training_steps", "unknown"});
   expect_error_naming(
@@ -76,7 +60,8 @@ TEST(TrainerConfig, ErrorsNameTheKeyAndTheFile) {
       {"actor_rollout_ref.actor.optim.lr", "a number"});
   expect_error_naming([&] { trainer::task_config(path, {"trainer.save_freq=2.5"}); },
                       {"trainer.save_freq"});
-  const auto bad = write_file(dir, "bad.yaml", std::string(kSmallLm) + "data:\n  shuffle: true\n");
+  const auto bad =
+      write_file(dir, "bad.yaml", std::string(kSmallLmConfig) + "data:\n  shuffle: true\n");
   expect_error_naming([&] { trainer::task_config(bad, {}); }, {"bad.yaml"});
   const auto unknown =
       write_file(dir, "unknown.yaml", "trainer:\n  task: lm_pretrain\nalgorithm:\n  kl_ctrl: 1\n");
@@ -91,7 +76,7 @@ TEST(TrainerConfig, ErrorsNameTheKeyAndTheFile) {
 // Keys ShardRL used to spell its own way are errors naming verl's key that replaced them.
 TEST(TrainerConfig, OldKeyNamesAreErrorsNamingVerlsKey) {
   const auto dir = make_temp_dir("trainer_config_renamed");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   expect_error_naming([&] { trainer::task_config(path, {"trainer.resume=auto"}); },
                       {"'trainer.resume'", "trainer.resume_mode"});
   expect_error_naming([&] { trainer::task_config(path, {"trainer.max_ckpt_to_keep=3"}); },
@@ -120,7 +105,7 @@ ProcessResult train(const std::string& config, const std::vector<std::string>& o
 
 TEST(Trainer, BadResumeModeNamesTheKey) {
   const auto dir = make_temp_dir("trainer_resume_mode");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   auto result = train(path, {"trainer.default_local_dir=" + dir, "trainer.resume_mode=sometimes"});
   EXPECT_NE(result.exit_code, 0);
   EXPECT_NE(result.output.find("trainer.resume_mode"), std::string::npos) << result.output;
@@ -134,7 +119,7 @@ TEST(Trainer, BadResumeModeNamesTheKey) {
 // process groups: a cut link ends the run after it, and the error names it.)
 TEST(Trainer, NcclTimeoutIsVerlsKeyAndBadValuesNameIt) {
   const auto dir = make_temp_dir("trainer_nccl_timeout");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   EXPECT_EQ(trainer::get<int64_t>(trainer::task_config(path, {}), "actor_rollout_ref.nccl_timeout"),
             600);
   for (const std::string bad : {"0", "-5", "2592001"}) {
@@ -156,7 +141,7 @@ TEST(Trainer, NcclTimeoutIsVerlsKeyAndBadValuesNameIt) {
 
 TEST(Trainer, MissingDataFileNamesTheKeyAndTheFile) {
   const auto dir = make_temp_dir("trainer_missing_data");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   auto result = train(path, {"data.train_files=" + dir + "/no_such_corpus.txt"});
   EXPECT_NE(result.exit_code, 0);
   EXPECT_NE(result.output.find("data.train_files"), std::string::npos) << result.output;
@@ -167,7 +152,7 @@ TEST(Trainer, MissingDataFileNamesTheKeyAndTheFile) {
 // model, optimizer, schedule and data order all come back from the checkpoint.
 TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
   const auto dir = make_temp_dir("trainer_lm");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   auto first = train(path, {"trainer.default_local_dir=" + dir + "/resumed"});
   ASSERT_EQ(first.exit_code, 0) << first.output;
   auto metrics = read_jsonl(dir + "/resumed/metrics.jsonl");
@@ -242,7 +227,7 @@ const std::vector<Damage>& damages() {
 // logs what an uninterrupted run logs from there.
 TEST(Trainer, DamagedCheckpointsAreNamedAndAutoResumePassesOverThem) {
   const auto dir = make_temp_dir("trainer_damaged");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   auto straight = train(
       path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6"});
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
@@ -292,7 +277,7 @@ TEST(Trainer, DamagedCheckpointsAreNamedAndAutoResumePassesOverThem) {
 // over and overwrite them), and leaves every byte of them as it was.
 TEST(Trainer, AutoResumeWithOnlyDamagedCheckpointsStopsAndTouchesNothing) {
   const auto dir = make_temp_dir("trainer_all_damaged");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   auto base = train(path, {"trainer.default_local_dir=" + dir});
   ASSERT_EQ(base.exit_code, 0) << base.output;
   const std::string root = dir + "/checkpoints";
@@ -323,7 +308,7 @@ TEST(Trainer, AutoResumeWithOnlyDamagedCheckpointsStopsAndTouchesNothing) {
 // earlier one, and the run goes on from step 3 as if never interrupted.
 TEST(Trainer, RotationAfterAFallbackKeepsTheWholeCheckpoints) {
   const auto dir = make_temp_dir("trainer_rotation_fallback");
-  const auto path = write_file(dir, "lm.yaml", kSmallLm);
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
   auto straight = train(
       path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6"});
   ASSERT_EQ(straight.exit_code, 0) << straight.output;

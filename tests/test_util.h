@@ -79,6 +79,24 @@ void expect_checks_pass(const ProcessResult& result, size_t at_least);
 void expect_invalid_argument_naming(const std::function<void()>& fn, const std::string& field,
                                     const std::string& value = "");
 
+// A 4-step GPT pretraining run on 2 ranks that checkpoints every 2 steps: the smallest real
+// `shardrl train` job, for tests of the trainer's plumbing (config, resume, faults).
+inline constexpr const char* kSmallLmConfig = R"(trainer:
+  task: lm_pretrain
+  nproc_per_node: 2
+  total_training_steps: 4
+  save_freq: 2
+data:
+  train_batch_size: 8
+  max_seq_len: 16
+actor_rollout_ref:
+  model:
+    family: gpt
+    config: {vocab_size: 256, max_seq_len: 16, d_model: 32, n_heads: 4, n_layers: 2}
+  actor:
+    ppo_micro_batch_size_per_gpu: 2
+)";
+
 std::string bin(const std::string& name);
 // One JSON value per line, as metrics.jsonl holds them.
 std::vector<nlohmann::json> read_jsonl(const std::string& path);
