@@ -3,8 +3,8 @@
 // build's pch.h adds the process groups, which no parser needs.
 #pragma once
 #include <torch/torch.h>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdint>
 #include <map>

@@ -132,23 +132,10 @@ const TokenReference& token_reference() {
   return reference;
 }
 
-// The first difference and a few pieces either side, as ids and tokens.
 void expect_same_ids(const WordPieceTokenizer& tok, const std::vector<int64_t>& got,
                      const std::vector<int64_t>& want, const std::string& name) {
-  if (got == want) return;
-  const size_t at =
-      std::mismatch(got.begin(), got.end(), want.begin(), want.end()).first - got.begin();
-  const auto around = [&](const std::vector<int64_t>& ids) {
-    std::ostringstream out;
-    for (size_t k = at < 4 ? 0 : at - 4; k < std::min(ids.size(), at + 5); ++k) {
-      out << (k == at ? " >>" : " ") << ids[k];
-      if (ids[k] >= 0 && ids[k] < tok.vocab_size()) out << " " << quoted(tok.id_to_token(ids[k]));
-    }
-    return out.str();
-  };
-  ADD_FAILURE() << name << ": " << got.size() << " ids where " << want.size()
-                << " were expected; first difference at " << at << "\n  got: " << around(got)
-                << "\n  want:" << around(want);
+  expect_same_id_sequences(got, want, name, tok.vocab_size(),
+                           [&](int64_t id) { return tok.id_to_token(id); });
 }
 
 TEST(WordPieceTokenizer, EncodesRealTextAsHuggingFace) {

@@ -2,6 +2,7 @@
 // piece named for the failure messages.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -83,6 +84,27 @@ inline void add_files(Corpus& corpus, const std::string& dir,
 // JSON's quoting: newlines stay on one line, and a token's partial UTF-8 is shown as U+FFFD.
 inline std::string quoted(const std::string& text) {
   return nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+// Fails with the first difference of two id sequences and a few ids either side, each with its
+// text (`piece(id)` for ids below `vocab_size`): a whole book's ids would bury it.
+template <typename Piece>
+void expect_same_id_sequences(const std::vector<int64_t>& got, const std::vector<int64_t>& want,
+                              const std::string& name, int64_t vocab_size, const Piece& piece) {
+  if (got == want) return;
+  const size_t at =
+      std::mismatch(got.begin(), got.end(), want.begin(), want.end()).first - got.begin();
+  const auto around = [&](const std::vector<int64_t>& ids) {
+    std::ostringstream out;
+    for (size_t k = at < 4 ? 0 : at - 4; k < std::min(ids.size(), at + 5); ++k) {
+      out << (k == at ? " >>" : " ") << ids[k];
+      if (ids[k] >= 0 && ids[k] < vocab_size) out << " " << quoted(piece(ids[k]));
+    }
+    return out.str();
+  };
+  ADD_FAILURE() << name << ": " << got.size() << " ids where " << want.size()
+                << " were expected; first difference at " << at << "\n  got: " << around(got)
+                << "\n  want:" << around(want);
 }
 
 }  // namespace shardrl::testing
