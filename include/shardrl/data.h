@@ -69,6 +69,11 @@ class DistributedSampler {
 torch::Tensor image_grid(const torch::Tensor& images, int64_t nrow, int64_t padding = 2,
                          int64_t scale = 1);
 
+// image_grid's rows, each with its caption written beside it.
+torch::Tensor captioned_grid(const torch::Tensor& images, int64_t nrow,
+                             const std::vector<std::string>& row_captions, int64_t padding = 2,
+                             int64_t scale = 3);
+
 // Writes a uint8 image [H, W] (grey), [H, W, 1] or [H, W, 3] (RGB) as an 8-bit PNG.
 void write_png(const std::string& path, const torch::Tensor& image);
 // Reads an 8-bit grey or RGB PNG as uint8 [H, W, C].
