@@ -1,5 +1,5 @@
 // Diffusion RL over the DiT: rollouts, the per-micro-batch losses and one RL step.
-#include "shardrl/algos/diffusion_rl.h"
+#include "shardrl/algos/dit_rl.h"
 
 #include <fmt/format.h>
 
@@ -12,7 +12,7 @@
 #include "shardrl/models/lora.h"
 #include "shardrl/optim.h"
 
-namespace shardrl::algos {
+namespace shardrl::algos::dit {
 
 using internal::require;
 namespace lora = models::lora;
@@ -461,4 +461,4 @@ void diffusion_rl_update(models::DiT& model, torch::optim::Optimizer& optimizer,
   }
 }
 
-}  // namespace shardrl::algos
+}  // namespace shardrl::algos::dit

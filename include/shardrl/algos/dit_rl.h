@@ -1,6 +1,8 @@
-// Diffusion RL on the class-conditional DiT: the supervised flow-matching loss, the SDE rollout
-// that records what Flow-GRPO needs, and the per-micro-batch losses of Flow-GRPO, DiffusionNFT
-// and Diffusion-DPO. The math (schedule, SDE step, losses) is algos.h; this file runs the model.
+// The class-conditional DiT's diffusion RL (the path the SD3 one in diffusion_rl.h replaces; it
+// lives in algos::dit until the trainer moves over): the supervised flow-matching loss, the SDE
+// rollout that records what Flow-GRPO needs, and the per-micro-batch losses of Flow-GRPO,
+// DiffusionNFT and Diffusion-DPO. The math (schedule, SDE step, losses) is algos.h; this file runs
+// the model.
 //
 // Every loss here is a function of (model, micro-batch) that returns a loss tensor and detached
 // metrics, so an engine's forward_backward_batch can call it per micro-batch. Flow-GRPO and NFT
@@ -24,7 +26,7 @@
 #include "shardrl/dist.h"
 #include "shardrl/models/dit.h"
 
-namespace shardrl::algos {
+namespace shardrl::algos::dit {
 
 // Detached 0-dim metrics by name (e.g. "clipfrac", "kl").
 using Metrics = std::map<std::string, torch::Tensor>;
@@ -196,4 +198,4 @@ void diffusion_rl_update(models::DiT& model, torch::optim::Optimizer& optimizer,
                          RLStepResult& result, int64_t step, const DiffusionRLConfig& config,
                          at::Generator generator);
 
-}  // namespace shardrl::algos
+}  // namespace shardrl::algos::dit
