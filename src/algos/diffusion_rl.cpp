@@ -204,7 +204,7 @@ void SamplerConfig::validate() const {
   const std::string algo = "actor_rollout_ref.rollout.algo.";
   require(num_inference_steps >= 1, pipeline + "num_inference_steps",
           fmt::format("must be >= 1, got {}", num_inference_steps));
-  require(shift > 0, "shift", fmt::format("must be > 0, got {}", shift));
+  require(shift > 0, pipeline + "shift", fmt::format("must be > 0, got {}", shift));
   require(noise_level >= 0, algo + "noise_level", fmt::format("must be >= 0, got {}", noise_level));
   if (sde_type != "sde" && sde_type != "cps") {
     internal::throw_unknown_value(algo + "sde_type", sde_type, {"sde", "cps"});
