@@ -410,7 +410,9 @@ TensorMap rows_for(const std::string& mode, Tuned& t, const SamplerConfig& s,
   {
     std::optional<lora::UseAdapter> behaviour;
     if (mode == "diffusion_nft") behaviour.emplace(*t.model, "old");
-    ro = algos::sample_with_logprob(t.model, cond, s, full_window(s), gen(seed + 1));
+    // Not [0, T): CPS's last step has std 0 (a KL to the reference would divide by it).
+    ro = algos::sample_with_logprob(t.model, cond, s, algos::draw_sde_window(s, gen(seed)),
+                                    gen(seed + 1));
   }
   auto rewards = ro.images().flatten(1).mean(1);
   auto adv = algos::group_advantages(rewards, group, {});
