@@ -59,15 +59,7 @@ torch::Tensor flow_matching_loss(models::DiT& model, const torch::Tensor& x0,
                                  at::Generator generator) {
   const int64_t b = x0.size(0);
   auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(x0.device());
-  torch::Tensor sigma;
-  if (config.timestep_sampling == "logit_normal") {
-    sigma = torch::sigmoid(at::randn({b}, generator, f32));
-  } else if (config.timestep_sampling == "uniform") {
-    sigma = at::rand({b}, generator, f32);
-  } else {
-    internal::throw_unknown_value("timestep_sampling", config.timestep_sampling,
-                                  {"logit_normal", "uniform"});
-  }
+  auto sigma = internal::flow_matching_sigmas(config.timestep_sampling, b, generator, f32);
   auto eps = at::randn(x0.sizes(), generator, f32);
   auto xt = flow_interpolate(x0, eps, sigma);
   auto y =
