@@ -4,7 +4,10 @@
 // AdamW steps per algorithm that raise an easy reward.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
+#include <fstream>
 #include <set>
 
 #include "model_test_util.h"
@@ -14,6 +17,7 @@
 #include "shardrl/models/weights.h"
 #include "shardrl/optim.h"
 #include "test_util.h"
+#include "workers/sd3_rl_scenario.h"
 
 namespace shardrl::testing {
 namespace {
@@ -410,7 +414,9 @@ TensorMap rows_for(const std::string& mode, Tuned& t, const SamplerConfig& s,
   {
     std::optional<lora::UseAdapter> behaviour;
     if (mode == "diffusion_nft") behaviour.emplace(*t.model, "old");
-    ro = algos::sample_with_logprob(t.model, cond, s, full_window(s), gen(seed + 1));
+    // Not [0, T): CPS's last step has std 0 (a KL to the reference would divide by it).
+    ro = algos::sample_with_logprob(t.model, cond, s, algos::draw_sde_window(s, gen(seed)),
+                                    gen(seed + 1));
   }
   auto rewards = ro.images().flatten(1).mean(1);
   auto adv = algos::group_advantages(rewards, group, {});
@@ -629,6 +635,48 @@ TEST(DiffusionLossTraining, NftRaisesAnEasyReward) {
 TEST(DiffusionLossTraining, DpoRaisesAnEasyReward) {
   auto [first, last] = train_on_brightness("dpo", 15);
   EXPECT_GT(last, first + 0.05) << "reward " << first << " -> " << last;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sharded on 2 ranks (tests/workers/sd3_rl_worker.cpp), one prompt group each
+
+std::vector<double> json_values(const nlohmann::json& j) {
+  return j.get<std::vector<double>>();
+}
+
+// Each rank samples what one process samples for its prompts, both ranks use one SDE window, the
+// advantages are those of the gathered rewards (global std) and each rank's loss is its rows'.
+TEST(DiffusionRLSharded, TwoRanksSampleAndScoreAsOneProcessWithGlobalAdvantages) {
+  const std::string dir = make_temp_dir("sd3-rl");
+  auto result = launch_workers(2, {"--out", dir}, 300, "sd3_rl_worker");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  auto model = build_sd3(SD3Scenario{});
+  std::vector<nlohmann::json> ranks;
+  std::vector<algos::DiffusionRollout> rollouts;
+  std::vector<torch::Tensor> rewards;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(
+        nlohmann::json::parse(std::ifstream(dir + "/rank_" + std::to_string(r) + ".json")));
+    rollouts.push_back(sd3_rl_rollout(model, r));
+    rewards.push_back(sd3_rl_rewards(rollouts.back()));
+    EXPECT_EQ(ranks[r]["window"], ranks[0]["window"]);
+    EXPECT_EQ(ranks[r]["window"][0].get<int64_t>(), rollouts.back().window.begin);
+    auto got = torch::tensor(json_values(ranks[r]["rewards"])).to(torch::kFloat);
+    EXPECT_TRUE(torch::allclose(got, rewards.back(), 1e-5, 1e-5)) << "rank " << r;
+  }
+  auto all = torch::cat(rewards);
+  auto want = algos::diffusion_group_advantages(all, std::vector<int64_t>{0, 0, 1, 1});
+  for (int r = 0; r < 2; ++r) {
+    auto adv = torch::tensor(json_values(ranks[r]["advantages"])).to(torch::kFloat);
+    EXPECT_TRUE(torch::allclose(adv, want.narrow(0, 2 * r, 2), 1e-3, 1e-3))
+        << "rank " << r << ": " << adv << " vs " << want;
+    EXPECT_EQ(ranks[r]["group_ids"].get<std::vector<int64_t>>(), (std::vector<int64_t>{r, r}));
+    EXPECT_NEAR(ranks[r]["reward_mean"].get<double>(), all.mean().item<double>(), 1e-6);
+    auto loss = sd3_rl_loss(model, rollouts[r], adv);
+    EXPECT_NEAR(ranks[r]["loss"].get<double>(), loss.loss.item<double>(), 1e-5) << "rank " << r;
+    EXPECT_LT(std::abs(ranks[r]["ppo_kl"].get<double>()), 1e-6) << "rank " << r;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

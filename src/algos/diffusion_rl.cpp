@@ -168,15 +168,7 @@ MicroBatchLoss flow_matching_loss(models::SD3Transformer2DModel& model, const Te
   const auto& x0 = column(rows, "images", "the flow-matching loss");
   const int64_t b = x0.size(0);
   auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(x0.device());
-  torch::Tensor sigma;
-  if (config.timestep_sampling == "logit_normal") {
-    sigma = torch::sigmoid(at::randn({b}, generator, f32));
-  } else if (config.timestep_sampling == "uniform") {
-    sigma = at::rand({b}, generator, f32);
-  } else {
-    internal::throw_unknown_value("timestep_sampling", config.timestep_sampling,
-                                  {"logit_normal", "uniform"});
-  }
+  auto sigma = internal::flow_matching_sigmas(config.timestep_sampling, b, generator, f32);
   auto eps = at::randn(x0.sizes(), generator, f32);
   auto cond = Conditioning::from(rows);
   auto embeds = cond.prompt_embeds, pooled = cond.pooled_prompt_embeds;

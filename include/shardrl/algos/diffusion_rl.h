@@ -90,10 +90,13 @@ struct SamplerConfig {
   int64_t num_inference_steps = 10;  // rollout.pipeline.num_inference_steps
   double shift = 3.0;                // the flow-matching scheduler's shift (SD3: 3.0)
   double noise_level = 0.7;          // rollout.algo.noise_level; 0: every step is the ODE
-  std::string sde_type = "sde";      // rollout.algo.sde_type: "sde" or "cps"
+  // rollout.algo.sde_type: "sde" or "cps". CPS's std is sigma_next sin(noise_level pi / 2): 0 on
+  // the last step (to sigma 0), so a window holding it gets a NaN KL to the reference there.
+  std::string sde_type = "sde";
   // rollout.algo.sde_window_size: how many consecutive steps are stochastic (and trained); 0 (the
-  // YAML's null) means every step. The window starts at a step drawn from
-  // rollout.algo.sde_window_range [first, last) (last -1: num_inference_steps), so that it fits.
+  // YAML's null) means every step but the last, as in flow_grpo and verl-omni. The window
+  // [start, start + size) lies in rollout.algo.sde_window_range [first, last) (last -1:
+  // num_inference_steps): start is drawn uniformly from [first, last - size].
   int64_t sde_window_size = 0;
   std::pair<int64_t, int64_t> sde_window_range{0, -1};
   double true_cfg_scale = 1.0;      // rollout.pipeline.true_cfg_scale
@@ -114,8 +117,10 @@ struct SdeWindow {
   int64_t size() const { return end - begin; }
   bool contains(int64_t step) const { return step >= begin && step < end; }
 };
-// Every step when sde_window_size is 0, else a window of that size whose start is drawn
-// uniformly from the range. `generator` must be seeded alike on every rank: all ranks use one
+// With sde_window_size 0, steps [0, T - 1) (every step but the last, which lands on sigma 0
+// where the Gaussian is sharpest; [0, 1) for T = 1), else a window of that size whose start is
+// drawn uniformly so that it fits in the range (flow_grpo's sd3_pipeline_with_logprob_fast.py,
+// verl-omni's pipelines). `generator` must be seeded alike on every rank: all ranks use one
 // window per step, as Flow-GRPO-Fast does.
 SdeWindow draw_sde_window(const SamplerConfig& config, at::Generator generator);
 
