@@ -382,7 +382,22 @@ TEST(DiffusionRows, DpoPairsAreTheBestAndWorstOfEachGroup) {
 struct Tuned {
   models::SD3Transformer2DModel model;
   std::unique_ptr<torch::optim::AdamW> optimizer;
+  // Full fine-tuning: a frozen copy of the initial weights is the reference (LoRA: the model with
+  // its adapters disabled), and NFT's old policy is the one that sampled.
+  models::SD3Transformer2DModel reference{nullptr};
+  bool full() const { return !reference.is_empty(); }
 };
+
+// Every parameter trained, beside a frozen copy of the start.
+Tuned full_tiny_sd3(double lr = 1e-3) {
+  Tuned t{tiny_sd3(20), nullptr, tiny_sd3(20)};
+  for (auto& p : t.reference->parameters()) p.set_requires_grad(false);
+  optim::AdamWConfig adam;
+  adam.lr = lr;
+  adam.weight_decay = 0;
+  t.optimizer = optim::make_adamw(optim::from_module(*t.model), adam);
+  return t;
+}
 
 Tuned lora_tiny_sd3(bool with_old, double lr = 1e-2) {
   Tuned t{tiny_sd3(20), nullptr};
@@ -413,7 +428,7 @@ TensorMap rows_for(const std::string& mode, Tuned& t, const SamplerConfig& s,
   algos::DiffusionRollout ro;
   {
     std::optional<lora::UseAdapter> behaviour;
-    if (mode == "diffusion_nft") behaviour.emplace(*t.model, "old");
+    if (mode == "diffusion_nft" && !t.full()) behaviour.emplace(*t.model, "old");
     // Not [0, T): CPS's last step has std 0 (a KL to the reference would divide by it).
     ro = algos::sample_with_logprob(t.model, cond, s, algos::draw_sde_window(s, gen(seed)),
                                     gen(seed + 1));
@@ -427,14 +442,20 @@ TensorMap rows_for(const std::string& mode, Tuned& t, const SamplerConfig& s,
   } else if (mode == "diffusion_nft") {
     rows = algos::nft_rows(ro, algos::nft_reward_prob(adv.advantages, "continuous"), 0.5,
                            gen(seed + 2));
-    lora::UseAdapter old(*t.model, "old");
+    std::optional<lora::UseAdapter> old;
+    if (!t.full()) old.emplace(*t.model, "old");
     for (auto& [k, v] : algos::frozen_outputs("old", t.model, rows, loss, s)) rows[k] = v;
   } else {
     rows = algos::dpo_rows(ro, rewards, adv.group_ids, 1.0, gen(seed + 2));
   }
   if (loss.needs_reference()) {
-    lora::DisableAdapters reference(*t.model);
-    for (auto& [k, v] : algos::frozen_outputs("reference", t.model, rows, loss, s)) rows[k] = v;
+    if (t.full()) {
+      for (auto& [k, v] : algos::frozen_outputs("reference", t.reference, rows, loss, s))
+        rows[k] = v;
+    } else {
+      lora::DisableAdapters reference(*t.model);
+      for (auto& [k, v] : algos::frozen_outputs("reference", t.model, rows, loss, s)) rows[k] = v;
+    }
   }
   return rows;
 }
@@ -600,8 +621,9 @@ TEST(DiffusionConfig, ValidateErrorsNameVerlOmniKeys) {
 // A few AdamW steps through diffusion_loss raise an easy reward: bright images.
 
 // Mean reward of the first and the last 3 rollouts.
-std::pair<double, double> train_on_brightness(const std::string& mode, int steps) {
-  auto t = lora_tiny_sd3(mode == "diffusion_nft");
+std::pair<double, double> train_on_brightness(const std::string& mode, int steps,
+                                              bool full = false) {
+  auto t = full ? full_tiny_sd3() : lora_tiny_sd3(mode == "diffusion_nft");
   const auto s = sampler();
   auto loss = loss_config(mode);
   loss.kl_loss_coef = 0;
@@ -612,7 +634,7 @@ std::pair<double, double> train_on_brightness(const std::string& mode, int steps
     t.optimizer->zero_grad();
     algos::diffusion_loss(t.model, rows, loss, s).loss.backward();
     t.optimizer->step();
-    if (mode == "diffusion_nft") {
+    if (mode == "diffusion_nft" && !full) {
       lora::ema_update(lora::named_tensors(*t.model), "old", "default",
                        algos::ema_decay("linear_to_0_5", step));
     }
@@ -635,6 +657,14 @@ TEST(DiffusionLossTraining, NftRaisesAnEasyReward) {
 TEST(DiffusionLossTraining, DpoRaisesAnEasyReward) {
   auto [first, last] = train_on_brightness("dpo", 15);
   EXPECT_GT(last, first + 0.05) << "reward " << first << " -> " << last;
+}
+
+// The same with every parameter trained (lora_rank 0): the reference is a frozen copy.
+TEST(DiffusionLossTraining, EachModeRaisesAnEasyRewardWithFullFineTuning) {
+  for (const std::string mode : {"flow_grpo", "diffusion_nft", "dpo"}) {
+    auto [first, last] = train_on_brightness(mode, 15, /*full=*/true);
+    EXPECT_GT(last, first + 0.05) << mode << ": reward " << first << " -> " << last;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
