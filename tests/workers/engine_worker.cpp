@@ -2,17 +2,22 @@
 // shard of a fixed global batch with train_batch, and writes the gathered parameters.
 //   --mode train         train --steps steps (LoRA with --lora; LoRA+ with --loraplus-lr-ratio);
 //                        --save-at N saves a checkpoint after step N into OUT/checkpoints,
-//                        --resume DIR continues from a checkpoint (its step counts to --steps)
+//                        --resume DIR continues from a checkpoint (its step counts to --steps);
+//                        --trace writes each step's FSDP schedule (fsdp/trace.h) to
+//                        OUT/trace.RANK.json and the model's params (name, shape, requires_grad)
+//                        to OUT/params.json
 //   --mode forward_only  a reference engine: infer_batch only; writes params before and after
 //   --mode weight_sync   two LoRA steps, then get_per_tensor_param as is, merged and in bf16;
 //                        writes each, and the params gathered before and after the syncs
 //   --mode pretrained    LoRA on the weights of --pretrained (model.path): writes the params as
 //                        loaded, then trains one step
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
 
+#include "fsdp/trace.h"
 #include "shardrl/engine.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/optim.h"
@@ -59,6 +64,30 @@ engine::LossOutput next_token(engine::Engine& e, const engine::MicroBatch& mb) {
   return {loss / mb.count, {{"token_loss", loss.item<double>()}}, {{"logits", logits.detach()}}};
 }
 
+// The FSDP events one train_batch recorded, as test_engine.cpp reads them.
+nlohmann::json take_trace() {
+  nlohmann::json events = nlohmann::json::array();
+  for (const auto& r : fsdp::trace::take()) {
+    events.push_back({{"event", fsdp::trace::name(r.event)},
+                      {"unit", r.unit},
+                      {"dtype", std::string(c10::toString(r.dtype))},
+                      {"bytes", r.bytes}});
+  }
+  return events;
+}
+
+// Every param of the model as its module holds it (the full shape, also once sharded), for the
+// test to work out from shapes alone what each unit's reduce-scatter carries.
+nlohmann::json param_shapes(torch::nn::Module& module) {
+  nlohmann::json params = nlohmann::json::array();
+  for (const auto& item : module.named_parameters()) {
+    params.push_back({{"name", item.key()},
+                      {"shape", item.value().sizes().vec()},
+                      {"requires_grad", item.value().requires_grad()}});
+  }
+  return params;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,6 +114,8 @@ int main(int argc, char** argv) {
   app.add_option("--save-at", save_at, "save a checkpoint after this step");
   std::string resume;
   app.add_option("--resume", resume, "checkpoint to continue from");
+  bool trace = false;
+  app.add_flag("--trace", trace, "record each step's FSDP schedule (mode train)");
   CLI11_PARSE(app, argc, argv);
 
   auto world = dist::World::init_from_env();
@@ -110,6 +141,8 @@ int main(int argc, char** argv) {
   if (mode == "train") {
     std::ofstream metrics_out(out + "/metrics." + std::to_string(world->rank()) + ".txt");
     const int64_t first_step = resume.empty() ? 0 : engine->load_checkpoint(resume).step;
+    nlohmann::json traced = nlohmann::json::array();
+    fsdp::trace::set_enabled(trace);
     for (int64_t step = first_step; step < steps; ++step) {
       auto data = engine::slice_batch(global_batch(step, batch), first, local);
       engine::Metrics metrics;
@@ -117,6 +150,7 @@ int main(int argc, char** argv) {
         auto scope = engine->train_mode();
         metrics = engine->train_batch(data, next_token);
       }
+      if (trace) traced.push_back(take_trace());
       if (offload) {
         // Between phases the state waits in the file tier: nothing of it is resident.
         const auto memory = engine->memory();
@@ -137,6 +171,11 @@ int main(int argc, char** argv) {
       metrics_out << metrics.at("loss") << " " << metrics.at("grad_norm") << " " << metrics.at("lr")
                   << "\n";
       if (step + 1 == save_at) engine->save_checkpoint(out + "/checkpoints", save_at);
+    }
+    if (trace) {
+      std::ofstream(out + "/trace." + std::to_string(world->rank()) + ".json") << traced.dump();
+      if (world->rank() == 0)
+        std::ofstream(out + "/params.json") << param_shapes(engine->module()).dump();
     }
     write(out + "/final", gathered());
   } else if (mode == "forward_only") {
