@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "shardrl/algos/diffusion_rl.h"
+#include "shardrl/algos/dit_rl.h"
 #include "shardrl/data.h"
 #include "shardrl/models/classifier.h"
 #include "shardrl/models/lora.h"
@@ -45,8 +45,8 @@ at::Generator gen(uint64_t seed) {
   return at::make_generator<at::CPUGeneratorImpl>(seed);
 }
 
-algos::RolloutConfig rollout_config(double guidance = 1.0) {
-  algos::RolloutConfig r;
+algos::dit::RolloutConfig rollout_config(double guidance = 1.0) {
+  algos::dit::RolloutConfig r;
   r.num_steps = 6;
   r.noise_level = 0.7;
   r.guidance_scale = guidance;
@@ -57,13 +57,13 @@ TEST(DiffusionRollout, RecordsShapesAndLogProbsThatARecomputeReproduces) {
   auto model = tiny_dit(1);
   const auto config = rollout_config(/*guidance=*/2.0);
   auto labels = torch::tensor({0, 1, 2, 1}, torch::kLong);
-  auto ro = algos::sample_with_logprob(model, labels, config, gen(5));
+  auto ro = algos::dit::sample_with_logprob(model, labels, config, gen(5));
   EXPECT_EQ(ro.latents.sizes(), (std::vector<int64_t>{4, 7, 1, 8, 8}));
   EXPECT_EQ(ro.log_probs.sizes(), (std::vector<int64_t>{4, 6}));
   EXPECT_TRUE(ro.timesteps[2].equal(config.scheduler().timesteps));
   EXPECT_TRUE(torch::isfinite(ro.log_probs).all().item<bool>());
   for (int64_t j = 0; j < config.num_steps; ++j) {
-    auto again = algos::rollout_step(model, ro, j, config);
+    auto again = algos::dit::rollout_step(model, ro, j, config);
     EXPECT_TRUE(torch::allclose(again.log_prob, ro.log_probs.select(1, j), 1e-5, 1e-5))
         << "step " << j;
     // The same step by hand: the CFG velocity, then the SDE step scored on the recorded sample.
@@ -83,15 +83,15 @@ TEST(DiffusionRollout, IsSeededAndNoiseLevelZeroIsTheOdeSample) {
   auto model = tiny_dit(2);
   auto labels = torch::tensor({0, 2}, torch::kLong);
   auto config = rollout_config();
-  auto a = algos::sample_with_logprob(model, labels, config, gen(9));
-  auto b = algos::sample_with_logprob(model, labels, config, gen(9));
-  auto c = algos::sample_with_logprob(model, labels, config, gen(10));
+  auto a = algos::dit::sample_with_logprob(model, labels, config, gen(9));
+  auto b = algos::dit::sample_with_logprob(model, labels, config, gen(9));
+  auto c = algos::dit::sample_with_logprob(model, labels, config, gen(10));
   EXPECT_TRUE(a.latents.equal(b.latents));
   EXPECT_TRUE(a.log_probs.equal(b.log_probs));
   EXPECT_FALSE(a.latents.equal(c.latents));
 
   config.noise_level = 0.0;
-  auto ode = algos::sample_with_logprob(model, labels, config, gen(9));
+  auto ode = algos::dit::sample_with_logprob(model, labels, config, gen(9));
   auto sched = config.scheduler();
   torch::NoGradGuard no_grad;
   auto x = at::randn({2, 1, 8, 8}, gen(9), torch::kFloat);
@@ -138,13 +138,14 @@ Tuned lora_tiny_dit(bool with_old) {
 }
 
 // Mean reward of the first and last `k` steps.
-std::pair<double, double> run_steps(Tuned& t, const algos::DiffusionRLConfig& config, int steps,
-                                    std::vector<algos::RLStepResult>* results = nullptr) {
+std::pair<double, double> run_steps(Tuned& t, const algos::dit::DiffusionRLConfig& config,
+                                    int steps,
+                                    std::vector<algos::dit::RLStepResult>* results = nullptr) {
   std::vector<double> rewards;
   for (int s = 0; s < steps; ++s) {
     auto labels = torch::tensor({0, 1}, torch::kLong).repeat_interleave(config.group_size);
-    auto r = algos::diffusion_rl_step(t.model, *t.optimizer, brightness, labels, s, config,
-                                      gen(100 + s));
+    auto r = algos::dit::diffusion_rl_step(t.model, *t.optimizer, brightness, labels, s, config,
+                                           gen(100 + s));
     rewards.push_back(r.reward_mean);
     if (results) results->push_back(r);
   }
@@ -162,8 +163,8 @@ void expect_base_frozen(Tuned& t) {
   }
 }
 
-algos::DiffusionRLConfig easy_config(const std::string& algorithm) {
-  algos::DiffusionRLConfig c;
+algos::dit::DiffusionRLConfig easy_config(const std::string& algorithm) {
+  algos::dit::DiffusionRLConfig c;
   c.algorithm = algorithm;
   c.rollout = rollout_config();
   c.group_size = 6;
@@ -176,7 +177,7 @@ TEST(DiffusionRL, FlowGrpoRaisesAnEasyRewardWithLoraOnly) {
   auto config = easy_config("flow_grpo");
   config.mini_batches = 2;  // the second optimizer step sees a moved policy: the ratio clips
   config.flow_grpo.beta = 0.01;
-  std::vector<algos::RLStepResult> results;
+  std::vector<algos::dit::RLStepResult> results;
   auto [first, last] = run_steps(t, config, 20, &results);
   EXPECT_GT(last, first + 0.05) << "reward " << first << " -> " << last;
   // The KL to the reference starts at 0 (LoRA B = 0) and grows; the clip engages.
@@ -193,13 +194,13 @@ TEST(DiffusionRL, FlowGrpoPerTimestepBackwardEqualsOneSummedLoss) {
   auto t = lora_tiny_dit(false);
   const auto config = rollout_config();
   auto labels = torch::tensor({0, 0, 1, 1}, torch::kLong);
-  auto ro = algos::sample_with_logprob(t.model, labels, config, gen(4));
+  auto ro = algos::dit::sample_with_logprob(t.model, labels, config, gen(4));
   auto adv = torch::tensor({1.0, -1.0, 0.5, -0.5});
   // Move the adapters off zero, so the gradient of B is not the only one.
   t.model->zero_grad();
   algos::FlowGrpoLossConfig loss;
   loss.loss_divisor = algos::grad_accum_divisor("flow_grpo", 1, config.num_steps);
-  algos::flow_grpo_backward(t.model, ro, adv, config, loss);
+  algos::dit::flow_grpo_backward(t.model, ro, adv, config, loss);
   std::vector<torch::Tensor> per_step;
   for (const auto& p : t.model->parameters()) {
     if (p.requires_grad()) per_step.push_back(p.grad().clone());
@@ -207,7 +208,7 @@ TEST(DiffusionRL, FlowGrpoPerTimestepBackwardEqualsOneSummedLoss) {
   t.model->zero_grad();
   torch::Tensor total;
   for (int64_t j = 0; j < config.num_steps; ++j) {
-    auto l = algos::flow_grpo_timestep_loss(t.model, ro, adv, j, config, loss).loss;
+    auto l = algos::dit::flow_grpo_timestep_loss(t.model, ro, adv, j, config, loss).loss;
     total = total.defined() ? total + l : l;
   }
   total.backward();
@@ -237,7 +238,7 @@ TEST(DiffusionRL, DpoPrefersTheBetterSampleOfEachPair) {
   auto t = lora_tiny_dit(false);
   auto config = easy_config("dpo");
   config.dpo.beta = 500;
-  std::vector<algos::RLStepResult> results;
+  std::vector<algos::dit::RLStepResult> results;
   auto [first, last] = run_steps(t, config, 10, &results);
   // At the start the policy is the reference: no pair is preferred yet.
   EXPECT_EQ(results[0].metrics.at("implicit_acc").item<double>(), 0.0);

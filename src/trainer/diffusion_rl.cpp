@@ -18,7 +18,7 @@
 #include <map>
 #include <optional>
 
-#include "shardrl/algos/diffusion_rl.h"
+#include "shardrl/algos/dit_rl.h"
 #include "shardrl/data.h"
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
@@ -197,10 +197,10 @@ std::string pretrained_dit(const Options& o, const nlohmann::json& config,
   data::DistributedSampler sampler(train.size(), o.pretrain_batch, engine->data_parallel_rank(),
                                    engine->data_parallel_size(), o.seed);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919 + 17 + world->rank());
-  const algos::FlowMatchingLossConfig fm;
+  const algos::dit::FlowMatchingLossConfig fm;
   const engine::LossFn flow_matching = [&](engine::Engine&, const engine::MicroBatch& mb) {
     auto loss =
-        algos::flow_matching_loss(model, mb.data.at("images"), mb.data.at("labels"), fm, gen);
+        algos::dit::flow_matching_loss(model, mb.data.at("images"), mb.data.at("labels"), fm, gen);
     return engine::LossOutput{loss / mb.count, {}, {}};
   };
   if (lead) {
@@ -247,14 +247,14 @@ struct Evaluation {
 };
 
 Evaluation evaluate(models::DiT& model, models::ImageClassifier& classifier, const Options& o,
-                    const algos::RolloutConfig& rollout, dist::World& world) {
+                    const algos::dit::RolloutConfig& rollout, dist::World& world) {
   const int64_t total = 10 * o.eval_per_class;
   const int64_t local = (total + world.size() - 1) / world.size();
   auto all_labels = torch::arange(10, torch::kLong).repeat_interleave(o.eval_per_class);
   all_labels = torch::cat({all_labels, torch::zeros({local * world.size() - total}, torch::kLong)});
   auto mine = all_labels.narrow(0, world.rank() * local, local);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed + 4242 + world.rank());
-  auto images = algos::sample_with_logprob(model, mine, rollout, gen).images().contiguous();
+  auto images = algos::dit::sample_with_logprob(model, mine, rollout, gen).images().contiguous();
   auto gathered =
       torch::empty({world.size() * local, images.size(1), images.size(2), images.size(3)});
   world.group().all_gather(images, gathered);
@@ -305,7 +305,7 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
       engine::EngineRegistry::create(engine_config(engine_json, model_type, "actor"), world);
   auto& model = engine->model<models::DiT>();
 
-  algos::DiffusionRLConfig rl;
+  algos::dit::DiffusionRLConfig rl;
   rl.algorithm = o.algorithm;
   rl.rollout.num_steps = o.sample_steps;
   rl.rollout.noise_level = o.noise_level;
@@ -387,10 +387,10 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
     const double sync_seconds = since(sync_start);
     const double sync_offload = engine->offload_seconds() - offload_before;
     auto result =
-        algos::diffusion_rl_rollout(rollout_model, reward, labels, rl, gen, &world->group());
+        algos::dit::diffusion_rl_rollout(rollout_model, reward, labels, rl, gen, &world->group());
     {
       auto training = engine->train_mode();
-      algos::diffusion_rl_update(model, *engine->optimizer(), result, step - 1, rl, gen);
+      algos::dit::diffusion_rl_update(model, *engine->optimizer(), result, step - 1, rl, gen);
     }
     result.seconds["weight_sync"] = sync_seconds - sync_offload;
     result.seconds["offload"] = engine->offload_seconds() - offload_before;
