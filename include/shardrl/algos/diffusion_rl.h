@@ -17,6 +17,7 @@
 #pragma once
 
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <map>
@@ -101,6 +102,11 @@ struct SamplerConfig {
   FlowMatchScheduler scheduler() const;
   void validate() const;  // errors name the field (e.g. "rollout.algo.sde_type")
 };
+// As JSON with the field names above (absent fields keep their defaults): EngineConfig::loss
+// carries it to the registered loss as "sampler".
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SamplerConfig, num_inference_steps, shift,
+                                                noise_level, sde_type, sde_window_size,
+                                                sde_window_range, true_cfg_scale, height, width)
 
 // Steps [begin, end) that are stochastic in one rollout batch.
 struct SdeWindow {
@@ -186,6 +192,10 @@ struct DiffusionLossConfig {
   // Whether the loss reads a reference policy's outputs (frozen_outputs with role "reference").
   bool needs_reference() const;
 };
+// As JSON with the field names above (absent fields keep their defaults): EngineConfig::loss.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(DiffusionLossConfig, loss_mode, clip_ratio,
+                                                adv_clip_max, kl_loss_coef, mix_beta, ref_kl_coef,
+                                                dpo_beta)
 
 // What loss_mode's loss reads from a frozen policy, computed under NoGradGuard with `model` as it
 // is (the caller picks the policy: adapters disabled, another adapter, or a reference engine's
