@@ -150,6 +150,40 @@ TEST(Engine, GradientSyncIsOneReduceScatterPerUnitPerStep) {
   }
 }
 
+// verl-omni's three diffusion engines (Flow-GRPO, DiffusionNFT, Diffusion-DPO: the registered
+// loss of each model_type) update through the Engine on an SD3 transformer: 3 micro-batches of
+// a rank's rows reduce each unit's trainable params once per optimizer step, as many bytes as one
+// micro-batch of them does. With LoRA only the adapters travel (NFT's frozen "old" copy does not);
+// with full fine-tuning every param.
+TEST(Engine, DiffusionUpdatesReduceEachUnitOncePerStep) {
+  constexpr int kUnits = 3;  // the root and 2 transformer blocks
+  // engine_worker's rows per rank: 12 for Flow-GRPO, 18 for NFT, 3 DPO pairs.
+  const std::vector<std::pair<std::string, int64_t>> types = {
+      {"diffusion_model", 4}, {"diffusion_nft_model", 6}, {"diffusion_dpo_model", 1}};
+  for (const auto& [model_type, micro_batch] : types) {
+    for (const int64_t lora_rank : {4, 0}) {
+      SCOPED_TRACE(model_type + ", lora_rank " + std::to_string(lora_rank));
+      std::map<int64_t, std::vector<uint64_t>> bytes;
+      for (const int64_t micro_batches : {3, 1}) {
+        SCOPED_TRACE(std::to_string(micro_batches) + " micro-batches");
+        const std::vector<std::string> args = {
+            "--mode",        "diffusion",
+            "--model-type",  model_type,
+            "--lora-rank",   std::to_string(lora_rank),
+            "--micro-batch", micro_batches == 1 ? "0" : std::to_string(micro_batch)};
+        bytes[micro_batches] = expect_engine_syncs_once_per_step(args, "transformer_blocks", kUnits,
+                                                                 micro_batches == 1 ? 1 : 2,
+                                                                 micro_batches, lora_rank > 0);
+      }
+      ASSERT_EQ(bytes[3].size(), 2u);
+      ASSERT_EQ(bytes[1].size(), 1u);
+      EXPECT_GT(bytes[1][0], 0u);
+      EXPECT_EQ(bytes[3][0], bytes[1][0]);
+      EXPECT_EQ(bytes[3][1], bytes[1][0]);
+    }
+  }
+}
+
 TEST(EngineBatch, SplitsIntoNearlyEqualMicroBatchesAndNamesBadTensors) {
   engine::Batch batch{{"x", torch::arange(7)}, {"y", torch::arange(14).reshape({7, 2})}};
   auto parts = engine::split_batch(batch, 3);
