@@ -112,7 +112,7 @@ std::vector<uint64_t> expect_engine_syncs_once_per_step(const std::vector<std::s
   if (result.exit_code != 0) return {};
   const auto params = nlohmann::json::parse(std::ifstream(dir + "/params.json"));
   const auto widths = reduce_scatter_widths(params, blocks, kWorld);
-  // LoRA leaves the root (embeddings, head: no adapter targets) frozen: it reduces nothing.
+  // LoRA targets only layers inside the blocks: the root is frozen and reduces nothing.
   EXPECT_EQ(widths.size(), static_cast<size_t>(lora ? units - 1 : units));
   std::vector<uint64_t> rank0;
   for (int rank = 0; rank < kWorld; ++rank) {
