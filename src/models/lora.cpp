@@ -359,9 +359,9 @@ std::vector<std::string> write_peft_files(
   std::filesystem::create_directories(out_dir);
   std::vector<checkpoint::TensorInfo> infos;
   for (const auto& t : tensors) infos.push_back(t.info);
+  const nlohmann::json fields = nlohmann::json::parse(config);
   nlohmann::json metadata = nlohmann::json::object();
-  for (const auto& [key, value] : nlohmann::json::parse(config).items())
-    metadata[kPeftPrefix + key] = value;
+  for (const auto& [key, value] : fields.items()) metadata[kPeftPrefix + key] = value;
   const std::string weights = (std::filesystem::path(out_dir) / kPeftWeightsFile).string();
   checkpoint::SafetensorsWriter writer(
       weights, infos, {{"format", "pt"}, {"lora_adapter_metadata", metadata.dump()}});
