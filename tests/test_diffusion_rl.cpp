@@ -167,6 +167,10 @@ struct Variant {
   bool lora;
 };
 
+void PrintTo(const Variant& v, std::ostream* os) {
+  *os << v.config << (v.lora ? " with LoRA" : " with full fine-tuning");
+}
+
 class DiffusionAlgorithm : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(DiffusionAlgorithm, ResumesAfterAKillBitwise) {
@@ -206,7 +210,7 @@ INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, DiffusionAlgorithm,
                                            Variant{"fmnist_nft.yaml", false},
                                            Variant{"fmnist_dpo.yaml", false}),
                          [](const ::testing::TestParamInfo<Variant>& info) {
-                           auto name = info.param.config.substr(6, info.param.config.find('.') - 6);
+                           auto name = info.param.config.substr(7, info.param.config.find('.') - 7);
                            if (name.size() > 5 && name.substr(name.size() - 5) == "_full")
                              name.resize(name.size() - 5);
                            return name + (info.param.lora ? "_lora" : "_full");

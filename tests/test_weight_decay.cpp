@@ -105,8 +105,9 @@ TEST(WeightDecay, LlamaLoraGroupsByName) {
 }
 
 // diffusers' SD3 transformer with SD3.5's qk_norm: every linear's and the patch conv's weight
-// decays; biases and the RMSNorm scales do not (its LayerNorms carry no params). The last block is
-// context_pre_only: no to_add_out and no ff_context.
+// decays, adaLN's modulation matrices (`norm1.linear`, `norm_out.linear`) among them; biases and
+// the RMSNorm scales do not (its LayerNorms carry no params). The last block is context_pre_only:
+// no to_add_out and no ff_context.
 TEST(WeightDecay, SD3GroupsByName) {
   models::SD3Config config;
   config.sample_size = 8;
@@ -130,9 +131,9 @@ TEST(WeightDecay, SD3GroupsByName) {
                                          "norm_out.linear.",
                                          "proj_out."};
   std::vector<std::string> both = {
-      "transformer_blocks.{}.norm1.linear.", "transformer_blocks.{}.norm1_context.linear.",
-      "transformer_blocks.{}.attn.to_q.",    "transformer_blocks.{}.attn.to_k.",
-      "transformer_blocks.{}.attn.to_v.",    "transformer_blocks.{}.attn.to_out.0.",
+      "transformer_blocks.{}.norm1.linear.",    "transformer_blocks.{}.norm1_context.linear.",
+      "transformer_blocks.{}.attn.to_q.",       "transformer_blocks.{}.attn.to_k.",
+      "transformer_blocks.{}.attn.to_v.",       "transformer_blocks.{}.attn.to_out.0.",
       "transformer_blocks.{}.attn.add_q_proj.", "transformer_blocks.{}.attn.add_k_proj.",
       "transformer_blocks.{}.attn.add_v_proj.", "transformer_blocks.{}.ff.net.0.proj.",
       "transformer_blocks.{}.ff.net.2."};
