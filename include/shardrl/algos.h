@@ -41,6 +41,11 @@ struct FlowMatchScheduler {
 
 struct SdeStepOptions {
   double noise_level = 0.7;  // a: scales the SDE's diffusion coefficient
+  // "sde": Flow-GRPO's SDE step. "cps": Coefficients-Preserving Sampling (flow_grpo's
+  // sde_type="cps"): std_dev_t = sigma_prev * sin(a pi / 2) and the mean keeps the x0 / noise
+  // coefficients of the ODE's marginal, (1 - sigma_prev) x0_hat + sqrt(sigma_prev^2 - std^2)
+  // x1_hat; its log_prob drops every constant, -mean((x_prev - mean)^2), as flow_grpo's does.
+  std::string sde_type = "sde";
   // Defined: score this sample (training recomputes the rollout's log-prob); undefined: draw one.
   torch::Tensor prev_sample;
   std::optional<at::Generator> generator;  // for the drawn noise; the default generator if unset

@@ -29,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardrl/fsdp.h"
@@ -299,6 +300,17 @@ class GgufFile {
 
 // ---- export and weight sync --------------------------------------------------------------------
 
+// How a Hugging Face-style folder names its files: transformers' layout by default, diffusers'
+// with weights_stem "diffusion_pytorch_model", single_file_unindexed and no config_torch_dtype.
+struct HfLayout {
+  // `<weights_stem>-0000k-of-0000n.safetensors` with `<weights_stem>.safetensors.index.json`.
+  std::string weights_stem = "model";
+  // What fits one file is written as `<weights_stem>.safetensors` alone, without an index.
+  bool single_file_unindexed = false;
+  // config.json gets transformers' `torch_dtype` field.
+  bool config_torch_dtype = true;
+};
+
 struct ExportOptions {
   torch::ScalarType dtype = torch::kBFloat16;
   int64_t max_shard_bytes = int64_t{5} << 30;  // a tensor larger than this gets a file alone
@@ -308,6 +320,10 @@ struct ExportOptions {
   // Applied to each full tensor (fp32 or its saved dtype) before the cast to `dtype`, e.g. to fold
   // an adapter into its base weight.
   std::function<torch::Tensor(const std::string& name, const torch::Tensor& full)> transform;
+  HfLayout layout;
+  // Tensors the checkpoint does not hold that the folder's loader expects (e.g. a fixed buffer it
+  // keeps in its state dict), written after the checkpoint's own, cast to `dtype`.
+  std::vector<std::pair<std::string, torch::Tensor>> extra_tensors;
 };
 
 // One tensor of a Hugging Face model folder, as planned before any data is read.
@@ -318,19 +334,23 @@ struct HfTensorPlan {
 
 // Writes a Hugging Face model folder: `model-0000k-of-0000n.safetensors` (a new file once one
 // would pass max_shard_bytes), `model.safetensors.index.json` and `config.json` (`config` with
-// `torch_dtype` set to `dtype`). `read(i)` gives tensor i of `tensors`, called once each in order;
-// each is cast to `dtype` and released before the next. Returns the files written.
+// `torch_dtype` set to `dtype`), the names as `layout` says. `read(i)` gives tensor i of
+// `tensors`, called once each in order; each is cast to `dtype` and released before the next.
+// Returns the files written.
 std::vector<std::string> write_hf(const std::string& out_dir,
                                   const std::vector<HfTensorPlan>& tensors,
                                   const std::function<torch::Tensor(size_t index)>& read,
                                   nlohmann::json config, torch::ScalarType dtype,
-                                  int64_t max_shard_bytes = int64_t{5} << 30);
+                                  int64_t max_shard_bytes = int64_t{5} << 30,
+                                  const HfLayout& layout = {});
 
 // Writes Hugging Face-style `model-0000k-of-0000n.safetensors`, `model.safetensors.index.json`
 // and `config.json` from a sharded checkpoint, reading one tensor at a time. config.json is the
 // checkpoint's extra["config"] (which the trainer's checkpoints carry: Hugging Face's config for
 // llama / qwen2) with `torch_dtype` set to the exported dtype; a checkpoint without one is an
-// error, since nothing could load the export. Returns the files written.
+// error, since nothing could load the export. options.layout and options.extra_tensors make other
+// libraries' folders (models::export_model says which a model family needs). Returns the files
+// written.
 std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::string& out_dir,
                                    const ExportOptions& options = {});
 

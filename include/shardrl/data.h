@@ -1,6 +1,6 @@
 // Training data for the image demos: IDX files (MNIST / Fashion-MNIST, gzipped or raw), a seeded
 // distributed sampler that gives every rank the same number of samples, and PNG output (image
-// grids and line plots) drawn without any plotting library.
+// grids, captioned ones, and line plots) drawn without any plotting library.
 //
 //   auto train = data::load_image_dataset(dir + "/train-images-idx3-ubyte.gz",
 //                                         dir + "/train-labels-idx1-ubyte.gz");
@@ -69,6 +69,17 @@ class DistributedSampler {
 torch::Tensor image_grid(const torch::Tensor& images, int64_t nrow, int64_t padding = 2,
                          int64_t scale = 1);
 
+// image_grid's rows, each below its caption (the row's prompt, "a photo of a sneaker"): the text
+// in a 5x7 pixel font, each font pixel `scale` pixels square, white on the black padding, starting
+// `padding` pixels in from the left and top of a band above the row, wrapped at spaces to the
+// grid's width. Every row's band has the height of the longest caption's lines (8 * scale pixels
+// each) plus `padding`. Lower case is drawn in capitals; a character the font lacks (see
+// LinePlotOptions::title) is a box. Images [N, C, H, W] with C 1 or 3 -> uint8 [H', W', C] for
+// write_png; a caption count other than the number of rows is an error naming both.
+torch::Tensor captioned_grid(const torch::Tensor& images, int64_t nrow,
+                             const std::vector<std::string>& row_captions, int64_t padding = 2,
+                             int64_t scale = 3);
+
 // Writes a uint8 image [H, W] (grey), [H, W, 1] or [H, W, 3] (RGB) as an 8-bit PNG.
 void write_png(const std::string& path, const torch::Tensor& image);
 // Reads an 8-bit grey or RGB PNG as uint8 [H, W, C].
@@ -77,7 +88,9 @@ torch::Tensor read_png(const std::string& path);
 struct LinePlotOptions {
   int64_t width = 480;
   int64_t height = 320;
-  std::string title;  // drawn at the top in a 5x7 pixel font (digits, letters, ".-+/: ")
+  // Drawn at the top in a 5x7 pixel font: digits, letters (lower case as capitals), space and
+  // .,-+/:=()'";!?_&#%* (anything else as a box).
+  std::string title;
 };
 // A line plot of `series` (one curve each, in distinct colours, x = 0, 1, ...) with axes, grid
 // lines and the y range and last x labelled, as an RGB uint8 image [height, width, 3].

@@ -83,6 +83,10 @@ struct EngineConfig {
   bool offload_policy = false;
   OptimConfig optim;
   checkpoint::SaveOptions checkpoint;  // max_ckpt_to_keep, max_mem_gb
+  // The settings of the loss the model type registers (Engine::loss_fn()), in the loss's own
+  // field names: for the diffusion model types, algos::DiffusionLossConfig's fields and a
+  // "sampler" object with algos::SamplerConfig's.
+  nlohmann::json loss = nlohmann::json::object();
 };
 
 // What a model family's builder hands the engine: the root module, sharded.
@@ -97,6 +101,9 @@ struct Model {
 };
 using ModelBuilder = std::function<Model(const nlohmann::json& model_config,
                                          const dist::DeviceMesh& mesh, const fsdp::Options&)>;
+// A model type's training loss, built from EngineConfig::loss: what verl-omni's PPO, DPO and NFT
+// engine subclasses override.
+using LossFactory = std::function<LossFn(const nlohmann::json& loss_config)>;
 
 // Metrics of one train_batch: loss-function metrics plus grad_norm, lr and whether the step was
 // skipped because the gradient norm was not finite.
@@ -104,8 +111,10 @@ using Metrics = std::map<std::string, double>;
 
 class Engine {
  public:
-  // initialize(): builds and shards the model, then the optimizer and LR schedule.
-  Engine(EngineConfig config, std::shared_ptr<dist::World> world, const ModelBuilder& builder);
+  // initialize(): builds and shards the model, then the optimizer and LR schedule. `loss` (may be
+  // null) is the model type's loss: train_batch(data) uses it.
+  Engine(EngineConfig config, std::shared_ptr<dist::World> world, const ModelBuilder& builder,
+         LossFn loss = nullptr);
 
   template <class Holder>
   Holder& model() {
@@ -160,6 +169,10 @@ class Engine {
                                  Batch* outputs = nullptr);
   // zero_grad, forward_backward_batch, optimizer_step, lr_scheduler_step.
   Metrics train_batch(const Batch& data, const LossFn& loss_fn);
+  // The same with the model type's registered loss.
+  Metrics train_batch(const Batch& data) { return train_batch(data, loss_fn()); }
+  // The model type's loss (an error when its registry entry has none).
+  const LossFn& loss_fn() const;
   // forward_only under NoGradGuard; returns the per-sample outputs.
   Batch infer_batch(const Batch& data, const LossFn& loss_fn, Metrics* metrics = nullptr);
 
@@ -205,16 +218,19 @@ class Engine {
   Model model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<optim::LRScheduler> scheduler_;
+  LossFn loss_;
   double offload_seconds_ = 0;
 };
 
 // Model families by (model_type, backend), as verl's EngineRegistry. The built-in families are
-// registered on first use: language_model (`model.family`: gpt or llama) and diffusion_model,
-// diffusion_nft_model, diffusion_dpo_model (a DiT).
+// registered on first use: language_model (`model.family`: gpt or llama) and the diffusion types
+// of verl-omni, each an SD3 transformer (MMDiT) with its loss: diffusion_model (Flow-GRPO, PPO),
+// diffusion_nft_model (DiffusionNFT, with the "old" adapter under LoRA) and diffusion_dpo_model
+// (Diffusion-DPO).
 class EngineRegistry {
  public:
   static void register_model(const std::string& model_type, const std::string& backend,
-                             ModelBuilder builder);
+                             ModelBuilder builder, LossFactory loss = nullptr);
   static std::unique_ptr<Engine> create(const EngineConfig& config,
                                         std::shared_ptr<dist::World> world);
   static std::vector<std::string> keys();  // "model_type/backend"

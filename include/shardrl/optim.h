@@ -18,10 +18,12 @@ struct AdamWConfig {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.01;
-  // Params exempt from weight decay: every 1-D (or 0-D) param when no_decay_1d, and names that
-  // contain one of these substrings (biases and norms, as in verl and most LLM recipes).
+  // Params exempt from weight decay: every 1-D (or 0-D) param when no_decay_1d (biases and the
+  // scales of LayerNorm / RMSNorm, as in verl and most LLM recipes), and names that contain one of
+  // these substrings. Not "norm": adaLN's modulation (diffusers' `norm1.linear.weight`) is a full
+  // matrix that decays like every other linear's, as Hugging Face's Trainer decays it.
   bool no_decay_1d = true;
-  std::vector<std::string> no_decay_name_patterns = {"bias", "norm", "ln_"};
+  std::vector<std::string> no_decay_name_patterns = {"bias"};
 };
 
 // One optimizer input: a tensor to step, its name and the unsharded shape the decay rule reads.

@@ -18,7 +18,9 @@ namespace shardrl::trainer {
 // A config is `defaults` with the YAML file laid over it, then each "dotted.key=value" override
 // (the value parsed as YAML, so 3, 0.5, true and [a, b] keep their types). A key the defaults do
 // not have, a value whose type differs from the default's, or unparsable YAML is an error naming
-// the key and the file. A default of null accepts any value.
+// the key and the file. A default of null accepts any value. A key renamed to verl's or
+// verl-omni's name (algorithm.kl_beta, sample.num_steps, ...) is an error naming the old key, the
+// new one and where the old one came from, for every task, whatever the defaults hold.
 nlohmann::json load_config(const std::string& path, const std::vector<std::string>& overrides,
                            const nlohmann::json& defaults);
 nlohmann::json merge_config(const nlohmann::json& defaults, const nlohmann::json& config,

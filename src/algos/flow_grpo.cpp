@@ -19,6 +19,7 @@ using internal::require;
 namespace {
 
 constexpr double kLogSqrtTwoPi = 0.91893853320467274178;  // log(sqrt(2*pi))
+constexpr double kPi = 3.14159265358979323846;
 
 template <typename Key>
 torch::Tensor diffusion_advantages_impl(const torch::Tensor& rewards, const std::vector<Key>& uids,
@@ -98,12 +99,29 @@ SdeStepResult sde_step_with_logprob_sigmas(const torch::Tensor& model_output,
   auto s_prev = per_sample_view(f32(sigma_prev).to(device), nd);
 
   auto dt = s_prev - s;
-  auto denom_sigma = torch::where(s == 1.0, torch::full_like(s, sigma1), s);
-  auto std_dev_t = torch::sqrt(s / (1.0 - denom_sigma)) * options.noise_level;
-  auto var = std_dev_t.pow(2);
-  auto mean = x * (1.0 + var / (2.0 * s) * dt) + v * (1.0 + var * (1.0 - s) / (2.0 * s)) * dt;
   auto sqrt_dt = torch::sqrt(-dt);
-  auto step_std = std_dev_t * sqrt_dt;
+  // Both kinds of step after flow_grpo/diffusers_patch/sd3_sde_with_logprob.py
+  // (yifan123/flow_grpo), which verl-omni's rollout copies.
+  torch::Tensor std_dev_t, mean, step_std;
+  const bool cps = options.sde_type == "cps";
+  if (options.sde_type == "sde") {
+    auto denom_sigma = torch::where(s == 1.0, torch::full_like(s, sigma1), s);
+    std_dev_t = torch::sqrt(s / (1.0 - denom_sigma)) * options.noise_level;
+    auto var = std_dev_t.pow(2);
+    mean = x * (1.0 + var / (2.0 * s) * dt) + v * (1.0 + var * (1.0 - s) / (2.0 * s)) * dt;
+    step_std = std_dev_t * sqrt_dt;
+  } else if (cps) {
+    // CPS: x0_hat = x - sigma v, x1_hat = x + (1 - sigma) v;
+    // mean = (1 - sigma_prev) x0_hat + sqrt(sigma_prev^2 - std^2) x1_hat, std = sigma_prev sin(a
+    // pi/2).
+    std_dev_t = s_prev * std::sin(options.noise_level * kPi / 2.0);
+    auto x0_hat = x - s * v;
+    auto x1_hat = x + (1.0 - s) * v;
+    mean = x0_hat * (1.0 - s_prev) + x1_hat * torch::sqrt(s_prev.pow(2) - std_dev_t.pow(2));
+    step_std = std_dev_t;
+  } else {
+    internal::throw_unknown_value("sde_type", options.sde_type, {"sde", "cps"});
+  }
 
   torch::Tensor prev;
   if (options.prev_sample.defined()) {
@@ -114,9 +132,11 @@ SdeStepResult sde_step_with_logprob_sigmas(const torch::Tensor& model_output,
     auto noise = at::randn(x.sizes(), internal::to_c10(options.generator), x.options());
     prev = mean + step_std * noise;
   }
-  // The sample is a constant of the density: only the mean carries the policy gradient.
-  auto logp = -(prev.detach() - mean).pow(2) / (2.0 * step_std.pow(2)) - torch::log(step_std) -
-              kLogSqrtTwoPi;
+  // The sample is a constant of the density: only the mean carries the policy gradient. CPS's
+  // log-prob drops the constants (its std is fixed per step), as flow_grpo's does: the ratios
+  // and clip ranges tuned there assume exactly this scale.
+  auto sq = (prev.detach() - mean).pow(2);
+  auto logp = cps ? -sq : -sq / (2.0 * step_std.pow(2)) - torch::log(step_std) - kLogSqrtTwoPi;
   return {prev, mean_non_batch(logp), mean, std_dev_t, sqrt_dt};
 }
 

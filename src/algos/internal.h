@@ -68,6 +68,17 @@ inline torch::Tensor f32(const torch::Tensor& t) {
   return t.to(torch::kFloat);
 }
 
+// Noise levels [b] of a flow-matching training batch: "logit_normal" (SD3's sigmoid(N(0, 1)))
+// or "uniform".
+inline torch::Tensor flow_matching_sigmas(const std::string& timestep_sampling, int64_t b,
+                                          at::Generator generator,
+                                          const torch::TensorOptions& options) {
+  if (timestep_sampling == "logit_normal")
+    return torch::sigmoid(at::randn({b}, generator, options));
+  if (timestep_sampling == "uniform") return at::rand({b}, generator, options);
+  throw_unknown_value("timestep_sampling", timestep_sampling, {"logit_normal", "uniform"});
+}
+
 inline c10::optional<at::Generator> to_c10(const std::optional<at::Generator>& g) {
   return g ? c10::optional<at::Generator>(*g) : c10::nullopt;
 }

@@ -23,7 +23,7 @@ std::vector<std::string> write_hf(const std::string& out_dir,
                                   const std::vector<HfTensorPlan>& tensors,
                                   const std::function<torch::Tensor(size_t index)>& read,
                                   nlohmann::json config, torch::ScalarType dtype,
-                                  int64_t max_shard_bytes) {
+                                  int64_t max_shard_bytes, const HfLayout& layout) {
   if (max_shard_bytes <= 0) {
     throw std::invalid_argument(
         fmt::format("export: max_shard_bytes must be > 0, got {}", max_shard_bytes));
@@ -42,11 +42,14 @@ std::vector<std::string> write_hf(const std::string& out_dir,
   }
 
   fs::create_directories(out_dir);
+  const bool indexed = files.size() > 1 || !layout.single_file_unindexed;
   json weight_map = json::object();
   int64_t total = 0;
   std::vector<std::string> written;
   for (size_t f = 0; f < files.size(); ++f) {
-    const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", f + 1, files.size());
+    const std::string name = indexed ? fmt::format("{}-{:05d}-of-{:05d}.safetensors",
+                                                   layout.weights_stem, f + 1, files.size())
+                                     : layout.weights_stem + ".safetensors";
     std::vector<TensorInfo> infos;
     for (size_t i : files[f]) infos.push_back({tensors[i].name, dtype, tensors[i].shape});
     SafetensorsWriter writer((fs::path(out_dir) / name).string(), infos, {{"format", "pt"}});
@@ -58,11 +61,14 @@ std::vector<std::string> write_hf(const std::string& out_dir,
     }
     written.push_back(writer.close().path);
   }
-  const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-  const std::string index_path = (fs::path(out_dir) / "model.safetensors.index.json").string();
-  write_file_durably(index_path, index.dump(2));
-  written.push_back(index_path);
-  config["torch_dtype"] = torch_dtype_name(dtype);
+  if (indexed) {
+    const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    const std::string index_path =
+        (fs::path(out_dir) / (layout.weights_stem + ".safetensors.index.json")).string();
+    write_file_durably(index_path, index.dump(2));
+    written.push_back(index_path);
+  }
+  if (layout.config_torch_dtype) config["torch_dtype"] = torch_dtype_name(dtype);
   const std::string config_path = (fs::path(out_dir) / "config.json").string();
   write_file_durably(config_path, config.dump(2));
   written.push_back(config_path);
@@ -87,13 +93,22 @@ std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::strin
     sources.push_back(name);
     plan.push_back({options.prefix + name, entry.at("shape").get<std::vector<int64_t>>()});
   }
+  for (const auto& [name, tensor] : options.extra_tensors) {
+    if (model.contains(name)) {
+      throw std::invalid_argument(fmt::format(
+          "export: checkpoint {} holds tensor {}, which the export was to add", ckpt_dir, name));
+    }
+    plan.push_back({options.prefix + name, tensor.sizes().vec()});
+  }
   return write_hf(
       out_dir, plan,
       [&](size_t i) {
+        if (i >= sources.size())
+          return options.extra_tensors[i - sources.size()].second.contiguous();
         torch::Tensor full = reader.read_full(model[sources[i]], sources[i]);
         return options.transform ? options.transform(sources[i], full) : full;
       },
-      extra["config"], options.dtype, options.max_shard_bytes);
+      extra["config"], options.dtype, options.max_shard_bytes, options.layout);
 }
 
 void for_each_full_parameter(

@@ -12,6 +12,7 @@
 #include "shardrl/fsdp.h"
 #include "shardrl/launcher.h"
 #include "shardrl/models/chat.h"
+#include "shardrl/models/export.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/sampling.h"
@@ -203,7 +204,9 @@ int main(int argc, char** argv) {
   std::string ckpt_dir, export_dir, export_dtype = "bf16", adapter, merge_adapter;
   int64_t max_shard_bytes = int64_t{5} << 30;
   auto* export_cmd = app.add_subcommand(
-      "export", "Write a sharded checkpoint as Hugging Face-style safetensors shards");
+      "export",
+      "Write a sharded checkpoint as Hugging Face-style safetensors shards (an SD3 checkpoint as "
+      "a diffusers folder)");
   export_cmd->add_option("checkpoint", ckpt_dir, "Checkpoint directory (global_step_N)")
       ->required();
   export_cmd->add_option("out", export_dir, "Output directory")->required();
@@ -292,7 +295,7 @@ int main(int argc, char** argv) {
       options.dtype = shardrl::fsdp::parse_dtype(export_dtype, "--dtype");
       options.max_shard_bytes = max_shard_bytes;
       for (const auto& file :
-           shardrl::models::lora::export_base(ckpt_dir, export_dir, merge_adapter, options))
+           shardrl::models::export_model(ckpt_dir, export_dir, merge_adapter, options))
         std::cout << file << "\n";
       return 0;
     }

@@ -1,4 +1,5 @@
-// A line plot rasterised by hand: the demos need one PNG curve and no plotting dependency.
+// A line plot and captioned sample grids rasterised by hand: the demos need PNG curves and
+// labelled samples, and no plotting dependency.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -63,12 +64,60 @@ const std::array<uint8_t, kGlyphH>* glyph(char ch) {
       {'=', {0x00, 0x00, 0x1F, 0x00, 0x1F, 0x00, 0x00}},
       {'(', {0x02, 0x04, 0x08, 0x08, 0x08, 0x04, 0x02}},
       {')', {0x08, 0x04, 0x02, 0x02, 0x02, 0x04, 0x08}},
+      // What prompts hold besides letters ("a photo of a man's shirt, 50% off!").
+      {'\'', {0x0C, 0x04, 0x08, 0x00, 0x00, 0x00, 0x00}},
+      {'"', {0x0A, 0x0A, 0x0A, 0x00, 0x00, 0x00, 0x00}},
+      {';', {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x04, 0x08}},
+      {'!', {0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x04}},
+      {'?', {0x0E, 0x11, 0x01, 0x02, 0x04, 0x00, 0x04}},
+      {'_', {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1F}},
+      {'&', {0x0C, 0x12, 0x14, 0x08, 0x15, 0x12, 0x0D}},
+      {'#', {0x0A, 0x0A, 0x1F, 0x0A, 0x1F, 0x0A, 0x0A}},
+      {'%', {0x18, 0x19, 0x02, 0x04, 0x08, 0x13, 0x03}},
+      {'*', {0x00, 0x04, 0x15, 0x0E, 0x15, 0x04, 0x00}},
   };
+  // A character the font lacks is a box, so a caption shows that something is missing.
+  static const std::array<uint8_t, kGlyphH> kBox = {0x1F, 0x11, 0x11, 0x11, 0x11, 0x11, 0x1F};
+  if (ch == ' ') return nullptr;
   const char up = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
   for (const auto& [c, rows] : kFont) {
     if (c == up) return &rows;
   }
-  return nullptr;  // space and anything unknown draw as blank
+  return &kBox;
+}
+
+// The characters of UTF-8 text, one string each: a character outside ASCII is drawn (as a box)
+// once, not once per byte.
+std::vector<std::string> characters(const std::string& text) {
+  std::vector<std::string> out;
+  for (char ch : text) {
+    const bool continuation = (static_cast<unsigned char>(ch) & 0xC0) == 0x80;
+    if (continuation && !out.empty()) {
+      out.back() += ch;
+    } else {
+      out.emplace_back(1, ch);
+    }
+  }
+  return out;
+}
+
+// Calls set(x, y) for each lit pixel of `text` drawn from (x, y), each font pixel `scale` pixels
+// square; a character advances kGlyphW + 1 font pixels.
+template <class Set>
+void draw_text(int64_t x, int64_t y, const std::string& text, int64_t scale, Set&& set) {
+  for (const auto& ch : characters(text)) {
+    if (const auto* rows = glyph(ch[0])) {
+      for (int r = 0; r < kGlyphH; ++r) {
+        for (int col = 0; col < kGlyphW; ++col) {
+          if (!((*rows)[r] & (0x10 >> col))) continue;
+          for (int64_t dy = 0; dy < scale; ++dy) {
+            for (int64_t dx = 0; dx < scale; ++dx) set(x + col * scale + dx, y + r * scale + dy);
+          }
+        }
+      }
+    }
+    x += (kGlyphW + 1) * scale;
+  }
 }
 
 using Rgb = std::array<uint8_t, 3>;
@@ -97,16 +146,7 @@ class Canvas {
     }
   }
   void text(int64_t x, int64_t y, const std::string& s, const Rgb& c) {
-    for (char ch : s) {
-      if (const auto* rows = glyph(ch)) {
-        for (int r = 0; r < kGlyphH; ++r) {
-          for (int col = 0; col < kGlyphW; ++col) {
-            if ((*rows)[r] & (0x10 >> col)) set(x + col, y + r, c);
-          }
-        }
-      }
-      x += kGlyphW + 1;
-    }
+    draw_text(x, y, s, 1, [&](int64_t px, int64_t py) { set(px, py, c); });
   }
   torch::Tensor pixels() const { return pixels_; }
 
@@ -116,7 +156,42 @@ class Canvas {
 };
 
 int64_t text_width(const std::string& s) {
-  return static_cast<int64_t>(s.size()) * (kGlyphW + 1);
+  return static_cast<int64_t>(characters(s).size()) * (kGlyphW + 1);
+}
+
+// `text` in lines of at most max_chars characters, broken at spaces; a word longer than a line is
+// split.
+std::vector<std::string> wrap(const std::string& text, size_t max_chars) {
+  std::vector<std::string> lines;
+  std::vector<std::string> line;  // its characters
+  auto flush = [&] {
+    if (line.empty()) return;
+    std::string joined;
+    for (const auto& ch : line) joined += ch;
+    lines.push_back(joined);
+    line.clear();
+  };
+  std::vector<std::string> word;
+  auto add_word = [&] {
+    if (word.empty()) return;
+    if (!line.empty() && line.size() + 1 + word.size() > max_chars) flush();
+    if (!line.empty()) line.emplace_back(" ");
+    for (const auto& ch : word) {
+      if (line.size() == max_chars) flush();
+      line.push_back(ch);
+    }
+    word.clear();
+  };
+  for (const auto& ch : characters(text)) {
+    if (ch == " ") {
+      add_word();
+    } else {
+      word.push_back(ch);
+    }
+  }
+  add_word();
+  flush();
+  return lines;
 }
 
 }  // namespace
@@ -182,6 +257,49 @@ torch::Tensor line_plot(const std::vector<std::vector<double>>& series,
     }
   }
   return canvas.pixels();
+}
+
+torch::Tensor captioned_grid(const torch::Tensor& images, int64_t nrow,
+                             const std::vector<std::string>& row_captions, int64_t padding,
+                             int64_t scale) {
+  const auto grid = image_grid(images, nrow, padding, scale);
+  const int64_t channels = grid.size(2), width = grid.size(1);
+  if (channels != 1 && channels != 3) {
+    throw std::invalid_argument(fmt::format(
+        "captioned_grid: images must have 1 (grey) or 3 (RGB) channels, got {}", channels));
+  }
+  // image_grid's rows are (image height + padding) apart, below one padding.
+  const int64_t row_height = images.size(2) * scale + padding;
+  const int64_t rows = (grid.size(0) - padding) / row_height;
+  if (static_cast<int64_t>(row_captions.size()) != rows) {
+    throw std::invalid_argument(
+        fmt::format("captioned_grid: {} row captions for {} rows ({} images, nrow {})",
+                    row_captions.size(), rows, images.size(0), nrow));
+  }
+  const int64_t advance = (kGlyphW + 1) * scale, line_height = (kGlyphH + 1) * scale;
+  const auto max_chars = static_cast<size_t>(std::max<int64_t>(1, (width - padding) / advance));
+  std::vector<std::vector<std::string>> lines;
+  size_t most_lines = 0;
+  for (const auto& caption : row_captions) {
+    lines.push_back(wrap(caption, max_chars));
+    most_lines = std::max(most_lines, lines.back().size());
+  }
+  // Every row gets the same band, so the rows stay evenly spaced.
+  const int64_t band = padding + static_cast<int64_t>(most_lines) * line_height;
+  auto out = torch::zeros({rows * (band + row_height) + padding, width, channels}, torch::kUInt8);
+  auto* pixels = out.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t top = r * (band + row_height);
+    for (size_t i = 0; i < lines[r].size(); ++i) {
+      const int64_t y = top + padding + static_cast<int64_t>(i) * line_height;
+      draw_text(padding, y, lines[r][i], scale, [&](int64_t x, int64_t py) {
+        if (x >= width) return;  // cannot happen after wrapping, unless one glyph is too wide
+        std::fill_n(pixels + (py * width + x) * channels, channels, uint8_t{255});
+      });
+    }
+    out.narrow(0, top + band, row_height).copy_(grid.narrow(0, r * row_height, row_height));
+  }
+  return out;
 }
 
 }  // namespace shardrl::data

@@ -70,11 +70,13 @@ Batch concat_batches(const std::vector<Batch>& parts) {
   return out;
 }
 
-Engine::Engine(EngineConfig config, std::shared_ptr<dist::World> world, const ModelBuilder& builder)
+Engine::Engine(EngineConfig config, std::shared_ptr<dist::World> world, const ModelBuilder& builder,
+               LossFn loss)
     : config_(std::move(config)),
       world_(std::move(world)),
       mesh_(dist::DeviceMesh::create(*world_, config_.fsdp_size)),
-      model_(builder(config_.model, mesh_, config_.fsdp)) {
+      model_(builder(config_.model, mesh_, config_.fsdp)),
+      loss_(std::move(loss)) {
   if (config_.forward_only) {
     // A reference model never updates: no grads are kept, so backward never reaches it.
     for (auto& p : model_.module->parameters()) p.set_requires_grad(false);
@@ -277,6 +279,14 @@ Metrics Engine::train_batch(const Batch& data, const LossFn& loss_fn) {
   metrics["lr"] = current_lr();
   lr_scheduler_step();
   return metrics;
+}
+
+const LossFn& Engine::loss_fn() const {
+  if (!loss_) {
+    throw std::invalid_argument(fmt::format(
+        "model_type '{}' registers no loss: pass train_batch a loss function", config_.model_type));
+  }
+  return loss_;
 }
 
 Batch Engine::infer_batch(const Batch& data, const LossFn& loss_fn, Metrics* metrics) {

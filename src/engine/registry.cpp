@@ -1,15 +1,17 @@
 // The engine registry and the built-in model families.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <mutex>
 #include <stdexcept>
 
+#include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/engine.h"
-#include "shardrl/models/dit.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
+#include "shardrl/models/sd3.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/models/weights.h"
 
@@ -140,41 +142,110 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
       fmt::format("model.family: '{}' is not a language model family (gpt, llama)", family));
 }
 
-ModelBuilder dit_builder(std::vector<std::string> frozen_adapters) {
-  return [frozen_adapters](const json& j, const dist::DeviceMesh& mesh,
-                           const fsdp::Options& options) {
-    const auto family = field<std::string>(j, "family", "dit");
-    if (family != "dit") {
-      throw std::invalid_argument(
-          fmt::format("model.family: '{}' is not a diffusion model family (dit)", family));
-    }
-    const auto c = models::DiTConfig::from_json(j.value("config", json::object()));
-    const auto path = pretrained_path(j);
-    models::DiT model{nullptr};
+// verl-omni's transformer_subfolder: a diffusers pipeline folder keeps its transformer there; a
+// transformer folder (save_pretrained of the model alone) has config.json at its top.
+std::string diffusers_transformer_dir(const json& j) {
+  const auto path = field<std::string>(j, "path", "");
+  if (path.empty()) return path;
+  const auto subfolder = field<std::string>(j, "transformer_subfolder", "transformer");
+  for (const auto& dir : {fs::path(path), fs::path(path) / subfolder}) {
+    if (fs::exists(dir / "config.json") && fs::exists(dir / "diffusion_pytorch_model.safetensors"))
+      return dir.string();
+  }
+  throw std::invalid_argument(fmt::format(
+      "model.path: '{}' holds no diffusers transformer (config.json and "
+      "diffusion_pytorch_model.safetensors, at its top or under model.transformer_subfolder '{}')",
+      path, subfolder));
+}
+
+// verl-omni's policy_state_adapters: "default" is the trained adapter, every other one a frozen
+// copy of it (NFT's "old", which follows "default" by EMA).
+std::vector<std::string> frozen_adapters(const json& j, std::vector<std::string> fallback) {
+  const auto states = field<std::vector<std::string>>(j, "policy_state_adapters", fallback);
+  if (std::find(states.begin(), states.end(), "default") == states.end()) {
+    throw std::invalid_argument(
+        fmt::format("model.policy_state_adapters: {} lacks \"default\", the trained adapter",
+                    json(states).dump()));
+  }
+  std::vector<std::string> frozen;
+  for (const auto& s : states) {
+    if (s != "default") frozen.push_back(s);
+  }
+  return frozen;
+}
+
+// The SD3 transformer of verl-omni's diffusion model types: its config from model.path (a
+// diffusers folder) or model.config (diffusers' config.json fields), LoRA by diffusers' names.
+ModelBuilder sd3_builder(std::vector<std::string> default_states) {
+  return [default_states](const json& j, const dist::DeviceMesh& mesh,
+                          const fsdp::Options& options) {
+    const auto dir = diffusers_transformer_dir(j);
+    const auto c = dir.empty() ? models::SD3Config::from_json(j.value("config", json::object()))
+                               : models::SD3Config::load((fs::path(dir) / "config.json").string());
+    models::SD3Transformer2DModel model{nullptr};
     {
-      fsdp::EmptyInit empty(/*enabled=*/!path.empty());
-      model = models::DiT(c);
+      fsdp::EmptyInit empty(/*enabled=*/!dir.empty());
+      model = models::SD3Transformer2DModel(c);
     }
-    auto plan = adapter_plan(j, {"qkv", "proj", "fc1", "fc2"});
-    plan.frozen_copies = frozen_adapters;
+    auto plan = adapter_plan(j, {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                                 "add_v_proj", "to_add_out"});
+    if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
     add_adapters(*model, plan);
-    model->set_activation_checkpointing(field<bool>(j, "enable_activation_checkpointing", false));
-    models::shard_dit(model, mesh, options);
-    load_sharded(path, model.fsdp());
-    return finish(model, model.fsdp(), family, c.to_json(), plan);
+    model->set_activation_checkpointing(field<bool>(j, "enable_gradient_checkpointing", false));
+    models::shard_sd3(model, mesh, options);
+    if (!dir.empty()) {
+      // The position table is no param: the config determines it, as in diffusers.
+      auto sharded = model.fsdp();
+      checkpoint::load_hf_from_rank0(
+          (fs::path(dir) / "diffusion_pytorch_model.safetensors").string(), sharded, "",
+          [](const std::string& name) { return !models::lora::is_adapter_tensor(name); });
+    }
+    return finish(model, model.fsdp(), "sd3", c.to_json(), plan);
   };
 }
 
+// The loss of a diffusion model type: algos::diffusion_loss with the settings of
+// EngineConfig::loss, divided by the micro-batch count so that the accumulated gradient is the
+// mean over the rank's rows.
+LossFactory diffusion_loss(const std::string& loss_mode) {
+  return [loss_mode](const json& j) -> LossFn {
+    auto loss = j.get<algos::DiffusionLossConfig>();
+    if (!j.contains("loss_mode") || j["loss_mode"].is_null()) loss.loss_mode = loss_mode;
+    if (loss.loss_mode != loss_mode) {
+      throw std::invalid_argument(fmt::format(
+          "actor.diffusion_loss.loss_mode: '{}' is not the loss of this model_type's engine ('{}')",
+          loss.loss_mode, loss_mode));
+    }
+    loss.validate();
+    const auto sampler = j.value("sampler", json::object()).get<algos::SamplerConfig>();
+    sampler.validate();
+    return [loss, sampler](Engine& engine, const MicroBatch& micro_batch) {
+      auto out = algos::diffusion_loss(engine.model<models::SD3Transformer2DModel>(),
+                                       micro_batch.data, loss, sampler);
+      LossOutput result{out.loss / static_cast<double>(micro_batch.count), {}, {}};
+      for (const auto& [name, value] : out.metrics) result.metrics[name] = value.item<double>();
+      return result;
+    };
+  };
+}
+
+struct Entry {
+  ModelBuilder builder;
+  LossFactory loss;
+};
+
 struct Registry {
   std::mutex mutex;
-  std::map<std::string, ModelBuilder> builders;
+  std::map<std::string, Entry> builders;
 
   Registry() {
-    builders["language_model/fsdp"] = build_language_model;
-    builders["diffusion_model/fsdp"] = dit_builder({});
-    builders["diffusion_dpo_model/fsdp"] = dit_builder({});
+    builders["language_model/fsdp"] = {build_language_model, nullptr};
+    // verl-omni's PPODiffusersFSDPEngine, DPODiffusersFSDPEngine and NFTDiffusersFSDPEngine.
+    builders["diffusion_model/fsdp"] = {sd3_builder({"default"}), diffusion_loss("flow_grpo")};
+    builders["diffusion_dpo_model/fsdp"] = {sd3_builder({"default"}), diffusion_loss("dpo")};
     // NFT's behaviour policy "old" starts as a copy of the trained adapter and follows it by EMA.
-    builders["diffusion_nft_model/fsdp"] = dit_builder({"old"});
+    builders["diffusion_nft_model/fsdp"] = {sd3_builder({"default", "old"}),
+                                            diffusion_loss("diffusion_nft")};
   }
 
   static Registry& get() {
@@ -186,16 +257,16 @@ struct Registry {
 }  // namespace
 
 void EngineRegistry::register_model(const std::string& model_type, const std::string& backend,
-                                    ModelBuilder builder) {
+                                    ModelBuilder builder, LossFactory loss) {
   auto& registry = Registry::get();
   std::lock_guard lock(registry.mutex);
-  registry.builders[model_type + "/" + backend] = std::move(builder);
+  registry.builders[model_type + "/" + backend] = {std::move(builder), std::move(loss)};
 }
 
 std::unique_ptr<Engine> EngineRegistry::create(const EngineConfig& config,
                                                std::shared_ptr<dist::World> world) {
   auto& registry = Registry::get();
-  ModelBuilder builder;
+  Entry entry;
   {
     std::lock_guard lock(registry.mutex);
     auto it = registry.builders.find(config.model_type + "/" + config.backend);
@@ -207,9 +278,11 @@ std::unique_ptr<Engine> EngineRegistry::create(const EngineConfig& config,
           fmt::format("model_type/backend: no engine registered for '{}/{}' (registered: {})",
                       config.model_type, config.backend, known));
     }
-    builder = it->second;
+    entry = it->second;
   }
-  return std::make_unique<Engine>(config, std::move(world), builder);
+  // The loss is built first: a bad setting fails before any rank allocates the model.
+  LossFn loss = entry.loss ? entry.loss(config.loss) : nullptr;
+  return std::make_unique<Engine>(config, std::move(world), entry.builder, std::move(loss));
 }
 
 std::vector<std::string> EngineRegistry::keys() {

@@ -33,7 +33,7 @@ void record(Event event, const UnitState& unit, torch::ScalarType dtype, uint64_
     auto it = std::find(units.begin(), units.end(), &unit);
     if (it != units.end()) r.unit = static_cast<int>(it - units.begin());
   }
-  if (event == Event::kGatherIssued) {
+  if (event == Event::kGatherIssued || event == Event::kReduceScatterIssued) {
     r.dtype = dtype;
     r.bytes = bytes;
   } else {
@@ -68,6 +68,8 @@ const char* name(Event event) {
       return "backward_begin";
     case Event::kBackwardEnd:
       return "backward_end";
+    case Event::kReduceScatterIssued:
+      return "reduce_scatter_issued";
   }
   return "?";
 }

@@ -140,11 +140,16 @@ void UnitState::reduce_grads() {
       reduce_scatter_copy_in(trainable, mesh.shard_size(), options.mixed_precision.reduce_dtype,
                              1.0 / mesh.data_parallel_size()));
   dist::Pending pending;
+  const uint64_t sent_before = mesh.shard_group().bytes_sent();
   try {
     pending = mesh.shard_group().reduce_scatter_async(pack->input.view(-1), pack->output);
   } catch (...) {
     root->fail(*this, "reduce-scatter", current_exception_message());
     throw;
+  }
+  if (trace::enabled()) {
+    trace::record(trace::Event::kReduceScatterIssued, *this, pack->input.scalar_type(),
+                  mesh.shard_group().bytes_sent() - sent_before);
   }
   dist::ProcessGroup* replicate = mesh.replicate_group();
   root->enqueue_reduce(this, std::move(pending), [this, pack, replicate] {

@@ -15,7 +15,8 @@ namespace shardrl::models::lora {
 namespace {
 
 const std::string kA = ".lora_A.", kB = ".lora_B.";
-constexpr size_t kMarkerSize = 7;  // "lora_A."
+const std::string kPeftPrefix = "base_model.model.";  // PEFT's names of the wrapped model
+constexpr size_t kMarkerSize = 7;                     // "lora_A."
 
 // Where "lora_A." or "lora_B." starts as a component of `name`, or npos.
 size_t marker_at(const std::string& name) {
@@ -289,7 +290,7 @@ std::optional<std::string> peft_name(const std::string& param, const std::string
   // PEFT saves without the adapter name: "...q_proj.lora_A.weight".
   std::string peft = param;
   peft.erase(marker_at(peft) + kMarkerSize, name.size() + 1);
-  return "base_model.model." + peft;
+  return kPeftPrefix + peft;
 }
 
 std::map<std::string, torch::Tensor> peft_state_dict(
@@ -345,14 +346,25 @@ struct PeftTensor {
 
 // Writes adapter_model.safetensors from `tensors` (their data supplied in order by `write_all`,
 // one full tensor at a time) and adapter_config.json; returns both paths.
+//
+// PEFT reads the config from adapter_config.json. diffusers' load_lora_adapter reads it from the
+// header's lora_adapter_metadata instead, and keeps only the tensors and metadata keys under its
+// `prefix`: so the keys carry PEFT's "base_model.model." and
+// load_lora_adapter(dir, weight_name="adapter_model.safetensors", prefix="base_model.model") reads
+// the same file as PEFT. (No one file serves both otherwise: PEFT does not load
+// "transformer."-named tensors, and diffusers' default prefix "transformer" drops PEFT's names.)
 std::vector<std::string> write_peft_files(
     const std::string& out_dir, const std::vector<PeftTensor>& tensors, const std::string& config,
     const std::function<void(checkpoint::SafetensorsWriter&)>& write_all) {
   std::filesystem::create_directories(out_dir);
   std::vector<checkpoint::TensorInfo> infos;
   for (const auto& t : tensors) infos.push_back(t.info);
+  const nlohmann::json fields = nlohmann::json::parse(config);
+  nlohmann::json metadata = nlohmann::json::object();
+  for (const auto& [key, value] : fields.items()) metadata[kPeftPrefix + key] = value;
   const std::string weights = (std::filesystem::path(out_dir) / kPeftWeightsFile).string();
-  checkpoint::SafetensorsWriter writer(weights, infos, {{"format", "pt"}});
+  checkpoint::SafetensorsWriter writer(
+      weights, infos, {{"format", "pt"}, {"lora_adapter_metadata", metadata.dump()}});
   write_all(writer);
   writer.close();
   const std::string config_path = (std::filesystem::path(out_dir) / kPeftConfigFile).string();

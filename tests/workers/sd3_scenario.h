@@ -36,6 +36,16 @@ inline models::SD3Config sd3_test_config() {
   return c;
 }
 
+// An adapter on every attention projection, as a diffusion RL run trains SD3.
+inline models::lora::LoraConfig sd3_lora_config() {
+  models::lora::LoraConfig c;
+  c.r = 4;
+  c.alpha = 8;
+  c.target_modules = {"to_q",       "to_k",       "to_v",       "to_out.0",
+                      "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"};
+  return c;
+}
+
 inline models::SD3Transformer2DModel build_sd3(const SD3Scenario& s) {
   torch::manual_seed(s.seed);
   return models::SD3Transformer2DModel(sd3_test_config());

@@ -1,199 +1,220 @@
-// Diffusion RL on the class-conditional DiT: the supervised flow-matching loss, the SDE rollout
-// that records what Flow-GRPO needs, and the per-micro-batch losses of Flow-GRPO, DiffusionNFT
-// and Diffusion-DPO. The math (schedule, SDE step, losses) is algos.h; this file runs the model.
+// Diffusion RL on the SD3 transformer (MMDiT) conditioned on text: the supervised flow-matching
+// loss, the sampler that records what Flow-GRPO needs (SDE or CPS steps inside an SDE window,
+// ODE steps outside it), the rows each algorithm trains on, and the per-micro-batch losses of
+// Flow-GRPO, DiffusionNFT and Diffusion-DPO. The math (schedule, SDE step, losses) is algos.h;
+// this file runs the model.
 //
-// Every loss here is a function of (model, micro-batch) that returns a loss tensor and detached
-// metrics, so an engine's forward_backward_batch can call it per micro-batch. Flow-GRPO and NFT
-// back-propagate once per timestep (as the reference implementations do, so only one timestep's
-// activations are alive): their *_timestep_loss is the loss_fn, and *_backward loops over the
-// timesteps of one micro-batch calling backward() on each.
+// Everything an update needs is a row of a TensorMap (the engine's Batch): one row per
+// (sample, trained step) for Flow-GRPO and NFT, one per pair for DPO, with the text conditioning
+// repeated per row. So an engine splits the rows into micro-batches, calls diffusion_loss once
+// per micro-batch and back-propagates it; no loop here runs backward or steps an optimizer. What a
+// loss needs from a frozen policy (the reference, NFT's old policy) is computed first, by
+// frozen_outputs on that policy, and joins the rows as columns, as verl computes ref_log_prob
+// before the update.
 //
 // The model may be sharded (fsdp::Unit): then every rank must make the same calls in the same
-// order (each forward all-gathers). LoRA roles: adapter "default" is the trained policy, "old" the
-// NFT behaviour policy, and adapters disabled give the reference (models::lora).
+// order (each forward all-gathers).
 #pragma once
 
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
-#include <functional>
+#include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardrl/algos.h"
 #include "shardrl/dist.h"
-#include "shardrl/models/dit.h"
+#include "shardrl/models/sd3.h"
 
 namespace shardrl::algos {
 
 // Detached 0-dim metrics by name (e.g. "clipfrac", "kl").
 using Metrics = std::map<std::string, torch::Tensor>;
+// Named tensors that share dim 0, the row dimension (engine::Batch is the same type).
+using TensorMap = std::map<std::string, torch::Tensor>;
 
 struct MicroBatchLoss {
-  torch::Tensor loss;  // with grad (already divided by the accumulation divisor)
+  torch::Tensor loss;  // scalar with grad: the mean over the micro-batch's rows (not divided)
   Metrics metrics;
 };
 
-// Adds `other`'s metrics into `into` (sums; divide by the count for means).
-void accumulate_metrics(Metrics& into, const Metrics& other);
+// ---------------------------------------------------------------------------------------------
+// Text conditioning
 
-// The DiT's velocity at noise level sigma ([B] or 0-dim, in [0, 1]) for class labels [B], with
-// classifier-free guidance when guidance_scale != 1 (one batched forward of both branches).
-torch::Tensor dit_velocity(models::DiT& model, const torch::Tensor& x, const torch::Tensor& sigma,
-                           const torch::Tensor& labels, double guidance_scale);
+// The text encoder's output for each row, under these column names in a TensorMap:
+//   "prompt_embeds" [B, L, joint_attention_dim], "pooled_prompt_embeds" [B, pooled_projection_dim]
+// and, for CFG's unconditional branch (the empty negative prompt's encoding, repeated per row),
+//   "negative_prompt_embeds", "negative_pooled_prompt_embeds" of the same shapes.
+struct Conditioning {
+  torch::Tensor prompt_embeds, pooled_prompt_embeds;
+  torch::Tensor negative_prompt_embeds, negative_pooled_prompt_embeds;  // undefined: no CFG
+
+  // Reads the columns above (the negative ones when present); a missing one is an error naming it.
+  static Conditioning from(const TensorMap& rows);
+  void add_to(TensorMap& rows) const;  // writes the defined ones
+  Conditioning index_select(const torch::Tensor& rows) const;
+  int64_t size() const { return prompt_embeds.size(0); }
+  bool has_negative() const { return negative_prompt_embeds.defined(); }
+};
+
+// The velocity at noise level sigma [B] (fp32, in [0, 1]; the model sees timestep 1000 * sigma)
+// for latents x [B, C, H, W]. true_cfg_scale > 1: v_neg + s * (v - v_neg) from one batched forward
+// of both branches (needs the negative embeddings); 1: the conditional branch alone.
+torch::Tensor sd3_velocity(models::SD3Transformer2DModel& model, const torch::Tensor& x,
+                           const torch::Tensor& sigma, const Conditioning& cond,
+                           double true_cfg_scale);
 
 // ---------------------------------------------------------------------------------------------
 // Supervised stage
 
 struct FlowMatchingLossConfig {
-  double label_dropout = 0.1;  // labels replaced by the null class, so CFG has an unconditional
+  // Share of rows whose prompt is replaced by the negative (empty) prompt, so that CFG has an
+  // unconditional branch to use; > 0 needs the negative columns.
+  double caption_dropout = 0.1;
   // "logit_normal" (SD3's sigmoid(N(0, 1))) or "uniform" noise levels.
   std::string timestep_sampling = "logit_normal";
 };
 
-// mean((v(x_sigma, sigma, y) - (eps - x0))^2) with x_sigma = (1 - sigma) x0 + sigma eps.
-torch::Tensor flow_matching_loss(models::DiT& model, const torch::Tensor& x0,
-                                 const torch::Tensor& labels, const FlowMatchingLossConfig& config,
-                                 at::Generator generator);
+// rows: "images" [B, C, H, W] (clean latents) and the conditioning. The loss is
+// mean((v(x_sigma, sigma) - (eps - x0))^2) with x_sigma = (1 - sigma) x0 + sigma eps, no CFG.
+MicroBatchLoss flow_matching_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
+                                  const FlowMatchingLossConfig& config, at::Generator generator);
 
 // ---------------------------------------------------------------------------------------------
-// Rollout
+// Sampling (verl-omni's rollout.algo and rollout.pipeline)
 
-struct RolloutConfig {
-  int64_t num_steps = 10;
-  double shift = 1.0;  // schedule shift (SD3: 3 at 1024 px; small images want less)
-  double noise_level = 0.7;
-  double guidance_scale = 1.0;
-  FlowMatchScheduler scheduler() const { return FlowMatchScheduler::create(num_steps, shift); }
+struct SamplerConfig {
+  int64_t num_inference_steps = 10;  // rollout.pipeline.num_inference_steps
+  double shift = 3.0;                // the flow-matching scheduler's shift (SD3: 3.0)
+  double noise_level = 0.7;          // rollout.algo.noise_level; 0: every step is the ODE
+  // rollout.algo.sde_type: "sde" or "cps". CPS's std is sigma_next sin(noise_level pi / 2): 0 on
+  // the last step (to sigma 0), so a window holding it gets a NaN KL to the reference there.
+  std::string sde_type = "sde";
+  // rollout.algo.sde_window_size: how many consecutive steps are stochastic (and trained); 0 (the
+  // YAML's null) means every step but the last, as in flow_grpo and verl-omni. The window
+  // [start, start + size) lies in rollout.algo.sde_window_range [first, last) (last -1:
+  // num_inference_steps): start is drawn uniformly from [first, last - size].
+  int64_t sde_window_size = 0;
+  std::pair<int64_t, int64_t> sde_window_range{0, -1};
+  double true_cfg_scale = 1.0;      // rollout.pipeline.true_cfg_scale
+  int64_t height = 28, width = 28;  // rollout.pipeline.height / width, in latent pixels
+
+  FlowMatchScheduler scheduler() const;
+  void validate() const;  // errors name the field (e.g. "rollout.algo.sde_type")
 };
+// As JSON with the field names above (absent fields keep their defaults): EngineConfig::loss
+// carries it to the registered loss as "sampler".
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SamplerConfig, num_inference_steps, shift,
+                                                noise_level, sde_type, sde_window_size,
+                                                sde_window_range, true_cfg_scale, height, width)
+
+// Steps [begin, end) that are stochastic in one rollout batch.
+struct SdeWindow {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+  bool contains(int64_t step) const { return step >= begin && step < end; }
+};
+// With sde_window_size 0, steps [0, T - 1) (every step but the last, which lands on sigma 0
+// where the Gaussian is sharpest; [0, 1) for T = 1), else a window of that size whose start is
+// drawn uniformly so that it fits in the range (flow_grpo's sd3_pipeline_with_logprob_fast.py,
+// verl-omni's pipelines). `generator` must be seeded alike on every rank: all ranks use one
+// window per step, as Flow-GRPO-Fast does.
+SdeWindow draw_sde_window(const SamplerConfig& config, at::Generator generator);
 
 struct DiffusionRollout {
   torch::Tensor latents;    // [B, T+1, C, H, W]: the initial noise, then x after each step
-  torch::Tensor log_probs;  // [B, T] fp32: log-prob of step j's transition
-  torch::Tensor timesteps;  // [B, T] fp32: 1000 * sigma_j
-  torch::Tensor labels;     // [B] int64
-  // [B, T, C, H, W] the reference policy's step means (adapters disabled), for Flow-GRPO's KL;
-  // undefined until compute_reference_means().
-  torch::Tensor ref_means;
-  int64_t size() const { return labels.size(0); }
+  torch::Tensor log_probs;  // [B, T] fp32: log-prob of each step's transition (0 outside window)
+  torch::Tensor sigmas;     // [T+1] fp32: the schedule the steps ran on
+  SdeWindow window;         // the stochastic steps
+  Conditioning cond;        // per sample
+  int64_t size() const { return latents.size(0); }
   int64_t num_steps() const { return log_probs.size(1); }
   torch::Tensor images() const { return latents.select(1, -1); }  // the final samples
-  DiffusionRollout rows(int64_t start, int64_t length) const;     // a micro-batch
 };
 
-// Samples labels.size(0) images from N(0, I) noise with the SDE step (noise_level 0: the ODE,
-// plain Euler, whose log-probs are not defined). No grad; seeded by `generator`.
-DiffusionRollout sample_with_logprob(models::DiT& model, const torch::Tensor& labels,
-                                     const RolloutConfig& config, at::Generator generator);
-
-// Step j of a rollout scored again under the current model: the rollout's x_{j+1} as the sample.
-// Carries the model's gradient when grad mode is on.
-SdeStepResult rollout_step(models::DiT& model, const DiffusionRollout& rollout, int64_t j,
-                           const RolloutConfig& config);
+// Samples cond.size() latents of config's size from N(0, I) noise: the SDE (or CPS) step with
+// noise_level inside `window`, the deterministic Euler (ODE) step outside it. No grad; the noise
+// is drawn from `generator`. noise_level 0 gives the ODE sample (evaluation).
+DiffusionRollout sample_with_logprob(models::SD3Transformer2DModel& model, const Conditioning& cond,
+                                     const SamplerConfig& config, const SdeWindow& window,
+                                     at::Generator generator);
 
 // ---------------------------------------------------------------------------------------------
-// Flow-GRPO (§1)
+// Rewards to advantages
 
-// Fills rollout.ref_means: every step's mean under the model with adapters disabled, no grad.
-void compute_reference_means(models::DiT& model, DiffusionRollout& rollout,
-                             const RolloutConfig& config, int64_t micro_batch_size);
-
-// The clipped loss at rollout step j of a micro-batch; advantages [b]. With config.beta > 0 the
-// reference step mean is micro_batch.ref_means, or computed here when that is undefined.
-MicroBatchLoss flow_grpo_timestep_loss(models::DiT& model, const DiffusionRollout& micro_batch,
-                                       const torch::Tensor& advantages, int64_t j,
-                                       const RolloutConfig& rollout,
-                                       const FlowGrpoLossConfig& config);
-
-// Runs flow_grpo_timestep_loss and backward() for each step in `train_steps` (all steps when
-// empty); config.loss_divisor must already count the timesteps. Returns summed metrics
-// ("loss", "policy_loss", "kl", "ppo_kl", "clipfrac") over the timesteps.
-Metrics flow_grpo_backward(models::DiT& model, const DiffusionRollout& micro_batch,
-                           const torch::Tensor& advantages, const RolloutConfig& rollout,
-                           const FlowGrpoLossConfig& config,
-                           const std::vector<int64_t>& train_steps = {});
-
-// ---------------------------------------------------------------------------------------------
-// DiffusionNFT (§2)
-
-// One NFT step at noise level t [b] (timestep / 1000) on clean samples x0 [b, C, H, W] with
-// reward probabilities r [b] and fresh noise eps: v from adapter "default" (with grad), v_old from
-// adapter "old", v_ref with adapters disabled when ref_kl_coef > 0. Conditional velocities, no CFG
-// (NFT trains the guidance-free model).
-MicroBatchLoss nft_timestep_loss(models::DiT& model, const torch::Tensor& x0,
-                                 const torch::Tensor& labels, const torch::Tensor& r,
-                                 const torch::Tensor& t, const torch::Tensor& eps,
-                                 const NftLossConfig& config);
-
-// ---------------------------------------------------------------------------------------------
-// Diffusion-DPO (§3)
-
-// pairs_x0 / pairs_labels: [2P, ...] interleaved chosen/rejected (dpo_make_pairs order); eps [P,
-// C, H, W] and sigmas [P]: one noise and one noise level per pair, shared by both members.
-MicroBatchLoss dpo_pair_loss(models::DiT& model, const torch::Tensor& pairs_x0,
-                             const torch::Tensor& pairs_labels, const torch::Tensor& eps,
-                             const torch::Tensor& sigmas, const DpoLossConfig& config);
-
-// ---------------------------------------------------------------------------------------------
-// One RL step: rollout -> reward -> group-relative advantages -> update
-
-struct DiffusionRLConfig {
-  std::string algorithm = "flow_grpo";  // "flow_grpo", "nft" or "dpo"
-  RolloutConfig rollout;
-  int64_t group_size = 8;        // samples per class prompt; each rank holds whole groups
-  int64_t micro_batch_size = 8;  // samples (dpo: pairs) per forward
-  // flow_grpo: optimizer steps per rollout batch (the batch split in order); past the first the
-  // policy has moved and the ratio clip acts.
-  int64_t mini_batches = 1;
-  double timestep_fraction = 1.0;  // flow_grpo and nft: share of the rollout steps trained on
-  double max_grad_norm = 1.0;
-  DiffusionAdvantageConfig advantage;
-  FlowGrpoLossConfig flow_grpo;
-  NftLossConfig nft;
-  std::string nft_adv_mode = "continuous";
-  std::string nft_decay_schedule = "linear_to_0_5";
-  DpoLossConfig dpo;
-  double dpo_shift = 1.0;  // shift of the 1000-step schedule DPO draws noise levels from
-  void validate() const;   // errors name the field
-};
-
-// Reward per sample [B] fp32 for images [B, C, H, W] generated for labels [B].
-using RewardFn = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>;
-
-struct RLStepResult {
-  DiffusionRollout rollout;                // this rank's samples
-  torch::Tensor rewards;                   // [B] this rank's rewards
-  torch::Tensor advantages;                // [B] group-relative, with the global std
+struct GroupAdvantages {
+  torch::Tensor advantages;                // [B] this rank's, group-relative with the global std
   std::vector<int64_t> group_ids;          // [B] the global group of each sample
-  double reward_mean = 0, reward_std = 0;  // over all ranks' samples
-  Metrics metrics;                         // means over micro-batches (and timesteps) on this rank
-  double grad_norm = 0;                    // of the last optimizer step
-  std::map<std::string, double> seconds;   // "rollout", "reward", "reference", "update"
+  double reward_mean = 0, reward_std = 0;  // over every rank's samples
 };
+// rewards [B]: this rank's, group_size consecutive samples per prompt; every rank passes the same
+// B. `group` (null: one process) gathers them, so the std is the whole batch's (Flow-GRPO's
+// global_std) and group ids are global.
+GroupAdvantages group_advantages(const torch::Tensor& rewards, int64_t group_size,
+                                 const DiffusionAdvantageConfig& config,
+                                 dist::ProcessGroup* group = nullptr);
 
-// labels: this rank's prompts, group_size consecutive samples per class; every rank must pass the
-// same count. `group` (null: one process) gathers rewards for the advantages' global std. The
-// optimizer must step the model's trainable params (its sharded params when sharded). `step`
-// drives the NFT old adapter's EMA schedule.
-//
-// An RL step is its two halves below, run on one model; NFT samples with the "old" adapter.
-RLStepResult diffusion_rl_step(models::DiT& model, torch::optim::Optimizer& optimizer,
-                               const RewardFn& reward, const torch::Tensor& labels, int64_t step,
-                               const DiffusionRLConfig& config, at::Generator generator,
-                               dist::ProcessGroup* group = nullptr);
+// ---------------------------------------------------------------------------------------------
+// Rows of an update
 
-// The rollout half: samples with `rollout_model` as it is (the behaviour policy: the trained
-// model, or a rollout replica the engine's weight sync keeps current), scores the samples and
-// computes the advantages. Fills everything but metrics and grad_norm; seconds "rollout" and
-// "reward". Collective over `group` (the reward gather) only.
-RLStepResult diffusion_rl_rollout(models::DiT& rollout_model, const RewardFn& reward,
-                                  const torch::Tensor& labels, const DiffusionRLConfig& config,
-                                  at::Generator generator, dist::ProcessGroup* group = nullptr);
+// Flow-GRPO's trained steps: the first max(1, int(n * timestep_fraction)) of the window's n steps
+// (algorithm.timestep_fraction).
+std::vector<int64_t> flow_grpo_train_steps(const SdeWindow& window, double timestep_fraction);
 
-// The update half on the trained model: the reference means (Flow-GRPO with a KL), then the
-// algorithm's optimizer step(s). Fills metrics, grad_norm, seconds "reference" and "update".
-void diffusion_rl_update(models::DiT& model, torch::optim::Optimizer& optimizer,
-                         RLStepResult& result, int64_t step, const DiffusionRLConfig& config,
-                         at::Generator generator);
+// One row per (sample, step in `steps`), sample-major: "latents" (x_j), "next_latents" (x_{j+1}),
+// "sigma", "sigma_next" [R] fp32, "old_log_probs" [R], "advantages" [R], and the conditioning.
+TensorMap flow_grpo_rows(const DiffusionRollout& rollout, const torch::Tensor& advantages,
+                         const std::vector<int64_t>& steps);
+
+// One row per (sample, timestep): K = max(1, int(T * timestep_fraction)) of the rollout's steps
+// drawn per sample (nft_select_train_timesteps), fresh noise eps: "x0" (the final sample), "xt",
+// "t" [R] (sigma), "r" [R] (reward probability), and the conditioning. Sample-major.
+TensorMap nft_rows(const DiffusionRollout& rollout, const torch::Tensor& reward_prob,
+                   double timestep_fraction, at::Generator generator);
+
+// One row per pair (dpo_make_pairs over `group_ids`): "chosen_x0", "rejected_x0", "eps" (shared by
+// both), "sigma" [P] drawn from a 1000-step schedule with `shift` (dpo_sample_timesteps), and the
+// pair's conditioning (the chosen sample's; a group shares its prompt).
+TensorMap dpo_rows(const DiffusionRollout& rollout, const torch::Tensor& rewards,
+                   const std::vector<int64_t>& group_ids, double shift, at::Generator generator);
+
+// ---------------------------------------------------------------------------------------------
+// Losses (verl-omni's actor.diffusion_loss)
+
+struct DiffusionLossConfig {
+  // "flow_grpo", "diffusion_nft" or "dpo" (actor.diffusion_loss.loss_mode).
+  std::string loss_mode = "flow_grpo";
+  double clip_ratio = 1e-4;   // diffusion_loss.clip_ratio (Flow-GRPO)
+  double adv_clip_max = 5.0;  // diffusion_loss.adv_clip_max
+  double kl_loss_coef = 0.0;  // actor.kl_loss_coef when actor.use_kl_loss (Flow-GRPO), else 0
+  double mix_beta = 0.5;      // diffusion_loss.mix_beta (NFT's beta)
+  double ref_kl_coef = 0.0;   // diffusion_loss.ref_kl_coef (NFT)
+  double dpo_beta = 2000.0;   // diffusion_loss.dpo_beta
+  void validate() const;      // errors name the field (e.g. "actor.diffusion_loss.clip_ratio")
+  // Whether the loss reads a reference policy's outputs (frozen_outputs with role "reference").
+  bool needs_reference() const;
+};
+// As JSON with the field names above (absent fields keep their defaults): EngineConfig::loss.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(DiffusionLossConfig, loss_mode, clip_ratio,
+                                                adv_clip_max, kl_loss_coef, mix_beta, ref_kl_coef,
+                                                dpo_beta)
+
+// What loss_mode's loss reads from a frozen policy, computed under NoGradGuard with `model` as it
+// is (the caller picks the policy: adapters disabled, another adapter, or a reference engine's
+// model). role "reference": flow_grpo {"ref_prev_sample_mean"}, diffusion_nft {"ref_velocity"},
+// dpo {"ref_chosen_pred", "ref_rejected_pred"}. role "old" (diffusion_nft only): {"old_velocity"}.
+TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel& model,
+                         const TensorMap& rows, const DiffusionLossConfig& loss,
+                         const SamplerConfig& sampler);
+
+// The loss of one micro-batch of rows, the mean over its rows, with the current model (with
+// grad). The frozen columns it needs must be in `rows` (an error names a missing one). Metrics:
+// flow_grpo "policy_loss", "kl", "ppo_kl", "clipfrac"; diffusion_nft "policy_loss", "kl",
+// "positive_loss", "negative_loss"; dpo "implicit_acc", "reward_margin", "model_mse", "ref_mse".
+MicroBatchLoss diffusion_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
+                              const DiffusionLossConfig& loss, const SamplerConfig& sampler);
 
 }  // namespace shardrl::algos

@@ -169,6 +169,9 @@ std::optional<std::string> peft_name(const std::string& param, const std::string
 LoraConfig config_from_peft(const nlohmann::json& peft, const std::string& where);
 
 // ---- adapter-only export: PEFT's adapter_model.safetensors + adapter_config.json ---------------
+// The weights file also carries the config in its header, as diffusers reads it: diffusers models
+// load an export with load_lora_adapter(dir, weight_name="adapter_model.safetensors",
+// prefix="base_model.model").
 
 constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";
 constexpr const char* kPeftConfigFile = "adapter_config.json";

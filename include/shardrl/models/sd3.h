@@ -161,6 +161,12 @@ SD3Transformer2DModel load_sd3(const std::string& dir);
 void save_sd3(const std::map<std::string, torch::Tensor>& params, const SD3Config& config,
               const std::string& dir, torch::ScalarType dtype = torch::kFloat);
 
+// What a checkpoint of this model needs to export as a diffusers folder
+// (SD3Transformer2DModel.from_pretrained): diffusers' file names
+// (diffusion_pytorch_model[-0000k-of-0000n].safetensors), its config.json without transformers'
+// torch_dtype, and the position table, which is no param and so not in the checkpoint.
+void add_sd3_export(const SD3Config& config, checkpoint::ExportOptions& options);
+
 // Writes adapter `name` of `params` (full params, e.g. FSDPModule::full_parameters() or
 // state_dict) as diffusers loads a LoRA: `dir`/adapter_model.safetensors with tensors named
 // `transformer.<module>.lora_A.weight` and its LoraConfig in the header's lora_adapter_metadata
