@@ -1,8 +1,8 @@
 // Linear, Embedding, LayerNorm and Conv2d as torch::nn's (same param names, initialisation and
 // output), with their params created through fsdp::new_parameter(), so a model built from them
 // inside an fsdp::EmptyInit scope allocates nothing unsharded. LibTorch's own modules always
-// allocate and initialise their params on construction. Llama, the GPT Transformer and the DiT
-// are built from these.
+// allocate and initialise their params on construction. Llama, the GPT Transformer and the SD3
+// transformer are built from these.
 #pragma once
 
 #include <torch/torch.h>
