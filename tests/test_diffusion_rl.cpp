@@ -216,6 +216,26 @@ INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, DiffusionAlgorithm,
                            return name + (info.param.lora ? "_lora" : "_full");
                          });
 
+// Each mini-batch is an optimizer step: a cosine schedule over trainer.total_training_steps RL
+// steps still spans all of them (the lr at the last step, not at the half, is near its minimum).
+TEST(FmnistDemo, LrScheduleSpansTheRlStepsWithSeveralMiniBatches) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  const auto dir = make_temp_dir("fmnist_schedule");
+  auto run =
+      train("fmnist_flow_grpo.yaml",
+            with(tiny_for("fmnist_flow_grpo.yaml", dir + "/cache"),
+                 {"trainer.default_local_dir=" + dir + "/run", "trainer.total_training_steps=4",
+                  "data.train_batch_size=4", "actor_rollout_ref.actor.optim.warmup_style=cosine",
+                  "actor_rollout_ref.actor.optim.lr=1e-3"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  auto metrics = read_jsonl(dir + "/run/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 4u);
+  // 2 optimizer steps an RL step over a horizon of 8: the lr logged for RL step 2 is the mean over
+  // optimizer steps 2 and 3, lr * (1 + cos(pi k / 8)) / 2: 0.77e-3 (0.32e-3 with a horizon of 4).
+  EXPECT_GT(metrics[1]["lr"].get<double>(), 0.6e-3) << metrics[1].dump();
+  EXPECT_LT(metrics[3]["lr"].get<double>(), 0.2e-3) << metrics[3].dump();
+}
+
 // Settings a user gets wrong fail before any stage runs, naming the key.
 TEST(FmnistDemo, ConfigErrorsNameTheKey) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());

@@ -512,6 +512,13 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   torch::manual_seed(o.seed + 1);
   auto actor_config = engine_config(engine_json, o.model_type, "actor");
   actor_config.loss = loss_json(o);
+  // Every mini-batch is an optimizer step (Engine::train_batch steps the schedule too): the
+  // schedule's horizon and warmup count in them, so that its curve over the RL steps is the
+  // config's.
+  const int64_t optimizer_steps_per_rl_step = o.train_batch_size / o.mini_batch_size;
+  auto& schedule = actor_config.optim.schedule;
+  schedule.total_training_steps *= optimizer_steps_per_rl_step;
+  if (schedule.lr_warmup_steps > 0) schedule.lr_warmup_steps *= optimizer_steps_per_rl_step;
   auto engine = engine::EngineRegistry::create(actor_config, world);
 
   // The reference policy. With LoRA it is the actor with its adapters disabled; for full
@@ -598,7 +605,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   }
 
   const int64_t local_prompts = o.train_batch_size / world->size();
-  const int64_t mini_batches = o.train_batch_size / o.mini_batch_size;
+  const int64_t mini_batches = optimizer_steps_per_rl_step;
   const auto decay = algos::ema_decay_schedule("linear_to_0_5");
   auto rl_start = Clock::now();
   for (int64_t step = first_step; step <= o.rl_steps; ++step) {
