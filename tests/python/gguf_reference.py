@@ -29,14 +29,9 @@ import time
 
 import numpy as np
 
-failed = []
+from checks import failed, report
+
 THREADS = 1  # on a busy two-core machine a second torch thread is several times slower
-
-
-def report(check, ok, **fields):
-    print(json.dumps({"check": check, "ok": bool(ok), **fields}), flush=True)
-    if not ok:
-        failed.append(check)
 
 
 def relative_error(a, b):

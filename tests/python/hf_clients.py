@@ -22,19 +22,10 @@ import tempfile
 
 import torch
 
+from checks import failed, relative_error, report
+
 TOLERANCE = 1e-5
 NEW_TOKENS = 8
-failed = []
-
-
-def report(check, ok, **fields):
-    print(json.dumps({"check": check, "ok": bool(ok), **fields}), flush=True)
-    if not ok:
-        failed.append(check)
-
-
-def relative_error(a, b):
-    return ((a - b).abs().max() / max(1.0, b.abs().max().item())).item()
 
 
 def shardrl_generate(shardrl, model_dir, tokens, adapter=None):

@@ -32,8 +32,9 @@ import torch
 from diffusers import SD3Transformer2DModel
 from safetensors.torch import load_file, save_file
 
+from checks import failed, relative_error, report
+
 TOLERANCE = 1e-5
-failed = []
 
 VARIANTS = {
     "sd3": dict(sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
@@ -49,16 +50,6 @@ VARIANTS = {
                   caption_projection_dim=256, pooled_projection_dim=384, out_channels=16,
                   pos_embed_max_size=32, dual_attention_layers=(0, 1), qk_norm="rms_norm"),
 }
-
-
-def report(check, ok, **fields):
-    print(json.dumps({"check": check, "ok": bool(ok), **fields}), flush=True)
-    if not ok:
-        failed.append(check)
-
-
-def relative_error(a, b):
-    return ((a - b).abs().max() / max(1.0, b.abs().max().item())).item()
 
 
 def run(model, io, x_key="x"):
