@@ -393,6 +393,16 @@ TensorMap dpo_rows(const DiffusionRollout& rollout, const torch::Tensor& rewards
 // ---------------------------------------------------------------------------------------------
 // Losses
 
+std::string loss_mode_of(const std::string& model_type) {
+  if (model_type == "diffusion_model") return "flow_grpo";
+  if (model_type == "diffusion_nft_model") return "diffusion_nft";
+  if (model_type == "diffusion_dpo_model") return "dpo";
+  throw std::invalid_argument(fmt::format(
+      "config key 'actor_rollout_ref.model.model_type' must be diffusion_model (Flow-GRPO), "
+      "diffusion_nft_model or diffusion_dpo_model, got '{}'",
+      model_type));
+}
+
 void DiffusionLossConfig::validate() const {
   const std::string key = "actor_rollout_ref.actor.diffusion_loss.";
   if (loss_mode != "flow_grpo" && loss_mode != "diffusion_nft" && loss_mode != "dpo") {

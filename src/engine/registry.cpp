@@ -207,8 +207,8 @@ ModelBuilder sd3_builder(std::vector<std::string> default_states) {
 // The loss of a diffusion model type: algos::diffusion_loss with the settings of
 // EngineConfig::loss, divided by the micro-batch count so that the accumulated gradient is the
 // mean over the rank's rows.
-LossFactory diffusion_loss(const std::string& loss_mode) {
-  return [loss_mode](const json& j) -> LossFn {
+LossFactory diffusion_loss(const std::string& model_type) {
+  return [loss_mode = algos::loss_mode_of(model_type)](const json& j) -> LossFn {
     auto loss = j.get<algos::DiffusionLossConfig>();
     if (!j.contains("loss_mode") || j["loss_mode"].is_null()) loss.loss_mode = loss_mode;
     if (loss.loss_mode != loss_mode) {
@@ -241,11 +241,13 @@ struct Registry {
   Registry() {
     builders["language_model/fsdp"] = {build_language_model, nullptr};
     // verl-omni's PPODiffusersFSDPEngine, DPODiffusersFSDPEngine and NFTDiffusersFSDPEngine.
-    builders["diffusion_model/fsdp"] = {sd3_builder({"default"}), diffusion_loss("flow_grpo")};
-    builders["diffusion_dpo_model/fsdp"] = {sd3_builder({"default"}), diffusion_loss("dpo")};
+    builders["diffusion_model/fsdp"] = {sd3_builder({"default"}),
+                                        diffusion_loss("diffusion_model")};
+    builders["diffusion_dpo_model/fsdp"] = {sd3_builder({"default"}),
+                                            diffusion_loss("diffusion_dpo_model")};
     // NFT's behaviour policy "old" starts as a copy of the trained adapter and follows it by EMA.
     builders["diffusion_nft_model/fsdp"] = {sd3_builder({"default", "old"}),
-                                            diffusion_loss("diffusion_nft")};
+                                            diffusion_loss("diffusion_nft_model")};
   }
 
   static Registry& get() {

@@ -204,15 +204,7 @@ struct Options {
   }
 
   // The loss's mode from the engine the model type names (verl-omni's registry).
-  std::string loss_mode() const {
-    if (model_type == "diffusion_model") return "flow_grpo";
-    if (model_type == "diffusion_nft_model") return "diffusion_nft";
-    if (model_type == "diffusion_dpo_model") return "dpo";
-    throw std::invalid_argument(fmt::format(
-        "config key 'actor_rollout_ref.model.model_type' must be diffusion_model (Flow-GRPO), "
-        "diffusion_nft_model or diffusion_dpo_model, got '{}'",
-        model_type));
-  }
+  std::string loss_mode() const { return algos::loss_mode_of(model_type); }
   bool lora() const { return lora_rank > 0; }
 
  private:

@@ -184,6 +184,11 @@ TensorMap dpo_rows(const DiffusionRollout& rollout, const torch::Tensor& rewards
 // ---------------------------------------------------------------------------------------------
 // Losses (verl-omni's actor.diffusion_loss)
 
+// The loss mode verl-omni's model types train with (their engines' loss): diffusion_model
+// "flow_grpo", diffusion_nft_model "diffusion_nft", diffusion_dpo_model "dpo". Another type is an
+// error naming actor_rollout_ref.model.model_type.
+std::string loss_mode_of(const std::string& model_type);
+
 struct DiffusionLossConfig {
   // "flow_grpo", "diffusion_nft" or "dpo" (actor.diffusion_loss.loss_mode).
   std::string loss_mode = "flow_grpo";
