@@ -89,6 +89,12 @@ class ProcessGroup {
   void reduce_scatter(const torch::Tensor& input, torch::Tensor out) {
     reduce_scatter_async(input, out).wait();
   }
+  // input holds size() equal contiguous chunks; chunk j goes to rank j, and out (shaped as input)
+  // receives every rank's chunk for this rank, rank-major: Ulysses' sequence/head exchange.
+  Pending all_to_all_async(const torch::Tensor& input, torch::Tensor out);
+  void all_to_all(const torch::Tensor& input, torch::Tensor out) {
+    all_to_all_async(input, out).wait();
+  }
   // In place; blocks until the result is there (at most the timeout).
   void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   // In place; on NCCL, wait() only orders the current stream after it.
@@ -116,6 +122,8 @@ class ProcessGroup {
   Pending start_all_reduce(torch::Tensor& tensor, ReduceOp op, bool host_needs_result);
   c10::intrusive_ptr<c10d::Work> launch(const std::string& op,
                                         const std::function<c10::intrusive_ptr<c10d::Work>()>& f);
+  c10::intrusive_ptr<c10d::Work> launch_all_to_all(const std::string& op, torch::Tensor send,
+                                                   torch::Tensor recv);
 
   std::unique_ptr<Impl> impl_;
   uint64_t bytes_sent_ = 0;
@@ -155,21 +163,39 @@ class World {
 
 // Ranks laid out as [replicate, shard]: parameters are sharded over `shard` ranks (fsdp_size) and
 // replicated over the rest (hybrid sharding, HSDP). fsdp_size <= 0 or == world size gives 1-D FSDP.
+//
+// With Ulysses sequence parallelism (ulysses_sequence_parallel_size = sp > 1) the same ranks also
+// form verl's (dp, sp) mesh: rank = dp_rank * sp + sp_rank, so a sequence-parallel group is a run
+// of sp neighbouring ranks. FSDP still shards over every rank of the mesh, but the sp ranks of a
+// group feed the same samples, each a slice of their sequence: the data-parallel size is the mesh
+// size / sp, and FSDP averages gradients over it (summing the sp ranks' parts of each sample).
 class DeviceMesh {
  public:
-  static DeviceMesh create(World& world, int fsdp_size = -1);
+  static DeviceMesh create(World& world, int fsdp_size = -1,
+                           int ulysses_sequence_parallel_size = 1);
 
   ProcessGroup& shard_group() const { return *shard_; }
   // Null for a 1-D mesh.
   ProcessGroup* replicate_group() const { return replicate_.get(); }
   int shard_size() const { return shard_->size(); }
   int replicate_size() const { return replicate_ ? replicate_->size() : 1; }
-  int data_parallel_size() const { return shard_size() * replicate_size(); }
-  int data_parallel_rank() const;
+  // This rank among every rank of the mesh (replica-major), and their count: whose shard files a
+  // checkpoint holds, whatever the sequence parallelism.
+  int rank() const;
+  int size() const { return shard_size() * replicate_size(); }
+  // The ranks that hold different samples: size() / sequence_parallel_size().
+  int data_parallel_size() const { return size() / sequence_parallel_size(); }
+  int data_parallel_rank() const { return rank() / sequence_parallel_size(); }
+  // The ranks at this rank's sp position, one per data-parallel rank: a gather over it sees every
+  // sample once (global advantage statistics, say). The world's group when sp == 1.
+  ProcessGroup& data_parallel_group() const { return *data_parallel_; }
+  // This rank's Ulysses group (null when sp == 1): the ranks that split each sample's sequence.
+  const std::shared_ptr<ProcessGroup>& sequence_parallel_group() const { return sequence_; }
+  int sequence_parallel_size() const { return sequence_ ? sequence_->size() : 1; }
   torch::Device device() const { return device_; }
 
  private:
-  std::shared_ptr<ProcessGroup> shard_, replicate_;
+  std::shared_ptr<ProcessGroup> shard_, replicate_, data_parallel_, sequence_;
   torch::Device device_ = torch::kCPU;
 };
 

@@ -82,7 +82,7 @@ std::string broadcast_string(dist::ProcessGroup& group, const std::string& mine,
                      static_cast<size_t>(n));
 }
 
-// Every data-parallel rank's JSON, in data_parallel_rank() order (replica-major).
+// Every rank's JSON, in DeviceMesh::rank() order (replica-major).
 std::vector<json> all_gather_json(const dist::DeviceMesh& mesh, const json& mine) {
   json shard_group = json::array();
   for (const auto& s : all_gather_strings(mesh.shard_group(), mine.dump(), mesh.device()))
@@ -201,7 +201,7 @@ torch::Tensor empty_with_zero_padding(const fsdp::ShardedParameter& p) {
 json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, const StateOwners& owners,
                       const SaveOptions& options) {
   const auto& mesh = model.mesh();
-  const int rank = mesh.data_parallel_rank();
+  const int rank = mesh.rank();
   // Replicas hold the same shards: only the first replica writes them.
   const bool writes_shards =
       mesh.replicate_group() == nullptr || mesh.replicate_group()->rank() == 0;
@@ -294,7 +294,7 @@ json build_index(int64_t step, const fsdp::FSDPModule& model, const optim::LRSch
   json index = {{"format", kFormat},
                 {"version", kIndexVersion},
                 {"step", step},
-                {"world_size", mesh.data_parallel_size()},
+                {"world_size", mesh.size()},
                 {"shard_size", mesh.shard_size()},
                 {"replicate_size", mesh.replicate_size()},
                 {"files", json::object()},
@@ -365,7 +365,7 @@ std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
                  torch::optim::Optimizer& optimizer, const optim::LRScheduler* scheduler,
                  const json& extra, const SaveOptions& options) {
   const auto& mesh = model.mesh();
-  const bool leader = mesh.data_parallel_rank() == 0;
+  const bool leader = mesh.rank() == 0;
   const fs::path root_path(root);
   const fs::path tmp = root_path / fmt::format("{}{}", kTmpPrefix, step);
   const fs::path final_dir = root_path / fmt::format("{}{}", kStepPrefix, step);
@@ -453,7 +453,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
         states.push_back({owner->second, compat::optimizer_state_key(p.shard), std::move(state)});
       }
     }
-    const int rank = mesh.data_parallel_rank();
+    const int rank = mesh.rank();
     torch::Tensor rng;
     if (rank < static_cast<int>(index.at("rng").size())) {
       const json& where = index["rng"][rank];

@@ -135,13 +135,7 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
   // alltoall hands chunk j to rank j; every rank then sums the W chunks it received.
   auto received = torch::empty_like(input);
   torch::Tensor send = input.view(-1);
-  torch::Tensor recv = received.view(-1);
-  c10d::AllToAllOptions opts;
-  opts.timeout = timeout();
-  std::vector<int64_t> equal_splits;
-  works.push_back(launch("reduce_scatter", [&] {
-    return impl_->backend->alltoall_base(recv, send, equal_splits, equal_splits, opts);
-  }));
+  works.push_back(launch_all_to_all("reduce_scatter", send, received.view(-1)));
   return make_pending(
       "reduce_scatter", std::move(works), [received, out, send, group_size, n]() mutable {
         torch::Tensor rows = received.view({group_size, n});
@@ -157,6 +151,36 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
           out.view(-1).copy_(rows.to(torch::kFloat).sum(0));
         }
       });
+}
+
+Pending ProcessGroup::all_to_all_async(const torch::Tensor& input, torch::Tensor out) {
+  const int group_size = size();
+  TORCH_CHECK(input.is_contiguous() && out.is_contiguous() && out.numel() == input.numel() &&
+                  input.numel() % group_size == 0,
+              "all_to_all: input and output must be contiguous, of the same size, in size() equal "
+              "chunks");
+  TORCH_CHECK(out.scalar_type() == input.scalar_type(), "all_to_all: dtype mismatch");
+  bytes_sent_ += nbytes(input) / group_size * (group_size - 1);
+  if (group_size == 1) {
+    if (out.data_ptr() != input.data_ptr()) out.copy_(input);
+    return make_pending("all_to_all", {});
+  }
+  torch::Tensor send = input.view(-1);
+  torch::Tensor recv = out.view(-1);
+  // The buffers must outlive the transfer, whoever drops their tensors first.
+  return make_pending("all_to_all", {launch_all_to_all("all_to_all", send, recv)}, [send, recv] {});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::launch_all_to_all(const std::string& op,
+                                                               torch::Tensor send,
+                                                               torch::Tensor recv) {
+  // Equal splits along dim 0 (empty split lists): chunk j of `send` goes to rank j.
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout();
+  std::vector<int64_t> equal_splits;
+  return launch(op, [&] {
+    return impl_->backend->alltoall_base(recv, send, equal_splits, equal_splits, opts);
+  });
 }
 
 Pending ProcessGroup::start_all_reduce(torch::Tensor& tensor, ReduceOp op, bool host_needs_result) {

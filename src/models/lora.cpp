@@ -531,7 +531,7 @@ void export_peft_adapter(const fsdp::FSDPModule& model, const LoraConfig& config
   for (const auto& t : tensors) peft_of[t.param] = t.info.name;
   auto is_mine = [&](const std::string& param) { return peft_of.count(param) > 0; };
   // Only rank 0 writes; every rank takes part in each gather, one adapter tensor at a time.
-  const bool writes = model.mesh().data_parallel_rank() == 0;
+  const bool writes = model.mesh().rank() == 0;
   auto gather = [&](checkpoint::SafetensorsWriter* writer) {
     checkpoint::for_each_full_parameter(
         model, dtype, "",

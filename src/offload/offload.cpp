@@ -233,7 +233,7 @@ Residency& residency_of(const fsdp::FSDPModule& model) {
   TORCH_CHECK(model.is_root(),
               "offload: pass the root module (the one fully_shard() was applied to last)");
   if (auto* existing = dynamic_cast<Residency*>(model.residency())) return *existing;
-  const int rank = model.mesh().data_parallel_rank();
+  const int rank = model.mesh().rank();
   auto created = std::make_shared<Residency>(model.units(), rank_dir("", rank));
   model.set_residency(created);
   return *created;
@@ -282,7 +282,7 @@ void set_policy(fsdp::FSDPModule& model, torch::optim::Optimizer* optimizer,
     throw std::invalid_argument("offload.optimizer_offload: no optimizer was given");
   }
   Residency& residency = residency_of(model);
-  residency.set_dir(rank_dir(options.dir, model.mesh().data_parallel_rank()));
+  residency.set_dir(rank_dir(options.dir, model.mesh().rank()));
   residency.options = options;
   residency.optimizer = optimizer;
   to(options.tier == Tier::kCompute ? Tier::kFile : options.tier, model, optimizer,
