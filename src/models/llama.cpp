@@ -3,14 +3,17 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <set>
 
 #include "models/json_fields.h"
 #include "shardrl/models/activation_checkpoint.h"
+#include "shardrl/ulysses.h"
 
 namespace shardrl::models {
 namespace {
@@ -222,8 +225,22 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     ck = k.detach();
     cv = v.detach();
   }
+  // Ulysses: [B, heads, T / sp, hd] -> [B, heads / sp, T, hd]. Rank r then holds query heads
+  // [r * heads / sp, ...) and needs the key/value heads they read; with fewer key/value heads
+  // than ranks, each is repeated until every rank has one (verl's repeat_kv).
+  const bool sequence_parallel = sequence_parallel_ && !cache;
+  if (sequence_parallel) {
+    const int64_t sp = sequence_parallel_->size();
+    if (kv_heads_ % sp != 0) {
+      k = k.repeat_interleave(sp / kv_heads_, 1);
+      v = v.repeat_interleave(sp / kv_heads_, 1);
+    }
+    q = ulysses::gather_seq_scatter_heads(q, /*seq_dim=*/2, /*head_dim=*/1, *sequence_parallel_);
+    k = ulysses::gather_seq_scatter_heads(k, 2, 1, *sequence_parallel_);
+    v = ulysses::gather_seq_scatter_heads(v, 2, 1, *sequence_parallel_);
+  }
   // Grouped-query attention: each key/value head serves heads / kv_heads consecutive query heads.
-  const int64_t rep = heads_ / kv_heads_;
+  const int64_t rep = q.size(1) / k.size(1);
   if (rep > 1) {
     k = k.repeat_interleave(rep, 1);
     v = v.repeat_interleave(rep, 1);
@@ -231,8 +248,12 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
   scores = scores.masked_fill(blocked, -std::numeric_limits<float>::infinity());
   auto probs = torch::softmax(scores.to(torch::kFloat), -1).to(q.scalar_type());
-  auto out = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, heads_ * head_dim_});
-  return o_proj(out);
+  auto out = torch::matmul(probs, v);
+  if (sequence_parallel) {
+    out =
+        ulysses::gather_heads_scatter_seq(out, /*head_dim=*/1, /*seq_dim=*/2, *sequence_parallel_);
+  }
+  return o_proj(out.transpose(1, 2).reshape({B, T, heads_ * head_dim_}));
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c) {
@@ -286,11 +307,24 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config_(c) {
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
 }
 
-torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens, KVCache* cache,
-                                      const torch::Tensor& attention_mask) {
-  const int64_t B = tokens.size(0), past = cache ? cache->length() : 0, T = tokens.size(1);
-  TORCH_CHECK(past + T <= config_.max_position_embeddings, "sequence length ", past + T,
-              " exceeds max_position_embeddings ", config_.max_position_embeddings);
+torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens_in, KVCache* cache,
+                                      const torch::Tensor& attention_mask_in) {
+  const int64_t B = tokens_in.size(0), past = cache ? cache->length() : 0;
+  TORCH_CHECK(past + tokens_in.size(1) <= config_.max_position_embeddings, "sequence length ",
+              past + tokens_in.size(1), " exceeds max_position_embeddings ",
+              config_.max_position_embeddings);
+  // Ulysses: positions and the mask are those of the whole sequence, padded for the group (a
+  // padding key is hidden from every real query: it is in their future, and masked too when a
+  // mask is given); the embeddings and layers then see this rank's slice only.
+  std::optional<ulysses::SequenceSlice> slice;
+  torch::Tensor tokens = tokens_in, attention_mask = attention_mask_in;
+  if (sequence_parallel && !cache) {
+    slice = ulysses::sequence_slice(tokens.size(1), *sequence_parallel);
+    const int64_t pad = slice->padded_length - slice->length;
+    tokens = at::constant_pad_nd(tokens, {0, pad}, 0);
+    if (attention_mask.defined()) attention_mask = at::constant_pad_nd(attention_mask, {0, pad}, 0);
+  }
+  const int64_t T = tokens.size(1);
   const auto device = tokens.device();
   torch::Tensor positions =
       torch::arange(past, past + T, torch::dtype(torch::kLong).device(device));
@@ -316,6 +350,11 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens, KVCache* cach
   }
   auto [cos, sin] = rotary(config_, positions);
   if (cos.dim() == 3) cos = cos.unsqueeze(1), sin = sin.unsqueeze(1);  // [B, 1, T, head_dim]
+  if (slice) {
+    tokens = tokens.narrow(1, slice->begin, slice->local_length);
+    cos = cos.narrow(-2, slice->begin, slice->local_length);
+    sin = sin.narrow(-2, slice->begin, slice->local_length);
+  }
   auto x = embed_tokens(tokens);
   for (auto& layer : layers) x = layer(x, cos, sin, blocked, cache);
   return norm(x);
@@ -331,13 +370,70 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
   }
 }
 
+torch::Tensor LlamaForCausalLMImpl::head(const torch::Tensor& hidden) {
+  return lm_head ? lm_head(hidden) : F::linear(hidden, model->embed_tokens->weight);
+}
+
+namespace {
+// log_softmax(logits / temperature) at `targets` [B, K] for logits [B, K, vocab], in fp32.
+torch::Tensor target_log_probs(const torch::Tensor& logits_in, const torch::Tensor& targets,
+                               double temperature) {
+  auto logits = logits_in.to(torch::kFloat);
+  if (temperature > 0) logits = logits / temperature;
+  return torch::log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1);
+}
+}  // namespace
+
 torch::Tensor LlamaForCausalLMImpl::forward(torch::Tensor tokens, KVCache* cache,
-                                            torch::Tensor attention_mask, int64_t logits_to_keep) {
+                                            torch::Tensor attention_mask, int64_t logits_to_keep,
+                                            torch::Tensor next_tokens, double temperature) {
+  const int64_t T = tokens.size(1);
+  const int64_t keep = logits_to_keep > 0 && logits_to_keep < T ? logits_to_keep : T;
+  TORCH_CHECK(
+      !next_tokens.defined() || (next_tokens.dim() == 2 && next_tokens.size(0) == tokens.size(0) &&
+                                 next_tokens.size(1) == keep),
+      "LlamaForCausalLM: next_tokens must be [", tokens.size(0), ", ", keep,
+      "] (one per kept position), got ", next_tokens.sizes());
   auto h = model(tokens, cache, attention_mask);
-  if (logits_to_keep > 0 && logits_to_keep < h.size(1)) {
-    h = h.narrow(1, h.size(1) - logits_to_keep, logits_to_keep);
+  if (!model->sequence_parallel || cache) {
+    if (keep < T) h = h.narrow(1, T - keep, keep);
+    auto logits = head(h);
+    return next_tokens.defined() ? target_log_probs(logits, next_tokens, temperature) : logits;
   }
-  return lm_head ? lm_head(h) : F::linear(h, model->embed_tokens->weight);
+  // h is this rank's slice of the padded sequence.
+  auto& group = *model->sequence_parallel;
+  const auto slice = ulysses::sequence_slice(T, group);
+  if (!next_tokens.defined()) {
+    auto logits = ulysses::gather_outputs_and_unpad(head(h), 1, T, group);
+    return keep < T ? logits.narrow(1, T - keep, keep) : logits;
+  }
+  // The head runs on this rank's kept positions [lo, hi) only, so no rank holds more than its
+  // share of the logits. A rank with none runs it on one position at weight 0: every rank must
+  // run every FSDP unit and every all-to-all of the backward, whatever its slice holds.
+  const int64_t lo = std::clamp(T - keep - slice.begin, int64_t{0}, slice.local_length);
+  const int64_t hi = std::clamp(T - slice.begin, int64_t{0}, slice.local_length);
+  torch::Tensor local;
+  if (hi > lo) {
+    const auto targets = next_tokens.narrow(1, slice.begin + lo - (T - keep), hi - lo);
+    local =
+        at::constant_pad_nd(target_log_probs(head(h.narrow(1, lo, hi - lo)), targets, temperature),
+                            {lo, slice.local_length - hi}, 0);
+  } else {
+    const auto unused =
+        target_log_probs(head(h.narrow(1, 0, 1)), next_tokens.narrow(1, 0, 1) * 0, temperature);
+    local = torch::zeros({h.size(0), slice.local_length}, unused.options()) + 0.0 * unused.sum();
+  }
+  return ulysses::gather_outputs_and_unpad(local, 1, T, group).narrow(1, T - keep, keep);
+}
+
+void LlamaForCausalLMImpl::set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group) {
+  if (group) {
+    ulysses::check_heads(config_.num_attention_heads, config_.num_key_value_heads, group->size());
+  }
+  model->sequence_parallel = group && group->size() > 1 ? group : nullptr;
+  for (auto& layer : model->layers) {
+    layer->self_attn->set_sequence_parallel(model->sequence_parallel.get());
+  }
 }
 
 void LlamaForCausalLMImpl::set_activation_checkpointing(bool enabled) {

@@ -147,11 +147,10 @@ torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& s
   }
   const auto mask =
       attention_mask.defined() ? attention_mask.narrow(1, 0, total - 1) : torch::Tensor();
-  // Only the response positions go through the head.
-  auto logits = model(sequences.narrow(1, 0, total - 1), nullptr, mask, length).to(torch::kFloat);
-  if (temperature > 0) logits = logits / temperature;
-  auto targets = sequences.narrow(1, prompt_length, length);
-  return torch::log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1);
+  // Only the response positions go through the head, and only their log-probs come back (under
+  // sequence parallelism, only they are gathered).
+  return model(sequences.narrow(1, 0, total - 1), nullptr, mask, length,
+               sequences.narrow(1, prompt_length, length), temperature);
 }
 
 }  // namespace shardrl::models

@@ -11,6 +11,7 @@
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/activation_checkpoint.h"
 #include "shardrl/models/weights.h"
+#include "shardrl/ulysses.h"
 
 namespace shardrl::models {
 namespace {
@@ -227,7 +228,8 @@ SD3AttentionImpl::SD3AttentionImpl(const SD3Config& c, bool joint, bool context_
 
 std::pair<torch::Tensor, torch::Tensor> SD3AttentionImpl::forward(const torch::Tensor& x,
                                                                   const torch::Tensor& context,
-                                                                  bool need_context) {
+                                                                  bool need_context,
+                                                                  const torch::Tensor& keys) {
   const int64_t B = x.size(0), T = x.size(1);
   auto heads = [&](const torch::Tensor& h) {
     return h.view({B, -1, heads_, head_dim_}).transpose(1, 2);  // [B, heads, tokens, head_dim]
@@ -244,8 +246,24 @@ std::pair<torch::Tensor, torch::Tensor> SD3AttentionImpl::forward(const torch::T
     // discard changes nothing the image stream sees.
     if (need_context) q = torch::cat({q, normed(norm_added_q, heads(add_q_proj(context)))}, 2);
   }
-  auto out = at::scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(
-      {B, -1, heads_ * head_dim_});
+  const int64_t local_queries = q.size(2);
+  torch::Tensor out;
+  if (sequence_parallel_) {
+    // Ulysses: every rank's [image, text] slices for heads / sp of the heads. The keys arrive
+    // in the order of `keys` rows (rank 0's image and text slices, then rank 1's, ...); the
+    // order of keys does not matter to attention, and that of queries is undone by the inverse
+    // exchange. Padding keys are hidden; padding queries attend and are dropped at the end.
+    auto& group = *sequence_parallel_;
+    q = ulysses::gather_seq_scatter_heads(q, /*seq_dim=*/2, /*head_dim=*/1, group);
+    k = ulysses::gather_seq_scatter_heads(k, 2, 1, group);
+    v = ulysses::gather_seq_scatter_heads(v, 2, 1, group);
+    const auto real = context.defined() ? keys : keys.narrow(1, 0, T);
+    out = at::scaled_dot_product_attention(q, k, v, real.reshape({1, 1, 1, -1}).to(q.device()));
+    out = ulysses::gather_heads_scatter_seq(out, /*head_dim=*/1, /*seq_dim=*/2, group);
+  } else {
+    out = at::scaled_dot_product_attention(q, k, v);
+  }
+  out = out.transpose(1, 2).reshape({B, local_queries, heads_ * head_dim_});
   auto image = to_out(out.narrow(1, 0, T));
   if (!context.defined() || !need_context) return {image, {}};
   auto text = out.narrow(1, T, out.size(1) - T);
@@ -271,13 +289,15 @@ JointTransformerBlockImpl::JointTransformerBlockImpl(const SD3Config& c, int64_t
 
 std::vector<torch::Tensor> JointTransformerBlockImpl::forward(torch::Tensor hidden,
                                                               torch::Tensor context,
-                                                              torch::Tensor temb) {
-  if (!checkpoint_activations) return compute(hidden, context, temb);
-  // checkpointed() recomputes a function of one output: both streams travel concatenated.
+                                                              torch::Tensor temb,
+                                                              torch::Tensor keys) {
+  if (!checkpoint_activations) return compute(hidden, context, temb, keys);
+  // checkpointed() recomputes a function of one output: both streams travel concatenated. The
+  // key mask needs no grad: captured, not an input of the recompute.
   const int64_t T = hidden.size(1);
   auto joined = checkpointed(
-      [this](const std::vector<torch::Tensor>& in) {
-        return torch::cat(compute(in[0], in[1], in[2]), 1);
+      [this, keys](const std::vector<torch::Tensor>& in) {
+        return torch::cat(compute(in[0], in[1], in[2], keys), 1);
       },
       {hidden, context, temb});
   if (context_pre_only_) return {joined};
@@ -286,7 +306,8 @@ std::vector<torch::Tensor> JointTransformerBlockImpl::forward(torch::Tensor hidd
 
 std::vector<torch::Tensor> JointTransformerBlockImpl::compute(const torch::Tensor& hidden_in,
                                                               const torch::Tensor& context_in,
-                                                              const torch::Tensor& temb) {
+                                                              const torch::Tensor& temb,
+                                                              const torch::Tensor& keys) {
   auto c = torch::silu(temb);
   // shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp[, shift2, scale2, gate2]
   auto m = norm1(c).chunk(dual_ ? 9 : 6, 1);
@@ -297,11 +318,11 @@ std::vector<torch::Tensor> JointTransformerBlockImpl::compute(const torch::Tenso
   auto ctx = context_pre_only_ ? modulate(plain_norm(context_in), cm[1], cm[0])
                                : modulate(plain_norm(context_in), cm[0], cm[1]);
 
-  auto [attn_out, context_attn_out] = attn(x, ctx, !context_pre_only_);
+  auto [attn_out, context_attn_out] = attn(x, ctx, !context_pre_only_, keys);
   auto hidden = hidden_in + m[2].unsqueeze(1) * attn_out;
   if (dual_) {
-    hidden = hidden +
-             m[8].unsqueeze(1) * attn2(modulate(normed, m[6], m[7]), torch::Tensor(), false).first;
+    hidden = hidden + m[8].unsqueeze(1) *
+                          attn2(modulate(normed, m[6], m[7]), torch::Tensor(), false, keys).first;
   }
   hidden = hidden + m[5].unsqueeze(1) *
                         run_feed_forward(ff_proj, ff_out, modulate(plain_norm(hidden), m[3], m[4]));
@@ -390,13 +411,31 @@ torch::Tensor SD3Transformer2DModelImpl::forward(torch::Tensor hidden_states,
   auto temb = t_linear_2_(torch::silu(t_linear_1_(t_proj))) +
               text_linear_2_(torch::silu(text_linear_1_(pooled_projections)));
   auto context = context_embedder_(encoder_hidden_states);
+  torch::Tensor keys;
+  if (sequence_parallel_) {
+    // Each rank keeps its slice of the image tokens and of the text tokens; `keys` marks the real
+    // positions of every rank's slices, as the attention exchange lays them out.
+    auto& group = *sequence_parallel_;
+    const auto image = ulysses::sequence_slice(hidden.size(1), group);
+    const auto text = ulysses::sequence_slice(context.size(1), group);
+    auto real = [&](const ulysses::SequenceSlice& slice) {
+      auto position = torch::arange(slice.padded_length, torch::kLong).view({group.size(), -1});
+      return position < slice.length;
+    };
+    keys = torch::cat({real(image), real(text)}, 1);
+    hidden = ulysses::pad_and_slice(hidden, 1, group);
+    context = ulysses::pad_and_slice(context, 1, group);
+  }
   for (auto& block : blocks) {
-    auto out = block(hidden, context, temb);
+    auto out = block(hidden, context, temb, keys);
     hidden = out[0];
     if (out.size() > 1) context = out[1];
   }
   auto mod = norm_out_(torch::silu(temb)).chunk(2, 1);  // scale, shift
   hidden = proj_out_(modulate(plain_norm(hidden), mod[1], mod[0]));
+  if (sequence_parallel_) {
+    hidden = ulysses::gather_outputs_and_unpad(hidden, 1, h * w, *sequence_parallel_);
+  }
   return hidden.reshape({B, h, w, p, p, c.out_channels})
       .permute({0, 5, 1, 3, 2, 4})  // n h w p q c -> n c h p w q
       .reshape({B, c.out_channels, h * p, w * p});
@@ -404,6 +443,17 @@ torch::Tensor SD3Transformer2DModelImpl::forward(torch::Tensor hidden_states,
 
 void SD3Transformer2DModelImpl::set_activation_checkpointing(bool enabled) {
   for (auto& block : blocks) block->checkpoint_activations = enabled;
+}
+
+void SD3Transformer2DModelImpl::set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group) {
+  if (group) {
+    ulysses::check_heads(config_.num_attention_heads, config_.num_attention_heads, group->size());
+  }
+  sequence_parallel_ = group && group->size() > 1 ? group : nullptr;
+  for (auto& block : blocks) {
+    block->attn->set_sequence_parallel(sequence_parallel_.get());
+    if (block->attn2) block->attn2->set_sequence_parallel(sequence_parallel_.get());
+  }
 }
 
 void shard_sd3(SD3Transformer2DModel& model, const dist::DeviceMesh& mesh,

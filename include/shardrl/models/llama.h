@@ -71,12 +71,17 @@ class LlamaAttentionImpl : public torch::nn::Module {
   // positions of x. `blocked` bool, true where a query may not see a key: [T, past + T] (the
   // causal mask) or [B, 1, T, past + T] (with padding). With a cache, attends to the cached keys
   // too and appends this step's keys and values to `layer` of it.
+  // Under sequence parallelism (set_sequence_parallel, no cache), x, cos and sin are this rank's
+  // slice of the sequence and `blocked` covers the whole padded sequence: Ulysses' all-to-alls
+  // give each rank every position for heads / sp of the heads.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& blocked, KVCache* cache, size_t layer);
+  void set_sequence_parallel(dist::ProcessGroup* group) { sequence_parallel_ = group; }
   lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
+  dist::ProcessGroup* sequence_parallel_ = nullptr;
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -110,12 +115,16 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
 class LlamaModelImpl : public torch::nn::Module {
  public:
   explicit LlamaModelImpl(const LlamaConfig& config);
-  // -> hidden states; attention_mask as LlamaForCausalLM's.
+  // -> hidden states; attention_mask as LlamaForCausalLM's. Under sequence parallelism without a
+  // cache, tokens and attention_mask hold whole sequences on every rank of the group and the
+  // result is this rank's slice of the hidden states (ulysses::sequence_slice of the length).
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache,
                         const torch::Tensor& attention_mask);
   fsdp::Unit<EmbeddingImpl> embed_tokens{nullptr};
   std::vector<fsdp::Unit<LlamaDecoderLayerImpl>> layers;
   RMSNorm norm{nullptr};
+  // The Ulysses group (null: off); set through LlamaForCausalLMImpl::set_sequence_parallel.
+  std::shared_ptr<dist::ProcessGroup> sequence_parallel;
 
  private:
   LlamaConfig config_;
@@ -132,16 +141,31 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // cumsum(mask) - 1), so each row's logits are those it has alone. Undefined: every token counts.
   // logits_to_keep > 0 (HF's argument) computes the head on the last that many positions only:
   // [B, logits_to_keep, vocab], what sampling needs of a prompt.
+  //
+  // next_tokens [B, logits_to_keep] (int64), the token each kept position predicts, returns their
+  // log-probs under log_softmax(logits / temperature) instead (temperature 0 counts as 1):
+  // [B, logits_to_keep] fp32, what PPO and GRPO need of the policy.
+  //
+  // Under Ulysses sequence parallelism (set_sequence_parallel) a forward without a cache runs the
+  // decoder on this rank's slice of every sequence; tokens, attention_mask and next_tokens are
+  // the whole sequences, the same on every rank of the group, and so is the result. Only the
+  // log-probs of next_tokens are gathered across the group; without next_tokens, the logits are.
+  // Sampling (with a cache) runs unsplit on every rank.
   torch::Tensor forward(torch::Tensor tokens, KVCache* cache = nullptr,
-                        torch::Tensor attention_mask = {}, int64_t logits_to_keep = 0);
+                        torch::Tensor attention_mask = {}, int64_t logits_to_keep = 0,
+                        torch::Tensor next_tokens = {}, double temperature = 1.0);
   const LlamaConfig& config() const { return config_; }
   // Activation checkpointing per decoder layer (see activation_checkpoint.h).
   void set_activation_checkpointing(bool enabled);
+  // Ulysses sequence parallelism over `group` (DeviceMesh::sequence_parallel_group; null turns it
+  // off). The group's size must split the heads (ulysses::check_heads).
+  void set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group);
 
   LlamaModel model{nullptr};
   fsdp::Unit<LinearImpl> lm_head{nullptr};  // null when tie_word_embeddings
 
  private:
+  torch::Tensor head(const torch::Tensor& hidden);  // lm_head, or the tied embeddings
   LlamaConfig config_;
 };
 using LlamaForCausalLM = fsdp::Unit<LlamaForCausalLMImpl>;

@@ -53,6 +53,7 @@ torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
 // under log_softmax(logits / temperature) (temperature 0 counts as 1): [B, L] fp32, with grad
 // when grad mode is on. The old-policy, reference and current log-probs of PPO/GRPO.
 // attention_mask [B, total] for left-padded prompts (Rollout::attention_mask), or undefined.
+// Under sequence parallelism only these log-probs are gathered (LlamaForCausalLM::forward).
 torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& sequences,
                                  int64_t prompt_length, double temperature,
                                  const torch::Tensor& attention_mask = {});

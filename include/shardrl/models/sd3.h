@@ -70,8 +70,13 @@ class SD3AttentionImpl : public torch::nn::Module {
   SD3AttentionImpl(const SD3Config& config, bool joint, bool context_out);
   // x [B, T, D] (image), context [B, L, D] or undefined -> {image out, text out or undefined}.
   // With `need_context` false the text queries are not computed (the last block discards them).
+  // Under sequence parallelism x and context are this rank's slices of both streams and `keys`
+  // (bool [sp, T + L]) says which positions of every rank's slices are real: the joint attention
+  // runs over all of them for heads / sp of the heads, padding keys hidden.
   std::pair<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x,
-                                                  const torch::Tensor& context, bool need_context);
+                                                  const torch::Tensor& context, bool need_context,
+                                                  const torch::Tensor& keys = {});
+  void set_sequence_parallel(dist::ProcessGroup* group) { sequence_parallel_ = group; }
 
   lora::LoraLinear to_q{nullptr}, to_k{nullptr}, to_v{nullptr}, to_out{nullptr};  // to_out.0
   lora::LoraLinear add_q_proj{nullptr}, add_k_proj{nullptr}, add_v_proj{nullptr};
@@ -80,6 +85,7 @@ class SD3AttentionImpl : public torch::nn::Module {
 
  private:
   int64_t heads_, head_dim_;
+  dist::ProcessGroup* sequence_parallel_ = nullptr;
 };
 TORCH_MODULE(SD3Attention);
 
@@ -88,9 +94,10 @@ class JointTransformerBlockImpl : public torch::nn::Module {
  public:
   JointTransformerBlockImpl(const SD3Config& config, int64_t layer);
   // hidden [B, T, D], context [B, L, D], temb [B, D] -> {hidden, context}; the last block
-  // (context_pre_only) returns {hidden} alone.
+  // (context_pre_only) returns {hidden} alone. `keys`: SD3AttentionImpl::forward's, under
+  // sequence parallelism.
   std::vector<torch::Tensor> forward(torch::Tensor hidden, torch::Tensor context,
-                                     torch::Tensor temb);
+                                     torch::Tensor temb, torch::Tensor keys = {});
   // Recompute this block's activations in backward instead of keeping them.
   bool checkpoint_activations = false;
   bool context_pre_only() const { return context_pre_only_; }
@@ -104,7 +111,7 @@ class JointTransformerBlockImpl : public torch::nn::Module {
 
  private:
   std::vector<torch::Tensor> compute(const torch::Tensor& hidden, const torch::Tensor& context,
-                                     const torch::Tensor& temb);
+                                     const torch::Tensor& temb, const torch::Tensor& keys);
   bool context_pre_only_, dual_;
   int64_t dim_;
 };
@@ -116,10 +123,17 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
   // pos_embed_max_size patches), encoder_hidden_states [B, L, joint_attention_dim],
   // pooled_projections [B, pooled_projection_dim], timestep [B] (diffusers' scale, 0..1000)
   // -> [B, out_channels, H, W].
+  //
+  // Under Ulysses sequence parallelism (set_sequence_parallel) every rank of the group takes the
+  // same inputs and returns the same output, and the blocks run on this rank's slice of the image
+  // tokens and of the text tokens, each padded to a multiple of the group size.
   torch::Tensor forward(torch::Tensor hidden_states, torch::Tensor encoder_hidden_states,
                         torch::Tensor pooled_projections, torch::Tensor timestep);
   const SD3Config& config() const { return config_; }
   void set_activation_checkpointing(bool enabled);
+  // Ulysses sequence parallelism over `group` (DeviceMesh::sequence_parallel_group; null turns it
+  // off); its size must divide num_attention_heads.
+  void set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group);
 
   // diffusers' `pos_embed.pos_embed` (a persistent buffer there, a fixed table here: never a
   // param, so never trained or sharded) [1, max * max, D]; loading a file replaces it.
@@ -139,6 +153,7 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
   Linear norm_out_{nullptr};  // norm_out.linear (AdaLayerNormContinuous: scale, then shift)
   Linear proj_out_{nullptr};
   torch::Tensor pos_embed_;
+  std::shared_ptr<dist::ProcessGroup> sequence_parallel_;
 };
 using SD3Transformer2DModel = fsdp::Unit<SD3Transformer2DModelImpl>;
 
