@@ -72,6 +72,9 @@ struct EngineConfig {
   std::string backend = "fsdp";
   nlohmann::json model = nlohmann::json::object();  // handed to the model family's builder
   int fsdp_size = -1;                               // -1: shard over every rank (no HSDP)
+  // Ulysses sequence parallelism (verl's actor.ulysses_sequence_parallel_size): groups of this
+  // many neighbouring ranks split each sample's sequence (dist::DeviceMesh); 1: off.
+  int ulysses_sequence_parallel_size = 1;
   fsdp::Options fsdp;                    // reshard_after_forward, mixed_precision, prefetch
   int64_t micro_batch_size_per_gpu = 0;  // 0: the whole local batch is one micro-batch
   bool forward_only = false;             // a reference model: no optimizer, no grads
@@ -200,7 +203,8 @@ class Engine {
 
   int data_parallel_rank() const { return mesh_.data_parallel_rank(); }
   int data_parallel_size() const { return mesh_.data_parallel_size(); }
-  const dist::DeviceMesh& data_parallel_group() const { return mesh_; }
+  // The ranks, as FSDP shards over them and as they split the data (dp x Ulysses sp).
+  const dist::DeviceMesh& mesh() const { return mesh_; }
   dist::World& world() { return *world_; }
   torch::optim::Optimizer* optimizer() { return optimizer_.get(); }
 

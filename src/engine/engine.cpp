@@ -74,7 +74,8 @@ Engine::Engine(EngineConfig config, std::shared_ptr<dist::World> world, const Mo
                LossFn loss)
     : config_(std::move(config)),
       world_(std::move(world)),
-      mesh_(dist::DeviceMesh::create(*world_, config_.fsdp_size)),
+      mesh_(dist::DeviceMesh::create(*world_, config_.fsdp_size,
+                                     config_.ulysses_sequence_parallel_size)),
       model_(builder(config_.model, mesh_, config_.fsdp)),
       loss_(std::move(loss)) {
   if (config_.forward_only) {

@@ -112,6 +112,12 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
   const bool checkpointing = field<bool>(j, "enable_activation_checkpointing", false);
   const auto path = pretrained_path(j);
   if (family == "gpt") {
+    if (mesh.sequence_parallel_size() > 1) {
+      throw std::invalid_argument(fmt::format(
+          "model.family gpt has no sequence parallelism (ulysses_sequence_parallel_size={}): use "
+          "the llama family",
+          mesh.sequence_parallel_size()));
+    }
     const auto c = models::TransformerConfig::from_json(config);
     models::Transformer model{nullptr};
     {
@@ -134,6 +140,7 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
     const auto plan = adapter_plan(j, {"q_proj", "k_proj", "v_proj", "o_proj"});
     add_adapters(*model, plan);
     model->set_activation_checkpointing(checkpointing);
+    model->set_sequence_parallel(mesh.sequence_parallel_group());
     models::shard_llama(model, mesh, options);
     load_sharded(path, model.fsdp());
     return finish(model, model.fsdp(), family, c.to_json(), plan);
@@ -192,6 +199,7 @@ ModelBuilder sd3_builder(std::vector<std::string> default_states) {
     if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
     add_adapters(*model, plan);
     model->set_activation_checkpointing(field<bool>(j, "enable_gradient_checkpointing", false));
+    model->set_sequence_parallel(mesh.sequence_parallel_group());
     models::shard_sd3(model, mesh, options);
     if (!dir.empty()) {
       // The position table is no param: the config determines it, as in diffusers.

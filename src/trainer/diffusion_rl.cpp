@@ -84,7 +84,8 @@ struct Options {
   algos::DiffusionLossConfig loss;
   int64_t eval_per_class;
 
-  Options(const json& c, int world_size) {
+  // data_parallel_size: the ranks that sample different prompts (the world / Ulysses sp).
+  Options(const json& c, int data_parallel_size) {
     data_dir = get<std::string>(c, "data.data_dir");
     run_dir = get<std::string>(c, "trainer.default_local_dir");
     cache_dir = get<std::string>(c, "pretrain.cache_dir");
@@ -121,22 +122,22 @@ struct Options {
     const std::string r = "actor_rollout_ref.rollout";
     group_size = get<int64_t>(c, r + ".n");
     train_batch_size = get<int64_t>(c, "data.train_batch_size");
-    if (train_batch_size < 1 || train_batch_size % world_size != 0) {
+    if (train_batch_size < 1 || train_batch_size % data_parallel_size != 0) {
       throw std::invalid_argument(
           fmt::format("config key 'data.train_batch_size' ({} prompts a step) must be a positive "
-                      "multiple of the {} ranks: each rank samples whole groups",
-                      train_batch_size, world_size));
+                      "multiple of the {} data-parallel ranks: each samples whole groups",
+                      train_batch_size, data_parallel_size));
     }
     const auto& mini = at(c, "actor_rollout_ref.actor.ppo_mini_batch_size");
     mini_batch_size = mini.is_null()
                           ? train_batch_size
                           : get<int64_t>(c, "actor_rollout_ref.actor.ppo_mini_batch_size");
     if (mini_batch_size < 1 || train_batch_size % mini_batch_size != 0 ||
-        mini_batch_size % world_size != 0) {
+        mini_batch_size % data_parallel_size != 0) {
       throw std::invalid_argument(fmt::format(
           "config key 'actor_rollout_ref.actor.ppo_mini_batch_size' ({} prompts) must divide "
-          "data.train_batch_size ({}) and be a multiple of the {} ranks",
-          mini_batch_size, train_batch_size, world_size));
+          "data.train_batch_size ({}) and be a multiple of the {} data-parallel ranks",
+          mini_batch_size, train_batch_size, data_parallel_size));
     }
     sampler.num_inference_steps = get<int64_t>(c, r + ".pipeline.num_inference_steps");
     sampler.true_cfg_scale = get<double>(c, r + ".pipeline.true_cfg_scale");
@@ -306,16 +307,23 @@ PromptTable encode_prompts(const Options& o, dist::World& world) {
   return {cached.encoding.prompt_embeds, cached.encoding.pooled, encoder.fingerprint()};
 }
 
+json model_config_json(const Options& o) {
+  return o.model_config.is_null() ? json::object() : o.model_config;
+}
+int64_t sd3_heads(const Options& o) {
+  return model_config_json(o).value("num_attention_heads", int64_t{4});
+}
+
 // The MMDiT's diffusers config: the YAML's actor_rollout_ref.model.config (width, depth, patch)
 // completed by what the data and the text encoder fix.
 models::SD3Config sd3_config(const Options& o, const PromptTable& prompts) {
-  json j = o.model_config.is_null() ? json::object() : o.model_config;
+  json j = model_config_json(o);
   j["in_channels"] = 1;
   j["out_channels"] = 1;
   j["sample_size"] = o.image_size;
   j["joint_attention_dim"] = prompts.width();
   j["pooled_projection_dim"] = prompts.pooled.size(1);
-  const auto heads = j.value("num_attention_heads", int64_t{4});
+  const auto heads = sd3_heads(o);
   const auto head_dim = j.value("attention_head_dim", int64_t{16});
   j["caption_projection_dim"] = heads * head_dim;
   if (!j.contains("pos_embed_max_size")) {
@@ -379,7 +387,9 @@ std::string pretrained_transformer(const Options& o, const json& config,
   auto& model = engine->model<models::SD3Transformer2DModel>();
   data::DistributedSampler sampler(train.size(), o.pretrain_batch, engine->data_parallel_rank(),
                                    engine->data_parallel_size(), o.seed);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919 + 17 + world->rank());
+  // By data-parallel rank: the sequence-parallel ranks of a sample must draw the same noise.
+  auto gen =
+      at::make_generator<at::CPUGeneratorImpl>(o.seed * 7919 + 17 + engine->data_parallel_rank());
   algos::FlowMatchingLossConfig fm;
   fm.caption_dropout = o.caption_dropout;
   const engine::LossFn flow_matching = [&](engine::Engine&, const engine::MicroBatch& mb) {
@@ -471,6 +481,9 @@ void add_columns(engine::Batch& rows, const engine::Batch& outputs) {
 }
 
 int run(const Options& o, const json& config, std::shared_ptr<dist::World> world) {
+  for (const char* role : {"actor", "ref"}) {
+    check_sequence_parallel_heads(config, role, sd3_heads(o), sd3_heads(o));
+  }
   auto mesh = dist::DeviceMesh::create(*world);
   const bool lead = world->rank() == 0;
   if (lead) fs::create_directories(o.run_dir);
@@ -596,7 +609,10 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
               << std::flush;
   }
 
-  const int64_t local_prompts = o.train_batch_size / world->size();
+  // Each data-parallel rank samples its own groups; the sequence-parallel ranks of one (Ulysses)
+  // sample the same, from the same seed, and split their sequences in the update.
+  const int64_t local_prompts = o.train_batch_size / engine->data_parallel_size();
+  const int64_t dp_rank = engine->data_parallel_rank();
   const int64_t mini_batches = optimizer_steps_per_rl_step;
   const auto decay = algos::ema_decay_schedule("linear_to_0_5");
   auto rl_start = Clock::now();
@@ -607,13 +623,12 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     auto prompt_ids =
         (torch::arange(o.train_batch_size, torch::kLong) + (step - 1) * o.train_batch_size) %
         num_prompts();
-    auto mine = prompt_ids.narrow(0, world->rank() * local_prompts, local_prompts)
+    auto mine = prompt_ids.narrow(0, dp_rank * local_prompts, local_prompts)
                     .repeat_interleave(o.group_size);
     auto labels = mine % kClasses;
     // Seeded by step, so a resumed run draws the same noise as an uninterrupted one; the SDE
     // window is drawn alike on every rank.
-    auto gen =
-        at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 131 + world->rank());
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 131 + dp_rank);
     auto shared_gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 137);
     const double offload_before = engine->offload_seconds();
 
@@ -631,7 +646,8 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     const auto rewards =
         models::classifier_reward(classifier, rollout.images(), labels, o.reward_mode)
             .to(torch::kFloat);
-    const auto adv = algos::group_advantages(rewards, o.group_size, o.advantage, &world->group());
+    const auto adv = algos::group_advantages(rewards, o.group_size, o.advantage,
+                                             &engine->mesh().data_parallel_group());
     seconds["reward"] = since(t);
 
     // The rows the algorithm trains on, and what they need from frozen policies.
@@ -796,7 +812,7 @@ json diffusion_rl_defaults() {
 }
 
 int run_diffusion_rl(const json& config, std::shared_ptr<dist::World> world) {
-  const Options options(config, world->size());
+  const Options options(config, world->size() / ulysses_sequence_parallel_size(config, "actor"));
   options.loss_mode();  // an unknown model_type fails here, before any stage runs
   return run(options, config, std::move(world));
 }

@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 
 #include "shardrl/trainer.h"
+#include "shardrl/ulysses.h"
+#include "tasks.h"
 
 namespace shardrl::trainer {
 
@@ -37,7 +39,53 @@ json engine_defaults() {
                 {"lora_dropout", 0.0},
                 {"target_modules", nullptr},
                 {"enable_activation_checkpointing", false}};
-  return {{"model", model}, {"actor", role}, {"ref", role}};
+  // verl's ref takes the actor's sequence parallelism unless it sets its own.
+  json actor = role, ref = role;
+  actor["ulysses_sequence_parallel_size"] = 1;
+  ref["ulysses_sequence_parallel_size"] = nullptr;
+  return {{"model", model}, {"actor", actor}, {"ref", ref}};
+}
+
+namespace {
+// The key that sets a role's sequence parallelism: its own, or the actor's when the ref's is null.
+std::string sequence_parallel_key(const json& config, const std::string& role) {
+  const std::string key = "actor_rollout_ref." + role + ".ulysses_sequence_parallel_size";
+  if (role != "actor" && at(config, key).is_null()) {
+    return "actor_rollout_ref.actor.ulysses_sequence_parallel_size";
+  }
+  return key;
+}
+}  // namespace
+
+int ulysses_sequence_parallel_size(const json& config, const std::string& role) {
+  const auto key = sequence_parallel_key(config, role);
+  const auto sp = get<int>(config, key);
+  if (sp < 1) {
+    throw std::invalid_argument(fmt::format("config key '{}' must be >= 1, got {}", key, sp));
+  }
+  return sp;
+}
+
+void check_sequence_parallel(const json& config, int world_size) {
+  for (const char* role : {"actor", "ref"}) {
+    const auto sp = ulysses_sequence_parallel_size(config, role);
+    if (world_size % sp != 0) {
+      throw std::invalid_argument(
+          fmt::format("config key '{}' ({}) must divide the world size {} (the ranks form "
+                      "data-parallel groups of sp sequence-parallel ranks)",
+                      sequence_parallel_key(config, role), sp, world_size));
+    }
+  }
+}
+
+void check_sequence_parallel_heads(const json& config, const std::string& role, int64_t heads,
+                                   int64_t kv_heads) {
+  try {
+    ulysses::check_heads(heads, kv_heads, ulysses_sequence_parallel_size(config, role));
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(
+        fmt::format("config key '{}': {}", sequence_parallel_key(config, role), e.what()));
+  }
 }
 
 engine::EngineConfig engine_config(const json& config, const std::string& model_type,
@@ -51,6 +99,7 @@ engine::EngineConfig engine_config(const json& config, const std::string& model_
 
   const std::string f = base + ".fsdp_config";
   c.fsdp_size = get<int>(config, f + ".fsdp_size");
+  c.ulysses_sequence_parallel_size = ulysses_sequence_parallel_size(config, role);
   c.fsdp.reshard_after_forward = get<bool>(config, f + ".reshard_after_forward");
   c.fsdp.prefetch = get<int>(config, f + ".forward_prefetch");
   c.offload.param_offload = get<bool>(config, f + ".param_offload");

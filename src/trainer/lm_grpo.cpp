@@ -297,6 +297,28 @@ double validate(engine::Engine& actor, const TaskText& text, const Problems& pro
   return actor.average_over_ranks({{"accuracy", correct / static_cast<double>(share)}})["accuracy"];
 }
 
+// `rollout` as the first rank of `group` made it (no group: as it is).
+models::Rollout same_in_group(models::Rollout rollout, dist::ProcessGroup* group) {
+  if (!group) return rollout;
+  auto response_length = torch::tensor({rollout.responses.size(1)}, torch::kLong);
+  group->broadcast(response_length, 0);
+  const int64_t length = response_length.item<int64_t>();
+  const int64_t rows = rollout.prompts.size(0);
+  if (group->rank() != 0) {
+    rollout.responses = torch::empty({rows, length}, rollout.responses.options());
+    rollout.log_probs = torch::empty({rows, length}, rollout.log_probs.options());
+    rollout.response_mask = torch::empty({rows, length}, rollout.response_mask.options());
+  }
+  for (auto* t : {&rollout.responses, &rollout.log_probs, &rollout.response_mask}) {
+    group->broadcast(*t, 0);
+  }
+  rollout.sequences = torch::cat({rollout.prompts, rollout.responses}, 1);
+  rollout.attention_mask = torch::cat({rollout.attention_mask.narrow(1, 0, rollout.prompts.size(1)),
+                                       torch::ones_like(rollout.responses)},
+                                      1);
+  return rollout;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -376,6 +398,14 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   // supervised stage makes one.
   json rl = config;
   const std::string pretrained = get<std::string>(config, "actor_rollout_ref.model.path");
+  {
+    const auto model = pretrained.empty() ? models::LlamaConfig::from_json(llama_json(config))
+                                          : models::LlamaConfig::load(pretrained + "/config.json");
+    for (const char* role : {"actor", "ref"}) {
+      check_sequence_parallel_heads(config, role, model.num_attention_heads,
+                                    model.num_key_value_heads);
+    }
+  }
   std::unique_ptr<TaskText> text;
   if (pretrained.empty()) {
     rl["actor_rollout_ref"]["model"]["config"] = llama_json(config);
@@ -439,11 +469,15 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     sampling.top_p = get<double>(config, "actor_rollout_ref.rollout.top_p");
     sampling.eos_token_id = text->eos;
     sampling.pad_token_id = text->pad;
-    sampling.generator =
-        at::make_generator<at::CPUGeneratorImpl>(seed * 7777 + step * 131 + world->rank());
+    sampling.generator = at::make_generator<at::CPUGeneratorImpl>(seed * 7777 + step * 131 +
+                                                                  actor->data_parallel_rank());
     const auto [prompt_tokens, prompt_mask] = text->prompts(mine);
-    const auto rollout = models::sample(actor->model<models::LlamaForCausalLM>(), prompt_tokens,
-                                        sampling, prompt_mask);
+    // The sequence-parallel ranks of a group sample the same prompts from the same seed; the
+    // group's first rank's rollout is the one all of them train on (verl hands the group one
+    // batch), whatever their kernels' last bits.
+    const auto rollout = same_in_group(models::sample(actor->model<models::LlamaForCausalLM>(),
+                                                      prompt_tokens, sampling, prompt_mask),
+                                       actor->mesh().sequence_parallel_group().get());
     const double rollout_seconds = seconds_since(start);
 
     std::vector<std::string> responses;

@@ -65,6 +65,16 @@ struct RunCurve {
 };
 RunCurve summarize_run(const std::string& run_dir, const std::string& title);
 
+// actor_rollout_ref.<role>.ulysses_sequence_parallel_size; the ref's is the actor's when null,
+// as in verl. Errors name the key.
+int ulysses_sequence_parallel_size(const nlohmann::json& config, const std::string& role);
+// Every role's sequence-parallel size divides the world: checked before any engine is built.
+void check_sequence_parallel(const nlohmann::json& config, int world_size);
+// A model with these heads splits them over the role's sequence-parallel ranks
+// (ulysses::check_heads); the error names the config key.
+void check_sequence_parallel_heads(const nlohmann::json& config, const std::string& role,
+                                   int64_t heads, int64_t kv_heads);
+
 // Next-token cross-entropy of the language model on mb.data["tokens"], for the supervised stages.
 engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& mb);
 

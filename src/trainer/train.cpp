@@ -130,6 +130,7 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
   init.timeout = collective_timeout(config, config_path);
   const int nproc = get<int>(config, "trainer.nproc_per_node");
   if (std::getenv("RANK") == nullptr && nproc > 1) {
+    check_sequence_parallel(config, nproc);  // once, before any rank starts
     dist::LaunchOptions launch;
     launch.nproc = nproc;
     launch.command = {self_exe, "train", config_path};
@@ -137,6 +138,7 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
     return dist::launch(launch);
   }
   auto world = dist::World::init_from_env(init);
+  check_sequence_parallel(config, world->size());
   if (world->rank() == 0) {
     spdlog::info("task {} on {} rank(s); config:\n{}", get<std::string>(config, "trainer.task"),
                  world->size(), config.dump(2));
