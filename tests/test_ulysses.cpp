@@ -159,7 +159,8 @@ void expect_same_steps(const std::string& split_jsonl, const std::string& single
 }
 
 // GRPO on the arithmetic task with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 on 2
-// ranks (actor and reference split, the supervised stage too) logs what 1 rank logs.
+// ranks (actor and reference split, the supervised stage too) logs what 1 rank logs, and its
+// checkpoint resumes on 1 rank.
 TEST(Ulysses, LmGrpoThroughShardrlTrainAtSp2MatchesOneRank) {
   const auto dir = make_temp_dir("ulysses_lm_grpo");
   auto overrides = [&](const std::string& run, int nproc, int sp) {
@@ -177,8 +178,23 @@ TEST(Ulysses, LmGrpoThroughShardrlTrainAtSp2MatchesOneRank) {
   auto single = run_process(train_argv("arithmetic_grpo.yaml", overrides("sp1", 1, 1)), {}, 300);
   ASSERT_EQ(single.exit_code, 0) << single.output;
   EXPECT_NE(single.output.find("supervised stage: cached"), std::string::npos) << single.output;
-  expect_same_steps(dir + "/sp2/metrics.jsonl", dir + "/sp1/metrics.jsonl", 4,
-                    {"reward_mean", "response_length", "loss", "pg_loss", "kl", "grad_norm"}, 1e-5);
+  const std::vector<std::string> keys = {"reward_mean", "response_length", "loss", "pg_loss",
+                                         "kl",          "grad_norm"};
+  expect_same_steps(dir + "/sp2/metrics.jsonl", dir + "/sp1/metrics.jsonl", 4, keys, 1e-5);
+
+  // The split run's last checkpoint resumes on 1 rank without sequence parallelism (the shards are
+  // keyed by mesh rank, not by sp) and continues as the single run does.
+  auto more = [&](const std::string& run) {
+    auto o = overrides(run, 1, 1);
+    o.push_back("trainer.total_training_steps=6");
+    return run_process(train_argv("arithmetic_grpo.yaml", o), {}, 300);
+  };
+  for (const char* run : {"sp2", "sp1"}) {
+    auto resumed = more(run);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  }
+  expect_same_steps(dir + "/sp2/metrics.jsonl", dir + "/sp1/metrics.jsonl", 6, keys, 1e-5);
 }
 
 // Sizes that do not split the world or the heads fail before any stage, naming the key.
