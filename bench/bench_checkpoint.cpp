@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "rss.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
@@ -40,6 +41,7 @@
 #include "shardrl/optim.h"
 
 using namespace shardrl;
+using namespace shardrl::bench;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 namespace fs = std::filesystem;
@@ -58,23 +60,6 @@ constexpr uint64_t kModelSeed = 1234;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// Resident set size of this process in bytes, from /proc/self/status (VmRSS or VmHWM).
-int64_t proc_status_bytes(const char* field) {
-  const int fd = ::open("/proc/self/status", O_RDONLY);
-  if (fd < 0) return -1;
-  char buf[4096];
-  const ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
-  ::close(fd);
-  if (n <= 0) return -1;
-  buf[n] = '\0';
-  const char* at = std::strstr(buf, field);
-  if (!at) return -1;
-  return std::strtoll(at + std::strlen(field) + 1, nullptr, 10) * 1024;  // "VmRSS:   123 kB"
-}
-int64_t rss_bytes() {
-  return proc_status_bytes("VmRSS");
 }
 
 // Samples VmRSS every few milliseconds on a thread while alive; reports the peak.
@@ -108,20 +93,6 @@ class RssSampler {
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
-
-// Resets VmHWM to the current RSS (Linux >= 4.0), so that it measures the peak of what follows.
-void reset_peak_rss() {
-  std::ofstream clear_refs("/proc/self/clear_refs");
-  clear_refs << "5";
-  if (!clear_refs.flush()) throw std::runtime_error("cannot reset VmHWM via /proc/self/clear_refs");
-}
-
-// Returns free heap pages to the kernel so that an RSS increase shows fresh memory rather than
-// being hidden by blocks the previous phase freed (the malloc policy keeps large blocks resident).
-int64_t trimmed_rss() {
-  malloc_trim(0);
-  return rss_bytes();
-}
 
 void drop_page_cache(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY);
