@@ -610,7 +610,9 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   }
 
   // Each data-parallel rank samples its own groups; the sequence-parallel ranks of one (Ulysses)
-  // sample the same, from the same seed, and split their sequences in the update.
+  // sample the same, from the same seed on identical replicas, and split their sequences in the
+  // update. Unlike a token draw (lm_grpo takes the group's first rank's), a last-bit difference
+  // between two hosts' kernels changes the latents by rounding, not into another sample.
   const int64_t local_prompts = o.train_batch_size / engine->data_parallel_size();
   const int64_t dp_rank = engine->data_parallel_rank();
   const int64_t mini_batches = optimizer_steps_per_rl_step;
