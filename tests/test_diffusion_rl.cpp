@@ -238,34 +238,38 @@ TEST(FmnistDemo, LrScheduleSpansTheRlStepsWithSeveralMiniBatches) {
 
 // Ulysses through `shardrl train`: with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2
 // on 2 ranks (one data-parallel rank whose 2 ranks split every sample's image and text tokens in
-// the MMDiT pretraining and the RL update), the run logs what 1 rank logs: the same rollouts, and
-// updates equal to fp32 rounding. The split run goes first and caches the supervised stages for
-// both.
+// the MMDiT pretraining and the RL update, the full fine-tuning's ref engine too), the run logs
+// what 1 rank logs: the same rollouts, and updates equal to fp32 rounding. Flow-GRPO with full
+// fine-tuning, and DPO with LoRA (whose pairs the group takes from its first rank). The first
+// split run caches the supervised stages for all.
 TEST(FmnistDemo, SequenceParallelRunMatchesOneRank) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
   const auto dir = make_temp_dir("fmnist_ulysses");
-  const auto base = tiny_for("fmnist_flow_grpo_full.yaml", dir + "/cache");
-  auto run = [&](const std::string& name, int nproc) {
-    return train("fmnist_flow_grpo_full.yaml",
-                 with(base, {"trainer.default_local_dir=" + dir + "/" + name,
-                             "trainer.nproc_per_node=" + std::to_string(nproc),
-                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=" +
-                                 std::to_string(nproc),
-                             "trainer.total_training_steps=3", "trainer.save_freq=-1"}));
-  };
-  auto split = run("sp2", 2);
-  ASSERT_EQ(split.exit_code, 0) << split.output;
-  auto single = run("sp1", 1);
-  ASSERT_EQ(single.exit_code, 0) << single.output;
-  EXPECT_NE(single.output.find("pretrained MMDiT: cached"), std::string::npos) << single.output;
-  const auto a = read_jsonl(dir + "/sp2/metrics.jsonl"), b = read_jsonl(dir + "/sp1/metrics.jsonl");
-  ASSERT_EQ(a.size(), 3u);
-  ASSERT_EQ(b.size(), 3u);
-  for (size_t i = 0; i < 3; ++i) {
-    for (const char* key : {"reward_mean", "loss", "policy_loss", "kl", "grad_norm"}) {
-      const double want = b[i][key];
-      EXPECT_NEAR(a[i][key].get<double>(), want, 1e-5 * std::max(1.0, std::abs(want)))
-          << key << " at step " << i + 1;
+  for (const std::string config : {"fmnist_flow_grpo_full.yaml", "fmnist_dpo.yaml"}) {
+    SCOPED_TRACE(config);
+    auto run = [&](const std::string& name, int nproc) {
+      return train(config, with(tiny_for(config, dir + "/cache"),
+                                {"trainer.default_local_dir=" + dir + "/" + config + name,
+                                 "trainer.nproc_per_node=" + std::to_string(nproc),
+                                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size=" +
+                                     std::to_string(nproc),
+                                 "trainer.total_training_steps=3", "trainer.save_freq=-1"}));
+    };
+    auto split = run("sp2", 2);
+    ASSERT_EQ(split.exit_code, 0) << split.output;
+    auto single = run("sp1", 1);
+    ASSERT_EQ(single.exit_code, 0) << single.output;
+    EXPECT_NE(single.output.find("pretrained MMDiT: cached"), std::string::npos) << single.output;
+    const auto a = read_jsonl(dir + "/" + config + "sp2/metrics.jsonl");
+    const auto b = read_jsonl(dir + "/" + config + "sp1/metrics.jsonl");
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(b.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      for (const char* key : {"reward_mean", "loss", "grad_norm"}) {
+        const double want = b[i][key];
+        EXPECT_NEAR(a[i][key].get<double>(), want, 1e-5 * std::max(1.0, std::abs(want)))
+            << key << " at step " << i + 1;
+      }
     }
   }
 }

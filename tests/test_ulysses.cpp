@@ -212,7 +212,15 @@ TEST(Ulysses, SizesThatDoNotSplitAreErrorsNamingTheKey) {
   const std::string actor_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size";
   const std::vector<Case> cases = {
       {"arithmetic_grpo.yaml", {actor_key + "=3"}, "'" + actor_key + "' (3) must divide"},
-      {"arithmetic_grpo.yaml", {actor_key + "=0"}, "'" + actor_key + "' must be >= 1"},
+      {"arithmetic_grpo.yaml", {actor_key + "=0"}, "'" + actor_key + "' must be an integer >= 1"},
+      {"arithmetic_grpo.yaml",
+       {"actor_rollout_ref.ref.ulysses_sequence_parallel_size=2.5"},
+       "'actor_rollout_ref.ref.ulysses_sequence_parallel_size' must be an integer >= 1, got 2.5"},
+      // A ref group splitting samples of two actor groups (the actor does not split at all).
+      {"arithmetic_grpo.yaml",
+       {"actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"},
+       "'actor_rollout_ref.ref.ulysses_sequence_parallel_size' (2) must divide '" + actor_key +
+           "' (1)"},
       {"arithmetic_grpo.yaml",
        {"actor_rollout_ref.ref.ulysses_sequence_parallel_size=4"},
        "'actor_rollout_ref.ref.ulysses_sequence_parallel_size' (4) must divide"},

@@ -1,7 +1,7 @@
 // Sharded checkpoints that reload at any world size, safetensors I/O, consolidated export and
 // streaming weight sync.
 //
-// A checkpoint is a directory `<root>/global_step_N` holding, per data-parallel rank r,
+// A checkpoint is a directory `<root>/global_step_N` holding, per rank r of the mesh,
 // `model_rank{r}.safetensors` (the valid rows of each fp32 master shard) and
 // `optim_rank{r}.safetensors` (AdamW moments of those rows and the rank's RNG state), plus one
 // `index.json` written by rank 0: each tensor's global shape and dtype, where every shard of it

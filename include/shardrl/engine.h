@@ -208,7 +208,7 @@ class Engine {
   dist::World& world() { return *world_; }
   torch::optim::Optimizer* optimizer() { return optimizer_.get(); }
 
-  // Mean of each metric over the data-parallel ranks (every rank must pass the same keys).
+  // Mean of each metric over every rank (each must pass the same keys; a Ulysses group agrees).
   Metrics average_over_ranks(const Metrics& metrics);
 
  private:

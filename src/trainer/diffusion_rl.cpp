@@ -480,6 +480,17 @@ void add_columns(engine::Batch& rows, const engine::Batch& outputs) {
   for (const auto& [name, tensor] : outputs) rows[name] = tensor;
 }
 
+// `rows` as the first rank of the sequence-parallel group built them, for the group splits these
+// very rows in the update. Every rank built them alike from the same seed, but after a last-bit
+// difference between two hosts' kernels a near-tie of rewards could pair other samples (DPO).
+void same_rows_in_group(engine::Batch& rows, dist::ProcessGroup* group) {
+  if (!group) return;
+  for (auto& [name, tensor] : rows) {
+    tensor = tensor.contiguous();
+    group->broadcast(tensor, 0);
+  }
+}
+
 int run(const Options& o, const json& config, std::shared_ptr<dist::World> world) {
   for (const char* role : {"actor", "ref"}) {
     check_sequence_parallel_heads(config, role, sd3_heads(o), sd3_heads(o));
@@ -610,9 +621,8 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   }
 
   // Each data-parallel rank samples its own groups; the sequence-parallel ranks of one (Ulysses)
-  // sample the same, from the same seed on identical replicas, and split their sequences in the
-  // update. Unlike a token draw (lm_grpo takes the group's first rank's), a last-bit difference
-  // between two hosts' kernels changes the latents by rounding, not into another sample.
+  // sample the same, from the same seed on identical replicas, and train on the rows of the
+  // group's first rank (same_rows_in_group).
   const int64_t local_prompts = o.train_batch_size / engine->data_parallel_size();
   const int64_t dp_rank = engine->data_parallel_rank();
   const int64_t mini_batches = optimizer_steps_per_rl_step;
@@ -621,7 +631,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   for (int64_t step = first_step; step <= o.rl_steps; ++step) {
     const auto step_start = Clock::now();
     std::map<std::string, double> seconds;
-    // Prompts cycle through every class and caption; each rank takes its groups.
+    // Prompts cycle through every class and caption; each data-parallel rank takes its groups.
     auto prompt_ids =
         (torch::arange(o.train_batch_size, torch::kLong) + (step - 1) * o.train_batch_size) %
         num_prompts();
@@ -667,6 +677,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     } else {
       rows = algos::dpo_rows(rollout, rewards, adv.group_ids, o.sampler.shift, gen);
     }
+    same_rows_in_group(rows, engine->mesh().sequence_parallel_group().get());
     if (o.loss.needs_reference()) add_columns(rows, reference_outputs(rows));
     seconds["reference"] = since(t);
 

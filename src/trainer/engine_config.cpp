@@ -59,11 +59,12 @@ std::string sequence_parallel_key(const json& config, const std::string& role) {
 
 int ulysses_sequence_parallel_size(const json& config, const std::string& role) {
   const auto key = sequence_parallel_key(config, role);
-  const auto sp = get<int>(config, key);
-  if (sp < 1) {
-    throw std::invalid_argument(fmt::format("config key '{}' must be >= 1, got {}", key, sp));
+  // The ref's null default takes any type: 2.5 or true must not pass as a size.
+  if (!at(config, key).is_number_integer() || get<int>(config, key) < 1) {
+    throw std::invalid_argument(fmt::format("config key '{}' must be an integer >= 1, got {}", key,
+                                            at(config, key).dump()));
   }
-  return sp;
+  return get<int>(config, key);
 }
 
 void check_sequence_parallel(const json& config, int world_size) {
@@ -75,6 +76,16 @@ void check_sequence_parallel(const json& config, int world_size) {
                       "data-parallel groups of sp sequence-parallel ranks)",
                       sequence_parallel_key(config, role), sp, world_size));
     }
+  }
+  // The ref computes columns of the actor's samples: each of its groups must lie inside one of
+  // the actor's, whose ranks hold the same samples.
+  const auto actor = ulysses_sequence_parallel_size(config, "actor");
+  const auto ref = ulysses_sequence_parallel_size(config, "ref");
+  if (actor % ref != 0) {
+    throw std::invalid_argument(fmt::format(
+        "config key '{}' ({}) must divide 'actor_rollout_ref.actor.ulysses_sequence_parallel_size' "
+        "({}): a ref group must split samples that one actor group holds",
+        sequence_parallel_key(config, "ref"), ref, actor));
   }
 }
 

@@ -78,6 +78,11 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
   const auto global_batch = get<int64_t>(config, "data.train_batch_size");
   const auto seed = get<int64_t>(config, "trainer.seed");
 
+  const auto& model = at(config, "actor_rollout_ref.model");
+  if (model.value("family", json()) == "llama") {
+    const auto c = models::LlamaConfig::from_json(model.at("config"));
+    check_sequence_parallel_heads(config, "actor", c.num_attention_heads, c.num_key_value_heads);
+  }
   torch::manual_seed(seed);  // identical initial weights on every rank
   auto engine =
       engine::EngineRegistry::create(engine_config(config, "language_model", "actor"), world);

@@ -199,7 +199,7 @@ std::vector<std::string> export_base(const std::string& ckpt_dir, const std::str
                                      checkpoint::ExportOptions options = {});
 
 // Collective over model.mesh(): from a live sharded model, gathering one adapter tensor at a time
-// (base params are not gathered); data-parallel rank 0 writes.
+// (base params are not gathered); the mesh's rank 0 writes.
 void export_peft_adapter(const fsdp::FSDPModule& model, const LoraConfig& config,
                          const std::string& name, const std::string& out_dir,
                          torch::ScalarType dtype = torch::kFloat,
