@@ -102,11 +102,13 @@ TEST(Ulysses, LlamaWithFewerKeyValueHeadsThanRanksLoraAndCheckpointing) {
 
 // The MMDiT's joint attention over 9 image tokens (3 x 3 patches) and 5 text tokens, both odd,
 // with a dual-attention block (image-only attn2) and qk RMSNorm, full fine-tuning: Flow-GRPO's
-// loss on the rows of a rollout the split model sampled.
+// loss on the rows of a rollout the split model sampled; gradient checkpointing (the padding-key
+// mask captured by the recompute).
 TEST(Ulysses, SD3FlowGrpoAtSp2EqualsSp1) {
   const auto dir = make_temp_dir("ulysses_sd3");
-  const std::vector<std::string> args = {"--model", "sd3", "--image",       "6", "--text", "5",
-                                         "--steps", "2",   "--micro-batch", "2"};
+  const std::vector<std::string> args = {"--model",       "sd3", "--image",        "6",
+                                         "--text",        "5",   "--steps",        "2",
+                                         "--micro-batch", "2",   "--checkpointing"};
   const auto sp1 = run_worker(1, dir + "/sp1", with(args, {"--sp", "1"}));
   const auto sp2 = run_worker(2, dir + "/sp2", with(args, {"--sp", "2"}));
   expect_same_training(sp2, sp1, 2);
