@@ -231,7 +231,9 @@ TEST(Ulysses, SizesThatDoNotSplitAreErrorsNamingTheKey) {
        {actor_key + "=2", "actor_rollout_ref.model.config.num_attention_heads=1",
         "actor_rollout_ref.model.config.num_key_value_heads=1"},
        "'" + actor_key + "': ulysses_sequence_parallel_size=2 must divide the number of attention"},
-      {"lm_pretrain.yaml", {actor_key + "=2"}, "model.family gpt has no sequence parallelism"},
+      {"lm_pretrain.yaml",
+       {actor_key + "=2"},
+       "model_type 'language_model': its model has no sequence"},
   };
   for (const auto& c : cases) {
     auto o = c.overrides;

@@ -101,6 +101,9 @@ struct Model {
   // "config": the family's config.json (Hugging Face's for llama / qwen2), "lora": {adapter:
   // PEFT adapter_config.json}} (no "lora" without adapters).
   nlohmann::json export_info = nlohmann::json::object();
+  // The builder split the model over mesh.sequence_parallel_group() (Ulysses): the Engine refuses
+  // a model without it on a mesh with sequence parallelism, whose gradients it would overcount.
+  bool sequence_parallel = false;
 };
 using ModelBuilder = std::function<Model(const nlohmann::json& model_config,
                                          const dist::DeviceMesh& mesh, const fsdp::Options&)>;

@@ -78,6 +78,12 @@ Engine::Engine(EngineConfig config, std::shared_ptr<dist::World> world, const Mo
                                      config_.ulysses_sequence_parallel_size)),
       model_(builder(config_.model, mesh_, config_.fsdp)),
       loss_(std::move(loss)) {
+  if (mesh_.sequence_parallel_size() > 1 && !model_.sequence_parallel) {
+    throw std::invalid_argument(fmt::format(
+        "model_type '{}': its model has no sequence parallelism (ulysses_sequence_parallel_size="
+        "{}); the llama family and the SD3 transformer have it",
+        config_.model_type, mesh_.sequence_parallel_size()));
+  }
   if (config_.forward_only) {
     // A reference model never updates: no grads are kept, so backward never reaches it.
     for (auto& p : model_.module->parameters()) p.set_requires_grad(false);

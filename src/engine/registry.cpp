@@ -97,12 +97,13 @@ void add_adapters(torch::nn::Module& module, const AdapterPlan& plan) {
   models::lora::set_active_adapter(module, "default");
 }
 
+// sequence_parallel: the family splits its model over the mesh's Ulysses group.
 template <class Holder>
 Model finish(Holder holder, const fsdp::FSDPModule& sharded, const std::string& family,
-             const json& config, const AdapterPlan& plan) {
+             const json& config, const AdapterPlan& plan, bool sequence_parallel) {
   json info = {{"family", family}, {"config", config}};
   info.update(adapter_export_info(plan));
-  return Model{holder.ptr(), sharded, holder, std::move(info)};
+  return Model{holder.ptr(), sharded, holder, std::move(info), sequence_parallel};
 }
 
 Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
@@ -112,12 +113,6 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
   const bool checkpointing = field<bool>(j, "enable_activation_checkpointing", false);
   const auto path = pretrained_path(j);
   if (family == "gpt") {
-    if (mesh.sequence_parallel_size() > 1) {
-      throw std::invalid_argument(fmt::format(
-          "model.family gpt has no sequence parallelism (ulysses_sequence_parallel_size={}): use "
-          "the llama family",
-          mesh.sequence_parallel_size()));
-    }
     const auto c = models::TransformerConfig::from_json(config);
     models::Transformer model{nullptr};
     {
@@ -128,7 +123,7 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
     add_adapters(*model, plan);
     models::shard_transformer(model, mesh, options);
     load_sharded(path, model.fsdp());
-    return finish(model, model.fsdp(), family, c.to_json(), plan);
+    return finish(model, model.fsdp(), family, c.to_json(), plan, /*sequence_parallel=*/false);
   }
   if (family == "llama") {
     const auto c = models::LlamaConfig::from_json(config);
@@ -143,7 +138,7 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
     model->set_sequence_parallel(mesh.sequence_parallel_group());
     models::shard_llama(model, mesh, options);
     load_sharded(path, model.fsdp());
-    return finish(model, model.fsdp(), family, c.to_json(), plan);
+    return finish(model, model.fsdp(), family, c.to_json(), plan, /*sequence_parallel=*/true);
   }
   throw std::invalid_argument(
       fmt::format("model.family: '{}' is not a language model family (gpt, llama)", family));
@@ -208,7 +203,7 @@ ModelBuilder sd3_builder(std::vector<std::string> default_states) {
           (fs::path(dir) / "diffusion_pytorch_model.safetensors").string(), sharded, "",
           [](const std::string& name) { return !models::lora::is_adapter_tensor(name); });
     }
-    return finish(model, model.fsdp(), "sd3", c.to_json(), plan);
+    return finish(model, model.fsdp(), "sd3", c.to_json(), plan, /*sequence_parallel=*/true);
   };
 }
 
