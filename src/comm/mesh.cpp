@@ -1,5 +1,9 @@
 #include <fmt/format.h>
 
+#include <string>
+#include <tuple>
+#include <utility>
+
 #include "shardrl/dist.h"
 
 namespace shardrl::dist {
@@ -9,6 +13,29 @@ namespace {
 std::shared_ptr<ProcessGroup> world_group(World& world) {
   return std::shared_ptr<ProcessGroup>(&world.group(), [](ProcessGroup*) {});
 }
+
+// The world laid out as a grid of runs of `run` neighbouring ranks: every rank's run (tag
+// `run_tag`{index}) and its column, the ranks at the same place in every run (`column_tag`{place}).
+// Collective over the world: every rank makes every group, runs first, in the same order.
+std::pair<std::shared_ptr<ProcessGroup>, std::shared_ptr<ProcessGroup>> grid_groups(
+    World& world, int run, const std::string& run_tag, const std::string& column_tag) {
+  const int runs = world.size() / run;
+  std::shared_ptr<ProcessGroup> mine_run, mine_column;
+  for (int r = 0; r < runs; ++r) {
+    std::vector<int> ranks;
+    for (int place = 0; place < run; ++place) ranks.push_back(r * run + place);
+    if (auto group = world.new_group(ranks, fmt::format("{}{}", run_tag, r))) mine_run = group;
+  }
+  for (int place = 0; place < run; ++place) {
+    std::vector<int> ranks;
+    for (int r = 0; r < runs; ++r) ranks.push_back(r * run + place);
+    if (auto group = world.new_group(ranks, fmt::format("{}{}", column_tag, place))) {
+      mine_column = group;
+    }
+  }
+  return {mine_run, mine_column};
+}
+
 }  // namespace
 
 DeviceMesh DeviceMesh::create(World& world, int fsdp_size, int ulysses_sequence_parallel_size) {
@@ -34,19 +61,7 @@ DeviceMesh DeviceMesh::create(World& world, int fsdp_size, int ulysses_sequence_
   } else {
     // Rank = replica * fsdp_size + shard index: shard groups are runs of neighbouring ranks, which
     // keeps the heavier all-gather/reduce-scatter traffic inside a node on real clusters.
-    const int replicas = world_size / fsdp_size;
-    for (int replica = 0; replica < replicas; ++replica) {
-      std::vector<int> ranks;
-      for (int s = 0; s < fsdp_size; ++s) ranks.push_back(replica * fsdp_size + s);
-      auto group = world.new_group(ranks, fmt::format("shard{}", replica));
-      if (group) mesh.shard_ = group;
-    }
-    for (int s = 0; s < fsdp_size; ++s) {
-      std::vector<int> ranks;
-      for (int replica = 0; replica < replicas; ++replica) ranks.push_back(replica * fsdp_size + s);
-      auto group = world.new_group(ranks, fmt::format("replicate{}", s));
-      if (group) mesh.replicate_ = group;
-    }
+    std::tie(mesh.shard_, mesh.replicate_) = grid_groups(world, fsdp_size, "shard", "replicate");
   }
   if (sp == 1) {
     mesh.data_parallel_ = world_group(world);
@@ -54,19 +69,7 @@ DeviceMesh DeviceMesh::create(World& world, int fsdp_size, int ulysses_sequence_
   }
   // verl's (dp, sp) mesh: the sp ranks of one sample are neighbours, so the all-to-alls of every
   // attention layer stay inside a node, as with the shard groups.
-  const int dp = world_size / sp;
-  for (int d = 0; d < dp; ++d) {
-    std::vector<int> ranks;
-    for (int s = 0; s < sp; ++s) ranks.push_back(d * sp + s);
-    auto group = world.new_group(ranks, fmt::format("sp{}", d));
-    if (group) mesh.sequence_ = group;
-  }
-  for (int s = 0; s < sp; ++s) {
-    std::vector<int> ranks;
-    for (int d = 0; d < dp; ++d) ranks.push_back(d * sp + s);
-    auto group = world.new_group(ranks, fmt::format("dp{}", s));
-    if (group) mesh.data_parallel_ = group;
-  }
+  std::tie(mesh.sequence_, mesh.data_parallel_) = grid_groups(world, sp, "sp", "dp");
   return mesh;
 }
 
