@@ -5,6 +5,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 
 #include "model_test_util.h"
 #include "shardrl/checkpoint.h"
@@ -154,6 +156,70 @@ TEST(Llama, KvCacheGivesTheFullForwardsLogits) {
   }
 }
 
+// A cache with room for every position (HF's StaticCache, what sampling uses) gives what the
+// growing one gives, and refuses a position past its capacity.
+TEST(Llama, StaticKvCacheGivesTheGrowingCachesLogits) {
+  const auto c = tiny_config();
+  auto model = random_model(c);
+  torch::NoGradGuard no_grad;
+  auto tokens = tokens_for(c, 3, 10);
+  models::KVCache growing, fixed(10);
+  std::vector<torch::Tensor> a = {model(tokens.narrow(1, 0, 6), &growing)};
+  std::vector<torch::Tensor> b = {model(tokens.narrow(1, 0, 6), &fixed)};
+  for (int64_t t = 6; t < 10; ++t) {
+    a.push_back(model(tokens.narrow(1, t, 1), &growing));
+    b.push_back(model(tokens.narrow(1, t, 1), &fixed));
+  }
+  EXPECT_EQ(fixed.length(), 10);
+  EXPECT_LE((torch::cat(a, 1) - torch::cat(b, 1)).abs().max().item<double>(), 1e-5);
+  EXPECT_NE(expect_error([&] { model(tokens.narrow(1, 0, 1), &fixed); }).find("capacity 10"),
+            std::string::npos);
+}
+
+// Packed for inference (rollout.dtype float16): fbgemm's fp16-weight GEMM computes the model
+// whose linear weights are rounded to fp16, in fp32 otherwise. The reference rounds a copy's
+// projection weights and runs the plain fp32 decoder, then the head with F::linear on the rounded
+// head weight (the tied embeddings stay fp32 as embeddings), for a tied head (Qwen2, with biases)
+// and an untied one.
+TEST(Llama, PackedFp16WeightsGiveTheFp16RoundedModelsLogits) {
+  auto fp16 = [](const torch::Tensor& t) { return t.to(torch::kHalf).to(torch::kFloat); };
+  for (const bool qwen : {false, true}) {
+    const auto c = tiny_config(qwen);
+    auto model = random_model(c);
+    auto rounded = random_model(c);
+    torch::NoGradGuard no_grad;
+    for (auto& item : rounded->named_parameters()) {
+      if (item.key().find("_proj.weight") != std::string::npos)
+        item.value().copy_(fp16(item.value()));
+    }
+    auto tokens = tokens_for(c, 3, 7);
+    const auto fp32 = model(tokens);
+    const auto head_weight = qwen ? rounded->model->embed_tokens->weight : rounded->lm_head->weight;
+    const torch::Tensor expected = torch::nn::functional::linear(
+        rounded->model(tokens, nullptr, torch::Tensor()), fp16(head_weight));
+    model->pack_for_inference(torch::kHalf);
+    const auto packed = model(tokens);
+    const double scale = expected.abs().max().item<double>();
+    EXPECT_LE((packed - expected).abs().max().item<double>(), 1e-5 * scale) << "qwen " << qwen;
+    // The rounding is visible: the packed path is the one that ran.
+    EXPECT_GT((packed - fp32).abs().max().item<double>(), 1e-4 * scale) << "qwen " << qwen;
+    // With the cache too, and unpacked again it is the fp32 model.
+    models::KVCache cache(7);
+    auto first = model(tokens.narrow(1, 0, 5), &cache);
+    auto rest = model(tokens.narrow(1, 5, 2), &cache);
+    EXPECT_LE((torch::cat({first, rest}, 1) - expected).abs().max().item<double>(), 1e-5 * scale);
+    model->pack_for_inference(torch::kFloat);
+    EXPECT_TRUE(torch::equal(model(tokens), fp32));
+  }
+  const auto c = tiny_config();
+  auto model = random_model(c);
+  model->pack_for_inference(torch::kHalf);
+  auto tokens = tokens_for(c, 1, 3);
+  EXPECT_NE(expect_error([&] { model(tokens); }).find("without grad only"), std::string::npos);
+  EXPECT_NE(expect_error([&] { model->pack_for_inference(torch::kBFloat16); }).find("BFloat16"),
+            std::string::npos);
+}
+
 // Sampling: tokens for rows that stop early, under a sampling distribution that is not peaked.
 models::SamplingOptions sampling_options(uint64_t seed) {
   models::SamplingOptions o;
@@ -277,6 +343,68 @@ TEST(Llama, LeftPaddedRowsContinueAsTheyWouldAlone) {
   }
   expect_invalid_argument_naming(
       [&] { models::sample(model, prompts, greedy, mask.narrow(1, 0, 5)); }, "prompt_mask");
+}
+
+// num_return_sequences (GRPO's rollout.n): each prompt is prefilled once and its rows continue
+// from copies of its cache; they are what the prompt repeated n times gives. Rows that end leave
+// the batch, and the rows still running continue as they would alone.
+TEST(Llama, EachPromptSampledNTimesEqualsItsRowsRepeated) {
+  const auto c = tiny_config();
+  auto model = random_model(c);
+  const int64_t P = 5, n = 3;
+  auto prompts = tokens_for(c, 2, P);
+  auto mask = torch::ones({2, P}, torch::kLong);
+  mask[0].narrow(0, 0, 2).fill_(0);  // row 0 is left-padded
+  prompts[0].narrow(0, 0, 2).fill_(0);
+  auto options = sampling_options(4);
+  options.max_new_tokens = 10;
+  options.num_return_sequences = n;
+  auto grouped = models::sample(model, prompts, options, mask);
+  options.num_return_sequences = 1;
+  options.generator = at::make_generator<at::CPUGeneratorImpl>(4);
+  auto repeated =
+      models::sample(model, prompts.repeat_interleave(n, 0), options, mask.repeat_interleave(n, 0));
+  EXPECT_TRUE(torch::equal(grouped.sequences, repeated.sequences));
+  EXPECT_TRUE(torch::equal(grouped.attention_mask, repeated.attention_mask));
+  EXPECT_LE((grouped.log_probs - repeated.log_probs).abs().max().item<double>(), 1e-5);
+  // The rows of a prompt are samples, not copies.
+  EXPECT_FALSE(torch::equal(grouped.responses[0], grouped.responses[1]));
+
+  // Greedy with an eos that ends some rows early: each row is its continuation alone, cut at its
+  // eos and padded after it. The eos is the token most rows emit before their last step.
+  auto rows = tokens_for(c, 12, P).remainder(c.vocab_size);
+  rows.narrow(0, 0, 2).copy_(prompts);
+  models::SamplingOptions greedy;
+  greedy.max_new_tokens = 10;
+  auto free_running = models::sample(model, rows, greedy);
+  std::map<int64_t, int> rows_emitting;
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    std::set<int64_t> seen;
+    for (int64_t t = 0; t + 1 < 10; ++t) seen.insert(free_running.responses[r][t].item<int64_t>());
+    for (auto token : seen) ++rows_emitting[token];
+  }
+  greedy.eos_token_id =
+      std::max_element(rows_emitting.begin(), rows_emitting.end(), [](auto& a, auto& b) {
+        return a.second < b.second;
+      })->first;
+  greedy.pad_token_id = 0;
+  auto stopped = models::sample(model, rows, greedy);
+  int ended_early = 0;
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    bool done = false;
+    for (int64_t t = 0; t < stopped.responses.size(1); ++t) {
+      const auto got = stopped.responses[r][t].item<int64_t>();
+      EXPECT_EQ(got, done ? 0 : free_running.responses[r][t].item<int64_t>()) << r << "," << t;
+      EXPECT_EQ(stopped.response_mask[r][t].item<float>(), done ? 0.0f : 1.0f) << r << "," << t;
+      if (!done && got == greedy.eos_token_id && t + 1 < stopped.responses.size(1)) ++ended_early;
+      done = done || got == greedy.eos_token_id;
+    }
+  }
+  EXPECT_GE(ended_early, 2);  // enough to take rows out of the batch (an eighth of it)
+  auto bad = sampling_options(1);
+  bad.num_return_sequences = 0;
+  expect_invalid_argument_naming([&] { models::sample(model, prompts, bad); },
+                                 "num_return_sequences");
 }
 
 TEST(Llama, SavedWeightsLoadBack) {

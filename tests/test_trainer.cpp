@@ -505,6 +505,35 @@ TEST(Trainer, LmGrpoRunsOnAPretrainedChatModelDirectory) {
       << summary.dump();
   EXPECT_TRUE(fs::exists(dir + "/run/reward_curve.png"));
 
+  // rollout.dtype float16: the rollout replica's weights packed in fp16. The old log-probs are
+  // then the actor's own (ppo_kl exactly 0: the step is on-policy), and the rollout's differ from
+  // them by more than an fp32 rollout's do, yet little. (At temperature 5: this random model's
+  // logits are so peaked that its probabilities are 1 at the usual temperatures.)
+  auto one_step = [&](const std::string& run, const std::string& dtype) {
+    auto r = run_process(
+        argv(run, {"trainer.total_training_steps=1", "actor_rollout_ref.rollout.temperature=5.0",
+                   "actor_rollout_ref.rollout.dtype=" + dtype}),
+        {}, 300);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const auto lines = read_jsonl(dir + "/" + run + "/metrics.jsonl");
+    return lines.size() == 2 ? lines[1] : json::object();
+  };
+  const auto fp32_step = one_step("fp32", "float32");
+  const auto fp16_step = one_step("fp16", "float16");
+  ASSERT_TRUE(fp16_step.contains("ppo_kl") && fp32_step.contains("ppo_kl"));
+  EXPECT_EQ(fp16_step["ppo_kl"].get<double>(), 0.0) << fp16_step.dump();
+  const double fp32_diff = fp32_step["rollout_probs_diff_mean"].get<double>();
+  const double fp16_diff = fp16_step["rollout_probs_diff_mean"].get<double>();
+  EXPECT_GT(fp16_diff, 10 * fp32_diff) << fp16_diff << " vs fp32's " << fp32_diff;
+  EXPECT_GT(fp16_diff, 0.0);
+  EXPECT_LT(fp16_diff, 1e-2);
+  auto bad_dtype = run_process(argv("bad_dtype", {"trainer.total_training_steps=1",
+                                                  "actor_rollout_ref.rollout.dtype=bfloat16"}),
+                               {}, 300);
+  EXPECT_NE(bad_dtype.exit_code, 0);
+  EXPECT_NE(bad_dtype.output.find("actor_rollout_ref.rollout.dtype"), std::string::npos)
+      << bad_dtype.output;
+
   auto too_long = run_process(
       argv("bad", {"trainer.total_training_steps=1", "actor_rollout_ref.rollout.prompt_length=5"}),
       {}, 300);

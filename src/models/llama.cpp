@@ -12,6 +12,7 @@
 #include <set>
 
 #include "models/json_fields.h"
+#include "models/packed_linear.h"
 #include "shardrl/models/activation_checkpoint.h"
 #include "shardrl/ulysses.h"
 
@@ -209,22 +210,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   auto c = cos.to(q.scalar_type()), s = sin.to(q.scalar_type());
   q = q * c + rotate_half(q) * s;
   k = k * c + rotate_half(k) * s;
-  int64_t past = 0;
-  if (cache) {
-    if (cache->keys.size() <= layer) {
-      cache->keys.resize(layer + 1);
-      cache->values.resize(layer + 1);
-    }
-    auto& ck = cache->keys[layer];
-    auto& cv = cache->values[layer];
-    past = ck.defined() ? ck.size(2) : 0;
-    if (past > 0) {
-      k = torch::cat({ck, k}, 2);
-      v = torch::cat({cv, v}, 2);
-    }
-    ck = k.detach();
-    cv = v.detach();
-  }
+  if (cache) std::tie(k, v) = cache->append(layer, k, v);
   // Ulysses: [B, heads, T / sp, hd] -> [B, heads / sp, T, hd]. Rank r then holds query heads
   // [r * heads / sp, ...) and needs the key/value heads they read; with fewer key/value heads
   // than ranks, each is repeated until every rank has one (verl's repeat_kv).
@@ -239,21 +225,69 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     k = ulysses::gather_seq_scatter_heads(k, 2, 1, *sequence_parallel_);
     v = ulysses::gather_seq_scatter_heads(v, 2, 1, *sequence_parallel_);
   }
-  // Grouped-query attention: each key/value head serves heads / kv_heads consecutive query heads.
-  const int64_t rep = q.size(1) / k.size(1);
-  if (rep > 1) {
-    k = k.repeat_interleave(rep, 1);
-    v = v.repeat_interleave(rep, 1);
-  }
-  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+  // Grouped-query attention: each key/value head serves rep = heads / kv_heads consecutive query
+  // heads. Those heads' queries are stacked as rows of one matrix per key/value head, so the
+  // keys and values are read in place rather than repeated: under sampling they are the whole
+  // cache, which a repeat would copy rep times at every token.
+  const int64_t Bq = q.size(0), Hq = q.size(1), Tq = q.size(2), kvh = k.size(1);
+  const int64_t rep = Hq / kvh;
+  auto scores = torch::matmul(q.reshape({Bq, kvh, rep * Tq, head_dim_}), k.transpose(-2, -1))
+                    .view({Bq, Hq, Tq, k.size(2)}) /
+                std::sqrt(static_cast<double>(head_dim_));
   scores = scores.masked_fill(blocked, -std::numeric_limits<float>::infinity());
   auto probs = torch::softmax(scores.to(torch::kFloat), -1).to(q.scalar_type());
-  auto out = torch::matmul(probs, v);
+  auto out =
+      torch::matmul(probs.view({Bq, kvh, rep * Tq, k.size(2)}), v).view({Bq, Hq, Tq, head_dim_});
   if (sequence_parallel) {
     out =
         ulysses::gather_heads_scatter_seq(out, /*head_dim=*/1, /*seq_dim=*/2, *sequence_parallel_);
   }
   return o_proj(out.transpose(1, 2).reshape({B, T, heads_ * head_dim_}));
+}
+
+std::pair<torch::Tensor, torch::Tensor> KVCache::append(size_t layer, const torch::Tensor& k,
+                                                        const torch::Tensor& v) {
+  if (keys.size() <= layer) {
+    keys.resize(layer + 1);
+    values.resize(layer + 1);
+  }
+  auto& ck = keys[layer];
+  auto& cv = values[layer];
+  const int64_t past = ck.defined() ? ck.size(2) : 0, total = past + k.size(2);
+  if (capacity == 0) {
+    ck = past > 0 ? torch::cat({ck, k.detach()}, 2) : k.detach();
+    cv = past > 0 ? torch::cat({cv, v.detach()}, 2) : v.detach();
+    return {ck, cv};
+  }
+  TORCH_CHECK(total <= capacity, "KVCache: ", total, " positions exceed its capacity ", capacity);
+  if (key_buffers.size() <= layer) {
+    key_buffers.resize(layer + 1);
+    value_buffers.resize(layer + 1);
+  }
+  auto& kb = key_buffers[layer];
+  auto& vb = value_buffers[layer];
+  if (!kb.defined()) {
+    kb = torch::empty({k.size(0), k.size(1), capacity, k.size(3)}, k.options());
+    vb = torch::empty({v.size(0), v.size(1), capacity, v.size(3)}, v.options());
+  }
+  kb.narrow(2, past, k.size(2)).copy_(k.detach());
+  vb.narrow(2, past, v.size(2)).copy_(v.detach());
+  ck = kb.narrow(2, 0, total);
+  cv = vb.narrow(2, 0, total);
+  return {ck, cv};
+}
+
+void KVCache::batch_select_indices(const torch::Tensor& indices) {
+  for (auto* buffers : {&key_buffers, &value_buffers}) {
+    for (auto& t : *buffers) t = t.index_select(0, indices);
+  }
+  for (size_t layer = 0; layer < keys.size(); ++layer) {
+    const int64_t length = keys[layer].size(2);
+    keys[layer] = capacity > 0 ? key_buffers[layer].narrow(2, 0, length)
+                               : keys[layer].index_select(0, indices);
+    values[layer] = capacity > 0 ? value_buffers[layer].narrow(2, 0, length)
+                                 : values[layer].index_select(0, indices);
+  }
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c) {
@@ -371,7 +405,22 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
 }
 
 torch::Tensor LlamaForCausalLMImpl::head(const torch::Tensor& hidden) {
-  return lm_head ? lm_head(hidden) : F::linear(hidden, model->embed_tokens->weight);
+  if (lm_head) return lm_head(hidden);
+  if (packed_tied_head_.isNone()) return F::linear(hidden, model->embed_tokens->weight);
+  TORCH_CHECK(!torch::GradMode::is_enabled(),
+              "LlamaForCausalLM: packed for inference (pack_for_inference), so it runs without "
+              "grad only");
+  return packed::linear(hidden, packed_tied_head_);
+}
+
+void LlamaForCausalLMImpl::pack_for_inference(torch::ScalarType dtype) {
+  for (auto& module : modules()) {
+    if (auto* linear = dynamic_cast<LinearImpl*>(module.get())) linear->pack_for_inference(dtype);
+  }
+  packed_tied_head_ = c10::IValue();
+  if (!lm_head && dtype != torch::kFloat) {
+    packed_tied_head_ = packed::pack_fp16(model->embed_tokens->weight, torch::Tensor());
+  }
 }
 
 namespace {

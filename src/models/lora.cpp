@@ -80,7 +80,7 @@ bool is_lora_b_tensor(const std::string& name) {
 }
 
 torch::Tensor LoraLinearImpl::forward(const torch::Tensor& input) {
-  torch::Tensor out = torch::nn::functional::linear(input, weight, bias);
+  torch::Tensor out = LinearImpl::forward(input);
   if (active_.empty() || disabled_ || merged_ == active_) {
     TORCH_CHECK(!(disabled_ && !merged_.empty()), "LoraLinear: adapter '", merged_,
                 "' is merged into the base weight; unmerge it before disabling adapters");
@@ -149,6 +149,8 @@ const LoraLinearImpl::Adapter& LoraLinearImpl::adapter(const std::string& name) 
 
 void LoraLinearImpl::merge(const std::string& name) {
   TORCH_CHECK(merged_.empty(), "LoraLinear: adapter '", merged_, "' is already merged");
+  TORCH_CHECK(!packed_for_inference(),
+              "LoraLinear: the base weight is packed for inference; merge before packing");
   const Adapter& ad = adapter(name);
   torch::NoGradGuard no_grad;
   weight.add_(delta_weight(ad.a, ad.b, ad.config.scaling()).to(weight.scalar_type()));
@@ -157,6 +159,8 @@ void LoraLinearImpl::merge(const std::string& name) {
 
 void LoraLinearImpl::unmerge() {
   if (merged_.empty()) return;
+  TORCH_CHECK(!packed_for_inference(),
+              "LoraLinear: the base weight is packed for inference; unpack before unmerging");
   const Adapter& ad = adapter(merged_);
   torch::NoGradGuard no_grad;
   weight.sub_(delta_weight(ad.a, ad.b, ad.config.scaling()).to(weight.scalar_type()));

@@ -18,6 +18,10 @@ void check_options(const SamplingOptions& o) {
     throw std::invalid_argument(
         fmt::format("SamplingOptions.temperature: must be finite and >= 0, got {}", o.temperature));
   }
+  if (o.num_return_sequences < 1) {
+    throw std::invalid_argument(fmt::format(
+        "SamplingOptions.num_return_sequences: must be >= 1, got {}", o.num_return_sequences));
+  }
   if (!(o.top_p > 0 && o.top_p <= 1)) {
     throw std::invalid_argument(
         fmt::format("SamplingOptions.top_p: must be in (0, 1], got {}", o.top_p));
@@ -44,6 +48,19 @@ torch::Tensor top_p_filter(const torch::Tensor& logits, double top_p) {
   return logits.masked_fill(drop, -std::numeric_limits<float>::infinity());
 }
 
+// One token per row of `probs` [rows, vocab] (any non-negative weights), by inverting the
+// cumulative distribution at one uniform per row. torch::multinomial draws an exponential, a
+// log, for every vocabulary entry of every row instead (its one-sample path, with or without
+// replacement): at 49k entries that was a tenth of a decode step.
+torch::Tensor draw(const torch::Tensor& probs, const c10::optional<at::Generator>& generator) {
+  auto cdf = probs.cumsum(-1);
+  auto u = torch::rand({probs.size(0), 1}, generator, cdf.options()) * cdf.narrow(-1, -1, 1);
+  // The first entry whose cumulative mass exceeds u: never one of zero weight.
+  return torch::searchsorted(cdf, u, /*out_int32=*/false, /*right=*/true)
+      .squeeze(1)
+      .clamp_max(probs.size(-1) - 1);
+}
+
 }  // namespace
 
 Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
@@ -64,44 +81,78 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
   if (options.generator) generator = *options.generator;
   const int64_t eos = options.eos_token_id;
   const int64_t pad = options.pad_token_id >= 0 ? options.pad_token_id : eos;
-  const int64_t rows = prompts.size(0);
-  auto done = torch::zeros({rows}, torch::dtype(torch::kBool).device(prompts.device()));
+  const int64_t n = options.num_return_sequences, rows = prompts.size(0) * n;
+  const auto long_options = torch::dtype(torch::kLong).device(prompts.device());
+  const auto float_options = torch::dtype(torch::kFloat).device(prompts.device());
 
-  KVCache cache;
+  KVCache cache(prompts.size(1) + options.max_new_tokens);
   std::vector<torch::Tensor> tokens, log_probs, mask;
   torch::Tensor input = prompts;
   const torch::Tensor prompt_attention =
       prompt_mask.defined() ? prompt_mask.to(prompts.device()).to(torch::kLong) : torch::Tensor();
   // Grows by a column of ones a step: the new tokens are never padding.
   torch::Tensor attention_mask = prompt_attention;
-  const auto new_column = torch::ones({rows, 1}, prompts.options());
+  // The batch holds the rows `active` of the rollout; `done` marks those of them that have
+  // ended. Ended rows leave the batch once they are an eighth of it (the cache copy then costs
+  // less than the steps it saves), as a serving engine's continuous batching drops finished
+  // sequences; transformers' generate computes them to the end.
+  torch::Tensor active;
+  torch::Tensor done;
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     // The head on the last position only: the prompt's other logits are never used.
     auto logits =
         model(input, &cache, attention_mask, /*logits_to_keep=*/1).select(1, -1).to(torch::kFloat);
+    if (step == 0) {
+      // Each prompt was prefilled once; its n rows start from copies.
+      active = torch::arange(rows, long_options);
+      done = torch::zeros({rows}, torch::dtype(torch::kBool).device(prompts.device()));
+      if (n > 1) {
+        const auto prompt_of_row = active.div(n, "floor");
+        logits = logits.index_select(0, prompt_of_row);
+        cache.batch_select_indices(prompt_of_row);
+        if (attention_mask.defined())
+          attention_mask = attention_mask.index_select(0, prompt_of_row);
+      }
+    }
     auto scaled = options.temperature > 0 ? logits / options.temperature : logits;
     torch::Tensor next;
     if (options.temperature > 0) {
       auto probs = torch::softmax(top_p_filter(scaled, options.top_p), -1);
-      next = torch::multinomial(probs, 1, /*replacement=*/false, generator).squeeze(1);
+      next = draw(probs, generator);
     } else {
       next = logits.argmax(-1);
     }
     auto token_log_prob = torch::log_softmax(scaled, -1).gather(-1, next.unsqueeze(-1)).squeeze(-1);
     if (eos >= 0) next = torch::where(done, torch::full_like(next, pad), next);
-    mask.push_back((~done).to(torch::kFloat));
-    log_probs.push_back(token_log_prob.masked_fill(done, 0));
-    tokens.push_back(next);
+    // Rows out of the batch hold padding, outside the mask.
+    tokens.push_back(
+        torch::full({rows}, eos >= 0 ? pad : 0, long_options).index_put_({active}, next));
+    mask.push_back(
+        torch::zeros({rows}, float_options).index_put_({active}, (~done).to(torch::kFloat)));
+    log_probs.push_back(torch::zeros({rows}, float_options)
+                            .index_put_({active}, token_log_prob.masked_fill(done, 0)));
     if (eos >= 0) {
       done = done | (next == eos);
-      if (done.all().item<bool>()) break;
+      const int64_t ended = done.sum().item<int64_t>();
+      if (ended == done.size(0)) break;
+      if (ended > 0 && ended * 8 >= done.size(0)) {
+        const auto keep = (~done).nonzero().squeeze(1);
+        active = active.index_select(0, keep);
+        cache.batch_select_indices(keep);
+        if (attention_mask.defined()) attention_mask = attention_mask.index_select(0, keep);
+        next = next.index_select(0, keep);
+        done = done.index_select(0, keep);
+      }
     }
     input = next.unsqueeze(1);
-    if (attention_mask.defined()) attention_mask = torch::cat({attention_mask, new_column}, 1);
+    if (attention_mask.defined()) {
+      attention_mask =
+          torch::cat({attention_mask, torch::ones({next.size(0), 1}, long_options)}, 1);
+    }
   }
 
   Rollout out;
-  out.prompts = prompts;
+  out.prompts = n > 1 ? prompts.repeat_interleave(n, 0) : prompts;
   if (tokens.empty()) {
     out.responses = torch::empty({rows, 0}, prompts.options());
     out.log_probs = torch::empty({rows, 0}, prompts.options().dtype(torch::kFloat));
@@ -111,9 +162,10 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
     out.log_probs = torch::stack(log_probs, 1);
     out.response_mask = torch::stack(mask, 1);
   }
-  out.sequences = torch::cat({prompts, out.responses}, 1);
+  out.sequences = torch::cat({out.prompts, out.responses}, 1);
   out.attention_mask =
-      torch::cat({prompt_attention.defined() ? prompt_attention : torch::ones_like(prompts),
+      torch::cat({prompt_attention.defined() ? prompt_attention.repeat_interleave(n, 0)
+                                             : torch::ones_like(out.prompts),
                   torch::ones_like(out.responses)},
                  1);
   return out;

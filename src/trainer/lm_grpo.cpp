@@ -5,9 +5,15 @@
 //   - a pretrained chat model (model.path: a Hugging Face directory, e.g. `shardrl import` of
 //     SmolLM2): its tokenizer.json and chat template pose "What is 23 + 19?" as a user turn, and
 //     the last integer of its answer is scored.
-// Each RL step samples rollout.n answers per prompt with the KV cache (left-padded prompts,
-// temperature, top-p, recording log-probs), scores them exactly, and takes one GRPO step:
-// group-normalised outcome advantages, the PPO dual-clip loss, optionally a KL to the reference.
+// Each RL step syncs the actor's weights into an unsharded rollout replica (LoRA merged, as verl
+// syncs into a rollout engine), samples rollout.n answers per prompt with its KV cache (each
+// prompt prefilled once, left-padded, temperature, top-p), scores them exactly, and takes one
+// GRPO step: group-normalised outcome advantages, the PPO dual-clip loss, optionally a KL to the
+// reference. rollout.dtype float16 packs the replica's weights into fbgemm's fp16 GEMM: the
+// samples then come from a policy a rounding away from the actor's, so the old log-probs are the
+// actor's own (the step is on-policy: one optimizer step per batch, so they are its current
+// log-probs, detached, as verl's actor takes them when on-policy) and the rollout's log-probs only
+// measure the mismatch (rollout_probs_diff_mean, verl's metric).
 // Held-out problems (data.val_size) are answered greedily before training, every
 // trainer.test_freq steps and at the end.
 #include <fmt/format.h>
@@ -357,11 +363,10 @@ json lm_grpo_defaults() {
   arr["actor"]["kl_loss_type"] = "low_var_kl";
   arr["actor"]["optim"]["lr"] = 3e-4;
   arr["actor"]["optim"]["weight_decay"] = 0.0;
-  arr["rollout"] = {{"n", 8},
-                    {"temperature", 1.0},
-                    {"top_p", 1.0},
-                    {"prompt_length", 512},
-                    {"response_length", 4}};
+  // rollout.dtype is verl's key (its default there, bfloat16, has no fast kernels on a CPU
+  // without bf16 arithmetic): float32, or float16 weights with fp32 activations.
+  arr["rollout"] = {{"n", 8},       {"dtype", "float32"},   {"temperature", 1.0},
+                    {"top_p", 1.0}, {"prompt_length", 512}, {"response_length", 4}};
   return d;
 }
 
@@ -437,6 +442,41 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   }
   const int64_t local = prompts_global / dp;
   const Problems problems(task, val_size, seed);
+  const auto rollout_dtype = get<std::string>(config, "actor_rollout_ref.rollout.dtype");
+  if (rollout_dtype != "float32" && rollout_dtype != "float16") {
+    throw std::invalid_argument(fmt::format(
+        "config key 'actor_rollout_ref.rollout.dtype' must be float32 or float16 (fp16 weights, "
+        "fp32 activations), got '{}'",
+        rollout_dtype));
+  }
+  const bool rollout_in_fp16 = rollout_dtype == "float16";
+  // The rollout replica: unsharded on every rank, so sampling runs without collectives.
+  models::LlamaForCausalLM rollout_model(
+      models::LlamaConfig::from_json(at(rl, "actor_rollout_ref.model.config")));
+  for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+  rollout_model->eval();
+  const bool lora = get<int64_t>(config, "actor_rollout_ref.model.lora_rank") > 0;
+  auto sync_rollout_weights = [&] {
+    engine::Engine::WeightSyncOptions sync;
+    sync.dtype = torch::kFloat;
+    if (lora) sync.merge_adapter = "default";
+    auto params = rollout_model->named_parameters();
+    size_t received = 0;
+    torch::NoGradGuard no_grad;
+    actor->get_per_tensor_param(
+        [&](const std::string& name, const torch::Tensor& full) {
+          auto* param = params.find(name);
+          if (!param) throw std::runtime_error("weight sync: the rollout model has no " + name);
+          param->copy_(full);
+          ++received;
+        },
+        sync);
+    if (received != params.size()) {
+      throw std::runtime_error(fmt::format("weight sync: {} of the rollout model's {} params came",
+                                           received, params.size()));
+    }
+    if (rollout_in_fp16) rollout_model->pack_for_inference(torch::kHalf);
+  };
   const bool lead = world->rank() == 0;
 
   Run run(config, *world);
@@ -458,26 +498,26 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     std::vector<std::string> answers;
     for (int64_t i = actor->data_parallel_rank() * local;
          i < (actor->data_parallel_rank() + 1) * local; ++i) {
-      for (int64_t k = 0; k < n; ++k) {
-        mine.push_back(all[i]);
-        answers.push_back(all[i].answer);
-      }
+      mine.push_back(all[i]);
+      for (int64_t k = 0; k < n; ++k) answers.push_back(all[i].answer);
     }
+    sync_rollout_weights();
     models::SamplingOptions sampling;
     sampling.max_new_tokens = response_length;
     sampling.temperature = temperature;
     sampling.top_p = get<double>(config, "actor_rollout_ref.rollout.top_p");
     sampling.eos_token_id = text->eos;
     sampling.pad_token_id = text->pad;
+    sampling.num_return_sequences = n;  // row i * n + k: the k-th answer to prompt i
     sampling.generator = at::make_generator<at::CPUGeneratorImpl>(seed * 7777 + step * 131 +
                                                                   actor->data_parallel_rank());
     const auto [prompt_tokens, prompt_mask] = text->prompts(mine);
     // The sequence-parallel ranks of a group sample the same prompts from the same seed; the
     // group's first rank's rollout is the one all of them train on (verl hands the group one
     // batch), whatever their kernels' last bits.
-    const auto rollout = same_in_group(models::sample(actor->model<models::LlamaForCausalLM>(),
-                                                      prompt_tokens, sampling, prompt_mask),
-                                       actor->mesh().sequence_parallel_group().get());
+    const auto rollout =
+        same_in_group(models::sample(rollout_model, prompt_tokens, sampling, prompt_mask),
+                      actor->mesh().sequence_parallel_group().get());
     const double rollout_seconds = seconds_since(start);
 
     std::vector<std::string> responses;
@@ -494,11 +534,11 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     engine::Batch batch{
         {"sequences", rollout.sequences},
         {"attention_mask", rollout.attention_mask},
-        {"old_log_probs", rollout.log_probs},
+        {"rollout_log_probs", rollout.log_probs},
         {"advantages",
          algos::grpo_outcome_advantages(token_rewards, rollout.response_mask, uids, norm_by_std)},
         {"response_mask", rollout.response_mask}};
-    const int64_t prompt_length = prompt_tokens.size(1);
+    const int64_t prompt_length = rollout.prompts.size(1);
     if (ref) {
       torch::NoGradGuard no_grad;
       batch["ref_log_probs"] =
@@ -510,12 +550,20 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       auto log_probs =
           models::response_log_probs(e.model<models::LlamaForCausalLM>(), d.at("sequences"),
                                      prompt_length, temperature, d.at("attention_mask"));
-      auto out = algos::compute_policy_loss(d.at("old_log_probs"), log_probs, d.at("advantages"),
-                                            d.at("response_mask"), policy);
+      const auto& mask = d.at("response_mask");
+      const auto& rollout_log_probs = d.at("rollout_log_probs");
+      // fp32 rollouts came from the actor's weights: their log-probs are the old policy's.
+      const auto old_log_probs = rollout_in_fp16 ? log_probs.detach() : rollout_log_probs;
+      auto out =
+          algos::compute_policy_loss(old_log_probs, log_probs, d.at("advantages"), mask, policy);
       auto loss = out.pg_loss;
-      engine::Metrics metrics{{"pg_loss", out.pg_loss.item<double>()},
-                              {"clipfrac", out.pg_clipfrac.item<double>()},
-                              {"ppo_kl", out.ppo_kl.item<double>()}};
+      const auto probs_diff =
+          (log_probs.detach().exp() - rollout_log_probs.exp()).abs() * (mask > 0);
+      engine::Metrics metrics{
+          {"pg_loss", out.pg_loss.item<double>()},
+          {"clipfrac", out.pg_clipfrac.item<double>()},
+          {"ppo_kl", out.ppo_kl.item<double>()},
+          {"rollout_probs_diff_mean", (probs_diff.sum() / mask.sum().clamp_min(1)).item<double>()}};
       if (d.count("ref_log_probs")) {
         auto kl = algos::agg_loss(algos::kl_penalty(log_probs, d.at("ref_log_probs"), kl_type),
                                   d.at("response_mask"), policy.loss_agg_mode);

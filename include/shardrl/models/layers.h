@@ -17,9 +17,21 @@ class LinearImpl : public torch::nn::Module {
       : LinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
   torch::Tensor forward(const torch::Tensor& input);
 
+  // For an inference replica on CPU (a rollout model): kHalf packs the weight and bias once into
+  // fbgemm's fp16 GEMM layout (torch.ao's dynamic fp16 quantization: fp16 weights, fp32
+  // activations and output), which forward() then uses, at half the bytes of fp32 and with no
+  // packing per call; kFloat drops the packed copy. The copy does not follow later changes of
+  // `weight`: pack again after each weight sync. A forward with grad enabled on a packed layer is
+  // an error (no autograd reaches the packed weight).
+  void pack_for_inference(torch::ScalarType dtype);
+  bool packed_for_inference() const { return !packed_.isNone(); }
+
   torch::nn::LinearOptions options;
   torch::Tensor weight;  // [out, in]
   torch::Tensor bias;    // [out], undefined without bias
+
+ private:
+  c10::IValue packed_;  // None unless packed
 };
 TORCH_MODULE(Linear);
 

@@ -60,8 +60,26 @@ TORCH_MODULE(RMSNorm);
 
 // Keys and values of every layer seen so far; one per sequence batch being sampled.
 struct KVCache {
+  KVCache() = default;
+  // Room for `capacity` positions, allocated at the first forward and written in place (HF's
+  // StaticCache): without it each token's keys and values are concatenated to the cache, which
+  // copies all of it at every token.
+  explicit KVCache(int64_t capacity) : capacity(capacity) {}
+
   std::vector<torch::Tensor> keys, values;  // per layer: [B, kv_heads, past, head_dim]
+  int64_t capacity = 0;                     // 0: grows by concatenation
+  // With a capacity: per layer [B, kv_heads, capacity, head_dim]; keys and values view them.
+  std::vector<torch::Tensor> key_buffers, value_buffers;
+
   int64_t length() const { return keys.empty() || !keys[0].defined() ? 0 : keys[0].size(2); }
+  // Appends this step's keys and values [B, kv_heads, T, head_dim] to `layer`; returns the
+  // layer's keys and values so far.
+  std::pair<torch::Tensor, torch::Tensor> append(size_t layer, const torch::Tensor& k,
+                                                 const torch::Tensor& v);
+  // Keeps the rows `indices` (int64 [B']; a row may repeat) in that order, as HF's
+  // batch_select_indices: a prompt prefilled once serves its n samples, and finished rows leave
+  // the batch.
+  void batch_select_indices(const torch::Tensor& indices);
 };
 
 class LlamaAttentionImpl : public torch::nn::Module {
@@ -160,6 +178,11 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // Ulysses sequence parallelism over `group` (DeviceMesh::sequence_parallel_group; null turns it
   // off). The group's size must split the heads (ulysses::check_heads).
   void set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group);
+  // For an unsharded inference replica on CPU (a rollout model, forward without grad only):
+  // kHalf packs every projection and the head, tied or not, into fbgemm's fp16-weight GEMM
+  // (LinearImpl::pack_for_inference: fp16 weights, fp32 activations); kFloat unpacks. The packed
+  // copies do not follow the weights: pack again after every weight sync.
+  void pack_for_inference(torch::ScalarType dtype);
 
   LlamaModel model{nullptr};
   fsdp::Unit<LinearImpl> lm_head{nullptr};  // null when tie_word_embeddings
@@ -167,6 +190,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
  private:
   torch::Tensor head(const torch::Tensor& hidden);  // lm_head, or the tied embeddings
   LlamaConfig config_;
+  c10::IValue packed_tied_head_;  // the tied embeddings packed as the head (pack_for_inference)
 };
 using LlamaForCausalLM = fsdp::Unit<LlamaForCausalLMImpl>;
 

@@ -24,6 +24,9 @@ struct SamplingOptions {
   double top_p = 1.0;         // in (0, 1]: keep the smallest top set holding this much mass
   int64_t eos_token_id = -1;  // a row ends once it emits this (-1: never)
   int64_t pad_token_id = -1;  // fills a row after its eos (-1: the eos id)
+  // Rows sampled per prompt (HF's num_return_sequences; GRPO's rollout.n): each prompt is
+  // prefilled once and its KV cache copied to its rows, which come out consecutive.
+  int64_t num_return_sequences = 1;
   // Seeded generator for the draws: the same seed gives the same rollout.
   std::optional<at::Generator> generator;
 };
@@ -37,9 +40,10 @@ struct Rollout {
   torch::Tensor attention_mask;  // [B, P + L] int64: the prompt's mask, then ones
 };
 
-// Continues every row of `prompts` [B, P] with the KV cache, without grad. L = max_new_tokens,
-// or fewer when every row has ended. Prompts of different lengths are left-padded, with
-// `prompt_mask` [B, P] (1 for a token, 0 for padding; undefined: no padding): each row then
+// Continues every row of `prompts` [B, P] num_return_sequences (n) times with the KV cache,
+// without grad: the Rollout has B * n rows, prompt i's in rows [i * n, (i + 1) * n). L =
+// max_new_tokens, or fewer when every row has ended. Prompts of different lengths are left-padded,
+// with `prompt_mask` [B, P] (1 for a token, 0 for padding; undefined: no padding): each row then
 // continues as it would alone (see LlamaForCausalLM::forward). A sharded model is gathered once
 // for the whole rollout (fsdp::UnshardScope), not per token.
 Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
