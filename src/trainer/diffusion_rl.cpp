@@ -558,28 +558,11 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   // support), or the full weights.
   models::SD3Transformer2DModel rollout_model(sd3);
   for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
-  auto rollout_params = rollout_model->named_parameters();
   const bool nft = o.loss_mode() == "diffusion_nft";
   // NFT samples with its behaviour policy, the "old" adapter; evaluation always reads "default".
   const std::string behaviour = nft ? "old" : "default";
   auto sync_weights = [&](const std::string& adapter) {
-    engine::Engine::WeightSyncOptions sync;
-    sync.dtype = torch::kFloat;  // the rollout computes in fp32 on CPU
-    if (o.lora()) sync.merge_adapter = adapter;
-    torch::NoGradGuard no_grad;
-    size_t received = 0;
-    engine->get_per_tensor_param(
-        [&](const std::string& name, const torch::Tensor& full) {
-          auto* param = rollout_params.find(name);
-          if (!param) throw std::runtime_error("weight sync: the rollout model has no " + name);
-          param->copy_(full);
-          ++received;
-        },
-        sync);
-    if (received != rollout_params.size()) {
-      throw std::runtime_error(fmt::format("weight sync: {} of the rollout model's {} params came",
-                                           received, rollout_params.size()));
-    }
+    sync_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
   };
 
   // What the loss reads from the reference, computed micro-batch by micro-batch on the engine

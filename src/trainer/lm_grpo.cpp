@@ -457,24 +457,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   rollout_model->eval();
   const bool lora = get<int64_t>(config, "actor_rollout_ref.model.lora_rank") > 0;
   auto sync_rollout_weights = [&] {
-    engine::Engine::WeightSyncOptions sync;
-    sync.dtype = torch::kFloat;
-    if (lora) sync.merge_adapter = "default";
-    auto params = rollout_model->named_parameters();
-    size_t received = 0;
-    torch::NoGradGuard no_grad;
-    actor->get_per_tensor_param(
-        [&](const std::string& name, const torch::Tensor& full) {
-          auto* param = params.find(name);
-          if (!param) throw std::runtime_error("weight sync: the rollout model has no " + name);
-          param->copy_(full);
-          ++received;
-        },
-        sync);
-    if (received != params.size()) {
-      throw std::runtime_error(fmt::format("weight sync: {} of the rollout model's {} params came",
-                                           received, params.size()));
-    }
+    sync_rollout_replica(*actor, *rollout_model, lora ? "default" : "");
     if (rollout_in_fp16) rollout_model->pack_for_inference(torch::kHalf);
   };
   const bool lead = world->rank() == 0;

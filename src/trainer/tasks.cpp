@@ -1,11 +1,35 @@
 #include "tasks.h"
 
+#include <fmt/format.h>
+
 namespace shardrl::trainer {
 
 void register_builtin_tasks(std::map<std::string, Task>& tasks) {
   tasks["lm_pretrain"] = {lm_pretrain_defaults, run_lm_pretrain};
   tasks["diffusion_rl"] = {diffusion_rl_defaults, run_diffusion_rl};
   tasks["lm_grpo"] = {lm_grpo_defaults, run_lm_grpo};
+}
+
+void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
+                          const std::string& merge_adapter) {
+  engine::Engine::WeightSyncOptions sync;
+  sync.dtype = torch::kFloat;
+  sync.merge_adapter = merge_adapter;
+  auto params = replica.named_parameters();
+  torch::NoGradGuard no_grad;
+  size_t received = 0;
+  trainer.get_per_tensor_param(
+      [&](const std::string& name, const torch::Tensor& full) {
+        auto* param = params.find(name);
+        if (!param) throw std::runtime_error("weight sync: the rollout model has no " + name);
+        param->copy_(full);
+        ++received;
+      },
+      sync);
+  if (received != params.size()) {
+    throw std::runtime_error(fmt::format("weight sync: {} of the rollout model's {} params came",
+                                         received, params.size()));
+  }
 }
 
 }  // namespace shardrl::trainer

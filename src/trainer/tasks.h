@@ -78,6 +78,13 @@ void check_sequence_parallel_heads(const nlohmann::json& config, const std::stri
 // Next-token cross-entropy of the language model on mb.data["tokens"], for the supervised stages.
 engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& mb);
 
+// Weight sync into an unsharded rollout replica, in fp32 (the rollouts compute in fp32 on CPU):
+// the trainer's params stream in one full tensor at a time, with `merge_adapter` merged in (empty:
+// as they are, for full fine-tuning). Collective over the trainer's shard group. A name the
+// replica lacks, or a param of the replica that gets no tensor, is an error naming it.
+void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
+                          const std::string& merge_adapter);
+
 // Tasks.
 int run_lm_pretrain(const nlohmann::json& config, std::shared_ptr<dist::World> world);
 nlohmann::json lm_pretrain_defaults();
