@@ -10,7 +10,9 @@
 // same prompts, counts and rules are what bench/rollout_baseline.py gives transformers' generate
 // before running this program. --rollout-dtype float16 samples as lm_grpo's rollout.dtype does:
 // the weights packed into fbgemm's fp16 GEMM (the packing time is reported once, as pack_s: the
-// trainer packs after every weight sync), fp32 activations. Prints one JSON object: the median of
+// trainer packs after every weight sync of full fine-tuning), fp32 activations. --lora-rank R adds
+// an unmerged rank-R adapter on every projection, in fp32 beside the packed base, as the LoRA job's
+// rollout replica carries it. Prints one JSON object: the median of
 // --repeats timed runs after a warm-up. Threads: torch's intra-op threads, --threads.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -29,7 +31,7 @@ using nlohmann::json;
 int main(int argc, char** argv) {
   CLI::App app{"Batched KV-cache rollout throughput"};
   std::string model_dir, prompts_path;
-  int64_t new_tokens = 64, pad_id = 0, repeats = 3, n = 1, eos_id = -1;
+  int64_t new_tokens = 64, pad_id = 0, repeats = 3, n = 1, eos_id = -1, lora_rank = 0;
   double temperature = 1.0;
   int threads = 1;
   std::string rollout_dtype = "float32";
@@ -44,6 +46,8 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", temperature, "Sampling temperature");
   app.add_option("--rollout-dtype", rollout_dtype, "Rollout weights")
       ->check(CLI::IsMember({"float32", "float16"}));
+  app.add_option("--lora-rank", lora_rank,
+                 "Unmerged LoRA adapter rank on every projection (0: none)");
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(threads);
 
@@ -61,6 +65,18 @@ int main(int argc, char** argv) {
   }
   auto model = models::load_llama(model_dir);
   model->eval();
+  if (lora_rank > 0) {
+    models::lora::LoraConfig lora;
+    lora.r = lora_rank;
+    lora.alpha = 2.0 * static_cast<double>(lora_rank);
+    lora.target_modules = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                           "gate_proj", "up_proj", "down_proj"};
+    models::lora::apply_lora(*model, lora, "default", /*trainable=*/false);
+    torch::NoGradGuard no_grad;
+    for (auto& item : model->named_parameters()) {
+      if (models::lora::is_lora_b_tensor(item.key())) item.value().normal_(0, 1e-3);  // trained B
+    }
+  }
   double pack_seconds = 0;
   if (rollout_dtype == "float16") {
     const auto start = std::chrono::steady_clock::now();
@@ -97,6 +113,7 @@ int main(int argc, char** argv) {
                     {"batch", B * n},
                     {"n", n},
                     {"rollout_dtype", rollout_dtype},
+                    {"lora_rank", lora_rank},
                     {"prompt_width", P},
                     {"new_tokens", new_tokens},
                     {"eos_id", eos_id},

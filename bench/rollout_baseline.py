@@ -11,7 +11,10 @@ the model's chat template (transformers' apply_chat_template), left-padded. --ba
 num_return_sequences). Without --stop both sides generate exactly --new-tokens tokens a row; with
 it a row ends at the tokenizer's eos (<|im_end|> for SmolLM2), as the job's rollout does, and both
 count each row's tokens up to and including its eos. --rollout-dtype is ShardRL's
-rollout.dtype; transformers runs fp32. One thread each unless --threads says otherwise. Prints one
+rollout.dtype; transformers runs fp32. --lora-rank R gives ShardRL's model an unmerged rank-R
+adapter on every projection, as the LoRA job's rollout carries it; transformers runs the bare
+base model, so the adapter's cost counts against ShardRL only, unless --hf-lora gives it the same
+adapter through PEFT, unmerged (the like-for-like rollout of a LoRA policy). One thread each unless --threads says otherwise. Prints one
 JSON object with both results and their ratio of tokens/s (medians of --repeats runs after a
 warm-up).
 """
@@ -33,6 +36,9 @@ parser.add_argument("--new-tokens", type=int, default=64)
 parser.add_argument("--temperature", type=float, default=1.0)
 parser.add_argument("--stop", action="store_true")
 parser.add_argument("--rollout-dtype", default="float32", choices=["float32", "float16"])
+parser.add_argument("--lora-rank", type=int, default=0)
+parser.add_argument("--hf-lora", action="store_true",
+                    help="give transformers the same adapter through PEFT, unmerged")
 parser.add_argument("--threads", type=int, default=1)
 parser.add_argument("--repeats", type=int, default=3)
 parser.add_argument("--bin", default=os.path.join(os.path.dirname(__file__), "..", "build", "bin"))
@@ -68,6 +74,16 @@ def response_tokens(new):
 
 
 model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+if args.hf_lora and args.lora_rank > 0:
+    from peft import LoraConfig, get_peft_model  # noqa: E402
+    model = get_peft_model(model, LoraConfig(
+        r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1e-3)  # a trained adapter's B, as bench_rollout sets it
 hf_seconds, hf_tokens = [], []
 with torch.no_grad():
     for r in range(args.repeats + 1):
@@ -83,7 +99,8 @@ with torch.no_grad():
         if r > 0:
             hf_seconds.append(elapsed)
             hf_tokens.append(response_tokens(out[:, width:]))
-hf = {"impl": "transformers", "batch": args.batch, "n": args.n, "prompt_width": width,
+hf = {"impl": "transformers", "lora_rank": args.lora_rank if args.hf_lora else 0,
+      "batch": args.batch, "n": args.n, "prompt_width": width,
       "new_tokens": args.new_tokens, "eos_id": eos, "temperature": args.temperature,
       "threads": args.threads, "seconds": hf_seconds, "tokens": hf_tokens,
       "median_s": statistics.median(hf_seconds),
@@ -99,7 +116,7 @@ with tempfile.TemporaryDirectory() as tmp:
          "--new-tokens", str(args.new_tokens), "--pad-id", str(pad), "--repeats",
          str(args.repeats), "--threads", str(args.threads), "--n", str(args.n),
          "--eos-id", str(eos), "--temperature", str(args.temperature),
-         "--rollout-dtype", args.rollout_dtype],
+         "--rollout-dtype", args.rollout_dtype, "--lora-rank", str(args.lora_rank)],
         env=env, check=True, capture_output=True, text=True)
     ours = json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -381,7 +381,8 @@ TEST(Engine, PretrainedLanguageModelIsReadByRankZeroIntoAnEmptyBuild) {
 }
 
 // The weight sync a rollout engine loads from: every full tensor as training holds it, or with the
-// LoRA adapter merged (W + 16/4 * B A, no adapter tensors), or in bf16 under a name prefix; with
+// LoRA adapter merged (W + 16/4 * B A, no adapter tensors), or in bf16 under a name prefix, or the
+// trainable tensors alone (the adapters: what a replica holding the base needs each step); with
 // the state offloaded between phases or by the training policy, the sync brings the params in
 // and puts them back, and changes no bit.
 TEST(Engine, WeightSyncStreamsFullMergedAndBf16TensorsAndKeepsTheState) {
@@ -393,7 +394,7 @@ TEST(Engine, WeightSyncStreamsFullMergedAndBf16TensorsAndKeepsTheState) {
     ASSERT_EQ(result.exit_code, 0) << result.output;
     const auto before = read_params(dir + "/before"), after = read_params(dir + "/after");
     const auto plain = read_params(dir + "/plain"), merged = read_params(dir + "/merged");
-    const auto bf16 = read_params(dir + "/bf16");
+    const auto bf16 = read_params(dir + "/bf16"), trainable = read_params(dir + "/trainable");
     ASSERT_EQ(plain.size(), before.size());
     ASSERT_EQ(bf16.size(), before.size());
     int adapters = 0, merged_targets = 0;
@@ -415,6 +416,8 @@ TEST(Engine, WeightSyncStreamsFullMergedAndBf16TensorsAndKeepsTheState) {
       }
       if (name.find(".lora_") != std::string::npos) {
         EXPECT_EQ(merged.count(name), 0u) << name;
+        ASSERT_EQ(trainable.count(name), 1u) << name;
+        EXPECT_TRUE(torch::equal(trainable.at(name), tensor)) << name;
       } else if (merged.count(name) && name.find("q_proj") == std::string::npos &&
                  name.find("v_proj") == std::string::npos) {
         EXPECT_TRUE(torch::equal(merged.at(name), tensor)) << name;
@@ -423,6 +426,7 @@ TEST(Engine, WeightSyncStreamsFullMergedAndBf16TensorsAndKeepsTheState) {
     EXPECT_EQ(adapters, 4);  // q_proj and v_proj of 2 layers
     EXPECT_EQ(merged_targets, 4);
     EXPECT_EQ(merged.size(), before.size() - 2 * 4);
+    EXPECT_EQ(trainable.size(), 2u * 4);
   }
 }
 

@@ -410,6 +410,27 @@ TEST(Trainer, LmGrpoWithAGroupedOptimizerResumesAfterAKillBitwise) {
        "actor_rollout_ref.actor.optim.loraplus_lr_ratio=8"});
 }
 
+// With LoRA the rollout replica gets the frozen base once and then the adapter alone each step. At
+// a large lr the adapter moves far in each step, so a replica that missed an update would sample
+// from another policy; one that keeps up matches the actor to fp32 rounding at every step.
+TEST(Trainer, LmGrpoLoraRolloutReplicaKeepsUpWithTheActor) {
+  const auto dir = make_temp_dir("trainer_grpo_lora_sync");
+  auto result =
+      run_process({bin("shardrl"), "train",
+                   std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml",
+                   "trainer.default_local_dir=" + dir + "/run", "sft.cache_dir=" + dir + "/cache",
+                   "trainer.total_training_steps=4", "actor_rollout_ref.model.lora_rank=8",
+                   "actor_rollout_ref.actor.optim.lr=0.02"},
+                  {}, 300);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto metrics = read_jsonl(dir + "/run/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 4u);
+  for (const auto& line : metrics) {
+    EXPECT_GT(line["grad_norm"].get<double>(), 0.0) << line.dump();
+    EXPECT_LT(line["rollout_probs_diff_mean"].get<double>(), 1e-6) << line.dump();
+  }
+}
+
 // LoRA+ needs adapters, and a positive ratio: errors name the key.
 TEST(Trainer, LoraPlusErrorsNameTheKey) {
   const std::string config =

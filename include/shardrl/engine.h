@@ -132,6 +132,8 @@ class Engine {
   torch::nn::Module& module() { return *model_.module; }
   fsdp::FSDPModule& fsdp() { return model_.fsdp; }
   const EngineConfig& config() const { return config_; }
+  // What `shardrl export` needs, as every checkpoint saves it: {"family", "config", "lora"}.
+  const nlohmann::json& export_info() const { return model_.export_info; }
 
   // Brings in what the config offloads (train: params, grads, optimizer state; eval: params) and
   // offloads it again when the scope ends. Nothing moves when nothing is offloaded, so a scope
@@ -192,6 +194,10 @@ class Engine {
     // name sends each target's weight with scaling * B A of that adapter merged in, and no
     // adapter tensors: what a rollout engine without LoRA support loads.
     std::string merge_adapter;
+    // Only the params that train (LoRA: the adapter tensors), for a replica that already holds
+    // the frozen rest: verl syncs the base once (base_sync_done) and then the adapter alone.
+    // Cannot be combined with merge_adapter, whose merged weights change with the adapter.
+    bool trainable_only = false;
   };
   using TensorCallback = std::function<void(const std::string&, const torch::Tensor&)>;
   void get_per_tensor_param(const TensorCallback& callback, const WeightSyncOptions& options);

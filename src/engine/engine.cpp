@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <set>
 #include <stdexcept>
 
 #include "shardrl/models/lora.h"
@@ -308,6 +309,21 @@ void Engine::get_per_tensor_param(const TensorCallback& callback,
                                   const WeightSyncOptions& options) {
   ModeScope params_in = offloaded_state_in(/*params_only=*/true);
   const auto& sharded = model_.fsdp;
+  if (options.trainable_only) {
+    if (!options.merge_adapter.empty()) {
+      throw std::invalid_argument(
+          "get_per_tensor_param: trainable_only sends the adapters unmerged; merge_adapter '" +
+          options.merge_adapter + "' would change every base weight it targets");
+    }
+    std::set<std::string> trainable;
+    for (const auto& p : sharded.sharded_parameters()) {
+      if (p.shard.requires_grad()) trainable.insert(p.name);
+    }
+    checkpoint::for_each_full_parameter(
+        sharded, options.dtype, options.prefix, callback,
+        [&](const std::string& name) { return trainable.count(name) > 0; });
+    return;
+  }
   if (options.merge_adapter.empty()) {
     checkpoint::for_each_full_parameter(sharded, options.dtype, options.prefix, callback);
     return;

@@ -91,7 +91,22 @@ torch::Tensor LoraLinearImpl::forward(const torch::Tensor& input) {
   const Adapter& ad = adapter(active_);
   torch::Tensor x = input.to(ad.a.scalar_type());
   if (ad.config.dropout > 0) x = torch::dropout(x, ad.config.dropout, is_training());
-  torch::Tensor delta = torch::nn::functional::linear(torch::nn::functional::linear(x, ad.a), ad.b);
+  const torch::Tensor xa = torch::nn::functional::linear(x, ad.a);
+  if (out.scalar_type() == ad.b.scalar_type()) {
+    // out + scaling * (x A^T) B^T as one GEMM that accumulates into a copy of out: in a decode
+    // step, where every GEMM is a few rows, three element-wise passes cost as much as the GEMM.
+    // Without grad (a rollout) it accumulates into out itself, which nothing else holds.
+    const auto rows = out.numel() / out.size(-1);
+    const auto xa_2d = xa.reshape({rows, ad.config.r});
+    if (!torch::GradMode::is_enabled() && out.is_contiguous()) {
+      out.view({rows, out.size(-1)}).addmm_(xa_2d, ad.b.t(), /*beta=*/1, ad.config.scaling());
+      return out;
+    }
+    return torch::addmm(out.reshape({rows, out.size(-1)}), xa_2d, ad.b.t(), /*beta=*/1,
+                        /*alpha=*/ad.config.scaling())
+        .view(out.sizes());
+  }
+  torch::Tensor delta = torch::nn::functional::linear(xa, ad.b);
   return out + (delta * ad.config.scaling()).to(out.scalar_type());
 }
 

@@ -115,14 +115,18 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
       }
     }
     auto scaled = options.temperature > 0 ? logits / options.temperature : logits;
+    const auto all_log_probs = torch::log_softmax(scaled, -1);
     torch::Tensor next;
     if (options.temperature > 0) {
-      auto probs = torch::softmax(top_p_filter(scaled, options.top_p), -1);
-      next = draw(probs, generator);
+      // Without top-p the sampling distribution is the one whose log-probs are logged: one
+      // exp over the vocabulary rather than a second softmax.
+      next = draw(options.top_p >= 1 ? all_log_probs.exp()
+                                     : torch::softmax(top_p_filter(scaled, options.top_p), -1),
+                  generator);
     } else {
       next = logits.argmax(-1);
     }
-    auto token_log_prob = torch::log_softmax(scaled, -1).gather(-1, next.unsqueeze(-1)).squeeze(-1);
+    auto token_log_prob = all_log_probs.gather(-1, next.unsqueeze(-1)).squeeze(-1);
     if (eos >= 0) next = torch::where(done, torch::full_like(next, pad), next);
     // Rows out of the batch hold padding, outside the mask.
     tokens.push_back(

@@ -5,17 +5,18 @@
 //   - a pretrained chat model (model.path: a Hugging Face directory, e.g. `shardrl import` of
 //     SmolLM2): its tokenizer.json and chat template pose "What is 23 + 19?" as a user turn, and
 //     the last integer of its answer is scored.
-// Each RL step syncs the actor's weights into an unsharded rollout replica (LoRA merged, as verl
-// syncs into a rollout engine), samples rollout.n answers per prompt with its KV cache (each
-// prompt prefilled once, left-padded, temperature, top-p), scores them exactly, and takes one
-// GRPO step: group-normalised outcome advantages, the PPO dual-clip loss, optionally a KL to the
-// reference. rollout.dtype float16 packs the replica's weights into fbgemm's fp16 GEMM: the
-// samples then come from a policy a rounding away from the actor's, so the old log-probs are the
-// actor's own (the step is on-policy: one optimizer step per batch, so they are its current
-// log-probs, detached, as verl's actor takes them when on-policy) and the rollout's log-probs only
-// measure the mismatch (rollout_probs_diff_mean, verl's metric).
-// Held-out problems (data.val_size) are answered greedily before training, every
-// trainer.test_freq steps and at the end.
+// Each RL step syncs the actor's weights into an unsharded rollout replica (with LoRA, the
+// frozen base once and then the adapter alone, as verl loads a LoRA into vLLM), samples rollout.n
+// answers per prompt with its KV cache (each prompt prefilled once, left-padded, temperature,
+// top-p), scores them exactly, and takes one GRPO step: group-normalised outcome advantages, the
+// PPO dual-clip loss, optionally a KL to the reference. rollout.dtype float16 packs the replica's
+// weights into fbgemm's fp16 GEMM (with LoRA, the frozen base once; the adapter path stays fp32,
+// unmerged): the samples then come from a policy a rounding away from the actor's, so the old
+// log-probs are the actor's own (the step is on-policy: one optimizer step per batch, so they are
+// its current log-probs, detached, as verl's actor takes them when on-policy) and the rollout's
+// log-probs only measure the mismatch (rollout_probs_diff_mean, verl's metric). Held-out problems
+// (data.val_size) are answered greedily before training, every trainer.test_freq steps and at the
+// end.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -456,9 +457,21 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
   rollout_model->eval();
   const bool lora = get<int64_t>(config, "actor_rollout_ref.model.lora_rank") > 0;
+  if (lora) {
+    models::lora::apply_lora(
+        *rollout_model,
+        models::lora::config_from_peft(actor->export_info().at("lora").at("default"),
+                                       "the actor's LoRA adapter"),
+        "default", /*trainable=*/false);
+  }
+  // With LoRA the base never changes: it is synced (and packed) once, and each later step sends
+  // the adapter alone, a few MB instead of the whole model, and repacks nothing. Full fine-tuning
+  // changes every weight, so each step syncs and repacks them all.
+  bool base_synced = false;
   auto sync_rollout_weights = [&] {
-    sync_rollout_replica(*actor, *rollout_model, lora ? "default" : "");
-    if (rollout_in_fp16) rollout_model->pack_for_inference(torch::kHalf);
+    sync_rollout_replica(*actor, *rollout_model, "", /*trainable_only=*/base_synced);
+    if (rollout_in_fp16 && !base_synced) rollout_model->pack_for_inference(torch::kHalf);
+    base_synced = lora;
   };
   const bool lead = world->rank() == 0;
 

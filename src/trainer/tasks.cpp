@@ -11,10 +11,11 @@ void register_builtin_tasks(std::map<std::string, Task>& tasks) {
 }
 
 void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
-                          const std::string& merge_adapter) {
+                          const std::string& merge_adapter, bool trainable_only) {
   engine::Engine::WeightSyncOptions sync;
   sync.dtype = torch::kFloat;
   sync.merge_adapter = merge_adapter;
+  sync.trainable_only = trainable_only;
   auto params = replica.named_parameters();
   torch::NoGradGuard no_grad;
   size_t received = 0;
@@ -26,7 +27,7 @@ void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
         ++received;
       },
       sync);
-  if (received != params.size()) {
+  if (trainable_only ? received == 0 : received != params.size()) {
     throw std::runtime_error(fmt::format("weight sync: {} of the rollout model's {} params came",
                                          received, params.size()));
   }

@@ -80,10 +80,12 @@ engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& 
 
 // Weight sync into an unsharded rollout replica, in fp32 (the rollouts compute in fp32 on CPU):
 // the trainer's params stream in one full tensor at a time, with `merge_adapter` merged in (empty:
-// as they are, for full fine-tuning). Collective over the trainer's shard group. A name the
-// replica lacks, or a param of the replica that gets no tensor, is an error naming it.
+// as they are, adapters included). `trainable_only` sends just the params that train, into a
+// replica that holds the frozen rest from an earlier sync. Collective over the trainer's shard
+// group. A name the replica lacks, or (full sync) a param of the replica that gets no tensor, is
+// an error naming it.
 void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
-                          const std::string& merge_adapter);
+                          const std::string& merge_adapter, bool trainable_only = false);
 
 // Tasks.
 int run_lm_pretrain(const nlohmann::json& config, std::shared_ptr<dist::World> world);

@@ -7,7 +7,8 @@
 //                        OUT/trace.RANK.json and the model's params (name, shape, requires_grad)
 //                        to OUT/params.json
 //   --mode forward_only  a reference engine: infer_batch only; writes params before and after
-//   --mode weight_sync   two LoRA steps, then get_per_tensor_param as is, merged and in bf16;
+//   --mode weight_sync   two LoRA steps, then get_per_tensor_param as is, merged, in bf16 and
+//                        trainable only;
 //                        writes each, and the params gathered before and after the syncs
 //   --mode pretrained    LoRA on the weights of --pretrained (model.path): writes the params as
 //                        loaded, then trains one step
@@ -326,6 +327,7 @@ int main(int argc, char** argv) {
     sync("plain", {torch::kFloat, "", ""});
     sync("merged", {torch::kFloat, "", "default"});
     sync("bf16", {torch::kBFloat16, "model.", ""});
+    sync("trainable", {torch::kFloat, "", "", /*trainable_only=*/true});
     write(out + "/after", gathered_in_scope());
   } else if (mode == "pretrained") {
     write(out + "/loaded", gathered());
