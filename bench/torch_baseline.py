@@ -75,6 +75,9 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: keep)")
     ap.add_argument("--json-out", default="")
     ap.add_argument("--mode", choices=("fsdp2", "ddp", "local"), default="ddp")
+    ap.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
+                    action="store_false",
+                    help="fsdp2: the blocks keep their params from forward to backward (ZeRO-2)")
     ap.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="fsdp2: MixedPrecisionPolicy.param_dtype (reduce stays fp32)")
     ap.add_argument("--autocast-bf16", action="store_true",
@@ -105,7 +108,8 @@ def main():
         dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
         for block in model.blocks:
             fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=dtype,
-                                                              reduce_dtype=torch.float32))
+                                                              reduce_dtype=torch.float32),
+                        reshard_after_forward=args.reshard_after_forward)
         # fp32 logits from the root, as bench_fsdp's output_dtype.
         fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                           output_dtype=torch.float32))
@@ -161,6 +165,7 @@ def main():
         "benchmark": "torch_baseline",
         "impl": f"pytorch-{args.mode}",
         "mode": args.mode if distributed else "local",
+        "reshard_after_forward": args.reshard_after_forward,
         "param_dtype": args.param_dtype,
         "world_size": world,
         "environment": {

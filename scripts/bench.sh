@@ -7,10 +7,12 @@
 #   b2) two b processes at once: run a's compute with the cores shared as in a, no communication
 #   d)  PyTorch DDP, 2 x 1
 #   f)  PyTorch FSDP2, 2 x 1 (fully_shard per block, then the root)
+#   a2) / f3) ShardRL and FSDP2 with reshard_after_forward=false on the blocks (ZeRO-2: params
+#       gathered once a step, DDP's traffic; grads and optimizer state still 1/N)
 #   a3) / f2) ShardRL and FSDP2 with bf16 params and fp32 reduce (fewer steps: this CPU has no
 #       bf16 arithmetic, a step takes ~25x the fp32 one)
 #
-# a, b, d and f run interleaved, BENCH_ROUNDS times; the summary takes the median over rounds of
+# a, b, b2, d, f, a2 and f3 run interleaved, BENCH_ROUNDS times; the summary takes the median over rounds of
 # each run's median step. Timings need a quiet machine: every run shares the same 2 cores.
 #
 # Sizes and steps can be overridden for a quick smoke run, e.g.
@@ -91,6 +93,12 @@ for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round: f) PyTorch FSDP2 2x1"
   "${LAUNCH2[@]}" "${TORCH[@]}" --mode fsdp2 "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
     --threads 1 --json-out "$OUT/f_fsdp2_2x1.r$round.json"
+  echo "== round $round: a2) ShardRL FSDP 2x1, reshard_after_forward=false"
+  "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
+    --no-reshard-after-forward --json-out "$OUT/a2_fsdp_2x1_no_reshard.r$round.json"
+  echo "== round $round: f3) PyTorch FSDP2 2x1, reshard_after_forward=False"
+  "${LAUNCH2[@]}" "${TORCH[@]}" --mode fsdp2 "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
+    --threads 1 --no-reshard-after-forward --json-out "$OUT/f3_fsdp2_2x1_no_reshard.r$round.json"
 done
 echo "== a3) ShardRL FSDP 2x1, bf16 params, fp32 reduce"
 "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${BF16_TIMING[@]}" --batch "$BATCH" \
@@ -109,7 +117,8 @@ def load(name):
 
 runs = {k: [load(f"{n}.r{r}") for r in range(1, rounds + 1)]
         for k, n in [("a", "a_fsdp_2x1"), ("b", "b_local_1x1_half"), ("d", "d_ddp_2x1"),
-                     ("f", "f_fsdp2_2x1")]}
+                     ("f", "f_fsdp2_2x1"), ("a2", "a2_fsdp_2x1_no_reshard"),
+                     ("f3", "f3_fsdp2_2x1_no_reshard")]}
 a3, f2 = load("a3_fsdp_2x1_bf16"), load("f2_fsdp2_2x1_bf16")
 t = {k: statistics.median(r["median_step_s"] for r in v) for k, v in runs.items()}
 # b2: per round the slower of the two concurrent processes (a step of run a waits for both ranks).
@@ -124,7 +133,7 @@ def sent(r):
 
 print(f"\n{'run':<4} {'setup':<28} {'median s (per round)':<28} {'MB/rank/step':>12}")
 names = {"a": "ShardRL FSDP 2x1", "b": "ShardRL local 1x1 B/2", "d": "PyTorch DDP 2x1",
-         "f": "PyTorch FSDP2 2x1"}
+         "f": "PyTorch FSDP2 2x1", "a2": "ShardRL 2x1 no reshard", "f3": "FSDP2 2x1 no reshard"}
 for k, v in runs.items():
     per_round = ", ".join(f"{r['median_step_s']:.3f}" for r in v)
     s = sent(v[0])
@@ -144,13 +153,15 @@ ratios = {
     "shared_cores_b2_over_b": {"value": t["b2"] / t["b"], "target": None},
     "communication_a_over_b2": {"value": t["a"] / t["b2"], "target": None},
     "shardrl_bf16_over_fsdp2_bf16": {"value": t["a3"] / t["f2"], "target": None},
+    "no_reshard_shardrl_over_fsdp2_a2_over_f3": {"value": t["a2"] / t["f3"], "target": None},
+    "no_reshard_shardrl_over_ddp_a2_over_d": {"value": t["a2"] / t["d"], "target": None},
 }
 print()
 for name, r in ratios.items():
     target = r["target"]
     r["pass"] = None if target is None else r["value"] <= float(target[2:])
     verdict = "" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
-    print(f"{name:<34} {r['value']:>7.4f}  {target or '':<8} {verdict}")
+    print(f"{name:<40} {r['value']:>7.4f}  {target or '':<8} {verdict}")
 
 with open(os.path.join(out, "collectives.json")) as f:
     coll = json.load(f)
