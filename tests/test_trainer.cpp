@@ -512,8 +512,9 @@ TEST(Trainer, LmGrpoRunsOnAPretrainedChatModelDirectory) {
   for (size_t k = 1; k < metrics.size(); ++k) {
     const auto& line = metrics[k];
     EXPECT_EQ(line["step"], k);
-    for (const char* key : {"reward_mean", "val/accuracy", "perf/rollout_tokens_per_s",
-                            "time_rollout", "time_update", "response_length", "grad_norm"}) {
+    for (const char* key :
+         {"reward_mean", "val/accuracy", "perf/rollout_tokens_per_s", "time_rollout",
+          "time_weight_sync", "time_update", "response_length", "grad_norm"}) {
       EXPECT_TRUE(line.contains(key)) << key << " missing in " << line.dump();
     }
     EXPECT_LE(line["response_length"].get<double>(), 6.0);

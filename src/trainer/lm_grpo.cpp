@@ -497,7 +497,9 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       mine.push_back(all[i]);
       for (int64_t k = 0; k < n; ++k) answers.push_back(all[i].answer);
     }
+    const auto sync_start = std::chrono::steady_clock::now();
     sync_rollout_weights();
+    const double sync_seconds = seconds_since(sync_start);
     models::SamplingOptions sampling;
     sampling.max_new_tokens = response_length;
     sampling.temperature = temperature;
@@ -582,7 +584,8 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     metrics["response_length"] = stats["response_length"];
     // Per rank, as verl's perf/throughput is per GPU.
     metrics["perf/rollout_tokens_per_s"] = stats["rollout_tokens_per_s"];
-    metrics["time_rollout"] = rollout_seconds;
+    metrics["time_rollout"] = rollout_seconds;  // the weight sync included
+    metrics["time_weight_sync"] = sync_seconds;
     metrics["time_update"] = seconds_since(start) - rollout_seconds;
     if (val_size > 0 && ((test_freq > 0 && step % test_freq == 0) || step == run.total_steps())) {
       metrics["val/accuracy"] = validate(*actor, *text, problems, response_length);
