@@ -375,8 +375,9 @@ void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
                         const std::function<bool(const std::string& name)>& select = nullptr);
 
 // Collective over model.mesh()'s shard group. Calls `callback(prefix + name, full tensor)` for
-// every parameter (or those `select` accepts; it must answer the same on every rank), gathered one
-// at a time in `dtype`; the tensor is released after the callback returns, and the shards, grads
+// every parameter (or those `select` accepts; it must answer the same on every rank), in the
+// model's order, gathered in `dtype`: a large one alone, small ones (shards up to 1 MiB) up to
+// 16 MiB a collective. The tensor is released after the callback returns, and the shards, grads
 // and optimizer are left untouched.
 void for_each_full_parameter(
     const fsdp::FSDPModule& model, torch::ScalarType dtype, const std::string& prefix,
