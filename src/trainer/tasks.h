@@ -79,9 +79,9 @@ void check_sequence_parallel_heads(const nlohmann::json& config, const std::stri
 engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& mb);
 
 // Weight sync into an unsharded rollout replica, in fp32 (the rollouts compute in fp32 on CPU):
-// the trainer's params stream in one full tensor at a time, with `merge_adapter` merged in (empty:
-// as they are, adapters included). `trainable_only` sends just the params that train, into a
-// replica that holds the frozen rest from an earlier sync. Collective over the trainer's shard
+// the trainer's params stream in, one full tensor per callback, with `merge_adapter` merged in
+// (empty: as they are, adapters included). `trainable_only` sends just the params that train, into
+// a replica that holds the frozen rest from an earlier sync. Collective over the trainer's shard
 // group. A name the replica lacks, or (full sync) a param of the replica that gets no tensor, is
 // an error naming it.
 void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
