@@ -1,6 +1,9 @@
 #include <spdlog/spdlog.h>
 
+#include <map>
+#include <string>
 #include <unordered_set>
+#include <utility>
 
 #include "shardrl/optim.h"
 
@@ -28,6 +31,83 @@ bool exempt_from_weight_decay(const NamedParameter& param, const AdamWConfig& co
   return false;
 }
 
+namespace {
+
+// torch::optim::AdamW with its update in ATen's fused kernel, as PyTorch's AdamW(fused=True):
+// one pass over each param, grad and moment per step, where LibTorch's loop makes about ten
+// (on a GPU, ten kernel launches a param; on the CPU, ten trips through memory). The state is
+// LibTorch's AdamWParamState, so checkpoints, offload and step_only see no difference, and the
+// update is LibTorch's up to rounding (the tests hold it to LibTorch's own loop).
+class FusedAdamW : public torch::optim::AdamW {
+ public:
+  using torch::optim::AdamW::AdamW;
+
+  torch::Tensor step(LossClosure closure = nullptr) override {
+    torch::NoGradGuard no_grad;
+    torch::Tensor loss;
+    if (closure) {
+      at::AutoGradMode enable_grad(true);
+      loss = closure();
+    }
+    for (auto& group : param_groups()) {
+      const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
+      // One kernel call per device and dtype: the fused kernel takes lists that share both.
+      std::map<std::pair<std::string, c10::ScalarType>, Bucket> buckets;
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        TORCH_CHECK(!p.grad().is_sparse(), "AdamW does not support sparse gradients");
+        // The kernel walks each tensor as flat memory; the grad is only read, so a strided one
+        // is copied, while the param it updates in place must already be dense.
+        TORCH_CHECK(p.is_contiguous(), "AdamW: a parameter of shape ", p.sizes(),
+                    " is not contiguous; the fused step updates params in place as flat memory");
+        auto& state = state_for(p, options.amsgrad());
+        state.step(state.step() + 1);
+        auto& bucket = buckets[{p.device().str(), p.scalar_type()}];
+        bucket.params.push_back(p);
+        bucket.grads.push_back(p.grad().contiguous());
+        bucket.exp_avgs.push_back(state.exp_avg());
+        bucket.exp_avg_sqs.push_back(state.exp_avg_sq());
+        if (options.amsgrad()) bucket.max_exp_avg_sqs.push_back(state.max_exp_avg_sq());
+        bucket.steps.push_back(static_cast<float>(state.step()));
+      }
+      for (auto& [key, bucket] : buckets) {
+        // The kernel reads each param's step count from a float tensor on the param's device: one
+        // small copy for the whole bucket.
+        const auto device = bucket.params.front().device();
+        auto steps = torch::tensor(bucket.steps, torch::kFloat).to(device).unbind();
+        at::_fused_adamw_(bucket.params, bucket.grads, bucket.exp_avgs, bucket.exp_avg_sqs,
+                          bucket.max_exp_avg_sqs, steps, options.lr(), std::get<0>(options.betas()),
+                          std::get<1>(options.betas()), options.weight_decay(), options.eps(),
+                          options.amsgrad(),
+                          /*maximize=*/false);
+      }
+    }
+    return loss;
+  }
+
+ private:
+  struct Bucket {
+    std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
+    std::vector<float> steps;
+  };
+
+  // The param's state, created at its first step as LibTorch's AdamW creates it.
+  torch::optim::AdamWParamState& state_for(const torch::Tensor& p, bool amsgrad) {
+    auto& slot = state_[p.unsafeGetTensorImpl()];
+    if (!slot) {
+      auto state = std::make_unique<torch::optim::AdamWParamState>();
+      state->step(0);
+      state->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      state->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      if (amsgrad) state->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      slot = std::move(state);
+    }
+    return static_cast<torch::optim::AdamWParamState&>(*slot);
+  }
+};
+
+}  // namespace
+
 std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<NamedParameter>& params,
                                                 const AdamWConfig& config) {
   std::vector<torch::Tensor> decay, no_decay;
@@ -44,7 +124,7 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<NamedParameter
   auto no_decay_options = options;
   no_decay_options.weight_decay(0.0);
   groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(no_decay_options));
-  return std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+  return std::make_unique<FusedAdamW>(std::move(groups), options);
 }
 
 StepResult clip_and_step(fsdp::FSDPModule& model, torch::optim::Optimizer& optimizer,
