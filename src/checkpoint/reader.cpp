@@ -197,9 +197,10 @@ void CheckpointReader::read_rows(const json& entry, const std::string& what, int
           dir_, tensor, name, saved_row, what, out_row));
     }
     torch::Tensor dst = out.narrow(0, lo - first, hi - lo);
-    if (reader.info(tensor).dtype == out.scalar_type()) {
+    if (reader.info(tensor).dtype == out.scalar_type() && dst.is_cpu()) {
       reader.read_rows_into(tensor, lo - begin, hi - lo, dst);
     } else {
+      // Another dtype, or memory a file read cannot write (a GPU's): through a host tensor.
       dst.copy_(reader.read_rows(tensor, lo - begin, hi - lo).view(dst.sizes()));
     }
     covered += hi - lo;
