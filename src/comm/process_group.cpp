@@ -92,10 +92,14 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   if (impl_->is_nccl) {
+    torch::Tensor in = impl_->staged(flat_in), gathered = impl_->staged(flat_out);
     works.push_back(launch("all_gather", [&] {
-      return impl_->backend->_allgather_base(flat_out, flat_in, c10d::AllgatherOptions());
+      return impl_->backend->_allgather_base(gathered, in, c10d::AllgatherOptions());
     }));
-    return make_pending("all_gather", std::move(works));
+    if (gathered.is_same(flat_out)) return make_pending("all_gather", std::move(works));
+    return make_pending(
+        "all_gather", std::move(works),
+        [flat_out, gathered]() mutable { flat_out.copy_(gathered); }, /*host_needs_result=*/true);
   }
   // Gloo's list all-gather copies through its own buffer; W broadcasts straight into views of the
   // output were measured faster here and send the same (W-1)/W of the bytes.
@@ -126,11 +130,14 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   if (impl_->is_nccl) {
     torch::Tensor flat_out = out.view(-1);
-    torch::Tensor flat_in = input.view(-1);
+    torch::Tensor in = impl_->staged(input.view(-1)), reduced = impl_->staged(flat_out);
     works.push_back(launch("reduce_scatter", [&] {
-      return impl_->backend->_reduce_scatter_base(flat_out, flat_in, c10d::ReduceScatterOptions());
+      return impl_->backend->_reduce_scatter_base(reduced, in, c10d::ReduceScatterOptions());
     }));
-    return make_pending("reduce_scatter", std::move(works));
+    if (reduced.is_same(flat_out)) return make_pending("reduce_scatter", std::move(works));
+    return make_pending(
+        "reduce_scatter", std::move(works),
+        [flat_out, reduced]() mutable { flat_out.copy_(reduced); }, /*host_needs_result=*/true);
   }
   // alltoall hands chunk j to rank j; every rank then sums the W chunks it received.
   auto received = torch::empty_like(input);
@@ -185,13 +192,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::launch_all_to_all(const std::string
 
 Pending ProcessGroup::start_all_reduce(torch::Tensor& tensor, ReduceOp op, bool host_needs_result) {
   if (size() == 1) return make_pending("all_reduce", {});
-  std::vector<at::Tensor> tensors{tensor};
+  torch::Tensor on_device = impl_->staged(tensor);
+  std::function<void()> finish;
+  if (!on_device.is_same(tensor)) {
+    // The host reads a staged result: it waits for the copy back.
+    finish = [tensor, on_device]() mutable { tensor.copy_(on_device); };
+    host_needs_result = true;
+  }
+  std::vector<at::Tensor> tensors{on_device};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
   opts.timeout = timeout();
   bytes_sent_ += 2 * nbytes(tensors[0]) * (size() - 1) / size();
   auto work = launch("all_reduce", [&] { return impl_->backend->allreduce(tensors, opts); });
-  return make_pending("all_reduce", {work}, nullptr, host_needs_result);
+  return make_pending("all_reduce", {work}, std::move(finish), host_needs_result);
 }
 
 void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
@@ -204,13 +218,15 @@ Pending ProcessGroup::all_reduce_async(torch::Tensor& tensor, ReduceOp op) {
 
 void ProcessGroup::broadcast(torch::Tensor& tensor, int root) {
   if (size() == 1) return;
-  std::vector<at::Tensor> tensors{tensor};
+  torch::Tensor on_device = impl_->staged(tensor);
+  std::vector<at::Tensor> tensors{on_device};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = timeout();
   if (rank() == root) bytes_sent_ += nbytes(tensor) * (size() - 1);
   auto work = launch("broadcast", [&] { return impl_->backend->broadcast(tensors, opts); });
   make_pending("broadcast", {work}, nullptr, /*host_needs_result=*/true).wait();
+  if (!on_device.is_same(tensor)) tensor.copy_(on_device);
 }
 
 void ProcessGroup::barrier() {

@@ -55,6 +55,14 @@ struct ProcessGroup::Impl {
   int world_rank = 0;
   std::chrono::milliseconds timeout{0};
   bool is_nccl = false;
+  // NCCL's device (the rank's cuda:LOCAL_RANK), through which host tensors are staged.
+  torch::Device device{torch::kCPU};
+
+  // NCCL moves GPU memory only. A host tensor (a count, a metric, a flag) goes through the
+  // group's device and back, so callers need not know the backend.
+  torch::Tensor staged(const torch::Tensor& tensor) const {
+    return is_nccl && tensor.is_cpu() ? tensor.to(device) : tensor;
+  }
   bool failed = false;  // a collective failed: the transport is abandoned, not torn down
   std::shared_ptr<Liveness> liveness;
 };

@@ -289,6 +289,7 @@ std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks,
   impl->world_rank = rank_;
   impl->timeout = options_.timeout;
   impl->is_nccl = use_nccl_;
+  impl->device = device_;
   if (ranks.size() > 1) {
     auto prefixed =
         c10::make_intrusive<c10d::PrefixStore>(fmt::format("{}pg/{}", kKeyPrefix, name), store_);

@@ -54,6 +54,16 @@ std::vector<Batch> split_batch(const Batch& batch, int64_t count) {
   return parts;
 }
 
+namespace {
+
+Batch to_device(const Batch& batch, const torch::Device& device) {
+  Batch out;
+  for (const auto& [name, tensor] : batch) out[name] = tensor.to(device);
+  return out;
+}
+
+}  // namespace
+
 Batch concat_batches(const std::vector<Batch>& parts) {
   Batch out;
   if (parts.empty()) return out;
@@ -262,9 +272,13 @@ Metrics Engine::forward_backward_batch(const Batch& data, const LossFn& loss_fn,
   const auto count = static_cast<int64_t>(micro_batches.size());
   Metrics sums;
   std::vector<Batch> collected;
+  // The loss computes where the model does: each micro-batch moves to the mesh's device (verl's
+  // data.to(get_device_id())), and per-sample outputs come back to the host, as verl returns them.
+  const torch::Device device = mesh_.device();
   for (int64_t i = 0; i < count; ++i) {
     if (!forward_only) model_.fsdp.set_requires_gradient_sync(i == count - 1);
-    LossOutput out = loss_fn(*this, MicroBatch{micro_batches[i], i, count});
+    const Batch micro_batch = to_device(micro_batches[i], device);
+    LossOutput out = loss_fn(*this, MicroBatch{micro_batch, i, count});
     if (!forward_only) {
       TORCH_CHECK(out.loss.defined() && out.loss.numel() == 1,
                   "forward_backward_batch: the loss function must return a scalar loss");
@@ -272,7 +286,7 @@ Metrics Engine::forward_backward_batch(const Batch& data, const LossFn& loss_fn,
       sums["loss"] += out.loss.item<double>();
     }
     for (const auto& [name, value] : out.metrics) sums[name] += value / count;
-    if (outputs) collected.push_back(std::move(out.outputs));
+    if (outputs) collected.push_back(to_device(out.outputs, torch::kCPU));
   }
   if (outputs) *outputs = concat_batches(collected);
   return average_over_ranks(sums);
