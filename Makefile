@@ -6,14 +6,15 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 # What the CUDA build compiles here, where no GPU runs it: the library and the programs a user
 # runs, linked against torch_cuda and NCCL. `make test-cuda` on a GPU machine builds the rest.
 CUDA_CHECK_TARGETS ?= shardrl dist_worker
-# The tests that run on one GPU: World picks NCCL and cuda:LOCAL_RANK when a GPU is visible.
-CUDA_TESTS ?= WorldSizes/ParityTest.*/0$$
+# The tests that run on one GPU: World picks NCCL and cuda:LOCAL_RANK when a GPU is visible. CTest
+# names a parameterized test by its value: /1 is world size 1.
+CUDA_TESTS ?= ^AdamW\.|^WorldSizes/(ParityTest|OffloadPolicyTest)\..*/1$$
 # The parsers' libFuzzer harnesses (clang, ASan + UBSan), in a build dir of their own.
 FUZZ_BUILD ?= build-fuzz
 FUZZ_FLAGS ?= -max_total_time=7
 
 .PHONY: deps configure build test demo smollm2 bench format clean build-cuda test-cuda fuzz-build \
-	fuzz-smoke
+	fuzz-smoke bench-cuda
 
 deps:
 	@scripts/install-deps.sh
@@ -47,6 +48,10 @@ test-cuda: deps
 	@cmake -S . -B $(CUDA_BUILD) $(CMAKE_FLAGS) -DSHARDRL_CUDA=ON >/dev/null
 	@cmake --build $(CUDA_BUILD) -j $(JOBS)
 	cd $(CUDA_BUILD) && ctest --output-on-failure --timeout 900 -R '$(CUDA_TESTS)'
+
+# On a GPU machine, after test-cuda: ShardRL beside PyTorch FSDP2 on one GPU (step time, peak memory).
+bench-cuda:
+	@scripts/bench-cuda.sh $(CUDA_BUILD)
 
 fuzz-build: deps
 	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ \

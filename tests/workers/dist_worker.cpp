@@ -71,10 +71,13 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
     // Alive but stuck outside any collective: the others must time out, not hang.
     if (world->rank() == hang_rank && step == die_step)
       std::this_thread::sleep_for(std::chrono::minutes(10));
-    auto batch = testing::global_batch(s, step, vocab).narrow(0, dp_rank * local, local);
+    // On a GPU the batch moves to the mesh's device, as a data loader would put it there; the
+    // loss compares logits with these tokens on that device.
+    auto batch =
+        testing::global_batch(s, step, vocab).narrow(0, dp_rank * local, local).to(mesh.device());
     fsdp_model.zero_grad();
     fsdp_model.reset_bytes_sent();
-    torch::Tensor loss_sum = torch::zeros({1});
+    torch::Tensor loss_sum = torch::zeros({1}, torch::device(mesh.device()));
     for (int64_t m = 0; m < s.micro; ++m) {
       fsdp_model.set_requires_gradient_sync(!no_sync || m == s.micro - 1);
       auto tokens = batch.narrow(0, m * micro_rows, micro_rows);
