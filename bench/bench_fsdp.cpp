@@ -6,7 +6,9 @@
 //
 // Timing is a benchmark, never a test: it depends on the machine being quiet.
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/DeviceAccelerator.h>
 #include <dlfcn.h>
+#include <fmt/format.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -120,6 +122,21 @@ std::string env_or(const char* name, const char* fallback) {
   return v ? v : fallback;
 }
 
+// Kernels run asynchronously on a GPU: a step ends when the device has done its work.
+void synchronize(const torch::Device& device) {
+  if (!device.is_cpu()) at::accelerator::synchronizeDevice(device.index());
+}
+
+// Peak bytes the caching allocator handed out on `device` since the last reset (PyTorch's
+// torch.cuda.max_memory_allocated), and the peak it held from the driver (max_memory_reserved).
+json device_memory(const torch::Device& device) {
+  if (device.is_cpu()) return nullptr;
+  const auto stats = at::accelerator::getDeviceStats(device.index());
+  const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  return {{"peak_allocated_bytes", stats.allocated_bytes[aggregate].peak},
+          {"peak_reserved_bytes", stats.reserved_bytes[aggregate].peak}};
+}
+
 json run_environment() {
   return {{"threads", at::get_num_threads()},
           {"OMP_NUM_THREADS", env_or("OMP_NUM_THREADS", "")},
@@ -198,7 +215,8 @@ int run_fsdp(const Args& a) {
   auto mesh = dist::DeviceMesh::create(*world);
   set_compute_threads(a.threads);
   const int N = world->size(), rank = world->rank();
-  auto tokens = local_tokens(a, *world);
+  // The batch lives where the model computes, as a data loader's pinned copy would put it.
+  auto tokens = local_tokens(a, *world).to(mesh.device());
   const int64_t local = tokens.size(0);
 
   const auto config = model_config(a);
@@ -225,10 +243,15 @@ int run_fsdp(const Args& a) {
   uint64_t fb_bytes_total = 0, clip_bytes_total = 0;
   uint64_t fb_bytes_min = UINT64_MAX, fb_bytes_max = 0;
   uint64_t lo_start = 0;
+  const torch::Device device = mesh.device();
   for (int step = 0; step < a.warmup + a.steps; ++step) {
     const bool timed = step >= a.warmup;
     // Read before the barrier so every timed step contributes its two barriers to the count.
     if (timed && step == a.warmup && rank == 0) lo_start = loopback_tx_bytes();
+    // The peak is over the timed steps, after warm-up has filled the allocator's cache, as the
+    // PyTorch baseline measures it.
+    if (step == a.warmup && !device.is_cpu()) at::accelerator::resetPeakStats(device.index());
+    synchronize(device);
     group.barrier();
     const auto t0 = Clock::now();
     fsdp_model.reset_bytes_sent();
@@ -243,6 +266,7 @@ int run_fsdp(const Args& a) {
     const double waited = mesh.shard_group().wait_seconds();
     optim::clip_and_step(fsdp_model, *optimizer, kMaxNorm);
     const uint64_t clip_bytes = fsdp_model.bytes_sent() - fb_bytes;
+    synchronize(device);
     group.barrier();
     const double elapsed = seconds_since(t0);
     if (!timed) continue;
@@ -255,6 +279,7 @@ int run_fsdp(const Args& a) {
     fb_bytes_max = std::max(fb_bytes_max, fb_bytes);
   }
   const uint64_t lo_bytes = rank == 0 ? loopback_tx_bytes() - lo_start : 0;
+  const json memory = device_memory(device);
 
   // Byte counts of every rank, exchanged after the timed steps so they cost no step time.
   torch::Tensor sums = torch::tensor(
@@ -304,6 +329,10 @@ int run_fsdp(const Args& a) {
             {"mode", "fsdp"},
             {"world_size", N},
             {"environment", run_environment()},
+            {"device", device.str()},
+            {"device_memory", memory},
+            {"param_dtype", a.param_dtype},
+            {"reshard_after_forward", a.reshard_after_forward},
             {"model", model_json(config)},
             {"batch_global", a.batch},
             {"batch_per_rank", local},
@@ -316,15 +345,19 @@ int run_fsdp(const Args& a) {
             {"median_exposed_comm_s", median(waits)}};
   j.update(timing_json(times, a.batch * a.seq));
   write_json(a, j);
+  const std::string peak =
+      memory.is_null() ? ""
+                       : fmt::format("  peak {:.1f} MiB",
+                                     memory["peak_allocated_bytes"].get<double>() / (1 << 20));
   std::printf(
-      "fsdp  N=%d threads=%d B=%lld  median step %.4f s (blocked on comm %.4f s)  %.0f tok/s  "
+      "fsdp  %s N=%d threads=%d B=%lld  median step %.4f s (blocked on comm %.4f s)  %.0f tok/s  "
       "sent/rank/step %.3f MB "
-      "(x%.4f of 3P, x%.4f of schedule)  clip %.0f B  lo %.3f MB\n",
-      N, at::get_num_threads(), static_cast<long long>(a.batch), j["median_step_s"].get<double>(),
-      median(waits), j["tokens_per_s"].get<double>(), fb_per_rank_step / 1e6,
-      theory_3p > 0 ? fb_per_rank_step / theory_3p : 0.0,
+      "(x%.4f of 3P, x%.4f of schedule)  clip %.0f B  lo %.3f MB%s\n",
+      device.str().c_str(), N, at::get_num_threads(), static_cast<long long>(a.batch),
+      j["median_step_s"].get<double>(), median(waits), j["tokens_per_s"].get<double>(),
+      fb_per_rank_step / 1e6, theory_3p > 0 ? fb_per_rank_step / theory_3p : 0.0,
       theory_schedule > 0 ? fb_per_rank_step / theory_schedule : 0.0, clip_per_rank_step,
-      lo_per_rank_step / 1e6);
+      lo_per_rank_step / 1e6, peak.c_str());
   // Rank 0 hosts the store: the others must not find it gone while they finish.
   group.barrier();
   return 0;

@@ -40,7 +40,7 @@ def next_token_loss(logits, tokens):
 
 # The two groups of shardrl::optim::make_adamw: 1-D params and names with bias/norm/ln_ get no
 # weight decay.
-def make_adamw(model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+def make_adamw(model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -49,7 +49,7 @@ def make_adamw(model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         (no_decay if exempt else decay).append(p)
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=betas, eps=eps)
+        lr=lr, betas=betas, eps=eps, fused=fused)
 
 
 def loopback_tx_bytes():
@@ -81,13 +81,26 @@ def main():
     ap.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="fsdp2: MixedPrecisionPolicy.param_dtype (reduce stays fp32)")
     ap.add_argument("--autocast-bf16", action="store_true",
-                    help="torch.autocast('cpu', bfloat16) around forward: PyTorch's bf16 mixed precision")
+                    help="torch.autocast(device, bfloat16) around forward: PyTorch's bf16 mixed precision")
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="torch.optim.AdamW(fused=True), the kernel ShardRL's AdamW steps with "
+                         "(default: PyTorch's own choice, foreach on CUDA, a loop on the CPU)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: NCCL and cuda:LOCAL_RANK, as ShardRL's ranks pick when a GPU is visible")
     args = ap.parse_args()
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     distributed = args.mode != "local" and "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if distributed:
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if distributed and device.type == "cuda":
+        dist.init_process_group("nccl", init_method="env://", device_id=device)
+        rank, world = dist.get_rank(), dist.get_world_size()
+    elif distributed:
         # Gloo would otherwise pick the interface the hostname resolves to; the C++ ranks use
         # loopback for a loopback master, and the lo byte count below relies on that.
         if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost"):
@@ -101,7 +114,7 @@ def main():
     local = args.batch // world
 
     torch.manual_seed(MODEL_SEED)
-    model = Transformer(args.vocab, args.seq, args.d_model, args.heads, args.layers)
+    model = Transformer(args.vocab, args.seq, args.d_model, args.heads, args.layers).to(device)
     P = sum(p.numel() for p in model.parameters())
     if args.mode == "fsdp2" and distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -113,12 +126,17 @@ def main():
         # fp32 logits from the root, as bench_fsdp's output_dtype.
         fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                           output_dtype=torch.float32))
-    optimizer = make_adamw(model)
+    optimizer = make_adamw(model, fused=True if args.fused_adamw else None)
     if args.mode == "ddp" and distributed:
         model = nn.parallel.DistributedDataParallel(model)
     gen = torch.Generator().manual_seed(DATA_SEED)
     tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=gen)
-    tokens = tokens[rank * local:(rank + 1) * local].contiguous()
+    tokens = tokens[rank * local:(rank + 1) * local].contiguous().to(device)
+
+    def synchronize():
+        # Kernels run asynchronously on a GPU: a step ends when the device has done its work.
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def barrier():
         if distributed:
@@ -130,15 +148,20 @@ def main():
         timed = step >= args.warmup
         if timed and step == args.warmup and rank == 0:
             lo_start = loopback_tx_bytes()
+        if step == args.warmup and device.type == "cuda":
+            # The peak over the timed steps, after warm-up filled the allocator's cache.
+            torch.cuda.reset_peak_memory_stats(device)
+        synchronize()
         barrier()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)  # as FSDP's zero_grad: grads dropped, not zeroed
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast_bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast_bf16):
             logits = model(tokens)
         loss = next_token_loss(logits, tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()
+        synchronize()
         barrier()
         elapsed = time.perf_counter() - t0
         if timed:
@@ -167,7 +190,13 @@ def main():
         "mode": args.mode if distributed else "local",
         "reshard_after_forward": args.reshard_after_forward,
         "param_dtype": args.param_dtype,
+        "fused_adamw": args.fused_adamw,
         "world_size": world,
+        "device": str(device),
+        "device_memory": None if device.type != "cuda" else {
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        },
         "environment": {
             "threads": torch.get_num_threads(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", ""),
@@ -199,9 +228,11 @@ def main():
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2, sort_keys=True)
             f.write("\n")
-    print(f"{args.mode:<5} N={world} threads={torch.get_num_threads()} B={args.batch}  median step "
+    peak = (f"  peak {torch.cuda.max_memory_allocated(device) / 2**20:.1f} MiB"
+            if device.type == "cuda" else "")
+    print(f"{args.mode:<5} {device} N={world} threads={torch.get_num_threads()} B={args.batch}  median step "
           f"{med:.4f} s  {result['tokens_per_s']:.0f} tok/s  lo {lo_per / 1e6:.3f} MB"
-          f" (x{(lo_per / theory) if theory else 0:.4f} of the schedule)", flush=True)
+          f" (x{(lo_per / theory) if theory else 0:.4f} of the schedule){peak}", flush=True)
     # Rank 0 hosts the store: the others must not find it gone while they finish.
     barrier()
 

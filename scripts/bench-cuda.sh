@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# ShardRL's FSDP beside PyTorch FSDP2 on one GPU (NCCL, world size 1): step time and peak GPU
+# memory of the same model, batch, precision and optimizer, from one run. Needs the CUDA build
+# (make build-cuda, or make test-cuda on the GPU machine) and a Python whose torch has CUDA.
+# Usage: scripts/bench-cuda.sh [BUILD_DIR]   (or `make bench-cuda`)
+#
+# Two models, each in fp32 and with bf16 params (fp32 reduce):
+#   bench: the CPU benchmark's model (d=512, 6 layers, batch 8 x 128 tokens): launch-bound on a GPU
+#   large: d=2048, 8 layers, vocab 32768, batch 8 x 512 tokens (538M params): compute-bound
+# FSDP2 runs twice: with torch.optim.AdamW's default (foreach on CUDA) and with fused=True, the
+# kernel ShardRL's AdamW steps with. ShardRL and FSDP2 run interleaved, BENCH_ROUNDS times; the
+# summary takes the median over rounds of each run's median step, and the largest peak. Results go
+# to BENCH_OUT (default runs/bench-cuda).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${1:-build-cuda}
+case "$BUILD" in /*) ;; *) BUILD="$ROOT/$BUILD" ;; esac
+BIN="$BUILD/bin"
+OUT=${BENCH_OUT:-$ROOT/runs/bench-cuda}
+ROUNDS=${BENCH_ROUNDS:-2}
+STEPS=${BENCH_STEPS:-10}
+WARMUP=${BENCH_WARMUP:-3}
+PYTHON=${BENCH_PYTHON:-python3}
+MODELS=${BENCH_MODELS:-bench large}
+DTYPES=${BENCH_DTYPES:-fp32 bf16}
+
+for f in "$BIN/shardrl" "$BIN/bench_fsdp"; do
+  [ -x "$f" ] || { echo "bench-cuda: $f is missing; build first (make build-cuda)" >&2; exit 1; }
+done
+"$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || {
+  echo "bench-cuda: $PYTHON has no CUDA torch, or no GPU is visible" >&2
+  exit 1
+}
+mkdir -p "$OUT"
+
+model_args() {
+  case "$1" in
+    bench) echo --d-model 512 --layers 6 --heads 8 --vocab 8192 --seq 128 --batch 8 ;;
+    large) echo --d-model 2048 --layers 8 --heads 16 --vocab 32768 --seq 512 --batch 8 ;;
+    *) echo "bench-cuda: unknown model $1 (bench or large)" >&2; exit 1 ;;
+  esac
+}
+
+LAUNCH1=("$BIN/shardrl" launch -n 1 --)
+for round in $(seq 1 "$ROUNDS"); do
+  for model in $MODELS; do
+    for dtype in $DTYPES; do
+      # shellcheck disable=SC2207
+      args=($(model_args "$model") --steps "$STEPS" --warmup "$WARMUP" --param-dtype "$dtype")
+      tag="${model}_${dtype}"
+      echo "== round $round: $tag ShardRL"
+      "${LAUNCH1[@]}" "$BIN/bench_fsdp" --mode fsdp "${args[@]}" \
+        --json-out "$OUT/shardrl_$tag.r$round.json"
+      echo "== round $round: $tag FSDP2"
+      "${LAUNCH1[@]}" "$PYTHON" "$ROOT/bench/torch_baseline.py" --mode fsdp2 --device cuda \
+        "${args[@]}" --json-out "$OUT/fsdp2_$tag.r$round.json"
+      echo "== round $round: $tag FSDP2, AdamW(fused=True)"
+      "${LAUNCH1[@]}" "$PYTHON" "$ROOT/bench/torch_baseline.py" --mode fsdp2 --device cuda \
+        --fused-adamw "${args[@]}" --json-out "$OUT/fsdp2fused_$tag.r$round.json"
+    done
+  done
+done
+
+"$PYTHON" - "$OUT" <<'EOF'
+import glob, json, os, statistics, sys
+
+out = sys.argv[1]
+rows = {}
+for path in sorted(glob.glob(os.path.join(out, "*.r*.json"))):
+    impl, tag = os.path.basename(path).split(".r")[0].split("_", 1)
+    with open(path) as f:
+        j = json.load(f)
+    row = rows.setdefault(tag, {}).setdefault(impl, {"step": [], "peak": [], "loss_first": []})
+    row["step"].append(j["median_step_s"])
+    row["peak"].append(j["device_memory"]["peak_allocated_bytes"])
+    row["loss_first"].append(j["loss_first"])
+    row["device"] = j["device"]
+summary = {}
+for tag, impls in sorted(rows.items()):
+    s, f, ff = impls.get("shardrl"), impls.get("fsdp2"), impls.get("fsdp2fused")
+    if not s or not f:
+        continue
+    entry = {
+        "shardrl_step_s": statistics.median(s["step"]),
+        "fsdp2_step_s": statistics.median(f["step"]),
+        "shardrl_peak_bytes": max(s["peak"]),
+        "fsdp2_peak_bytes": max(f["peak"]),
+        "shardrl_loss_first": s["loss_first"][0],
+        "fsdp2_loss_first": f["loss_first"][0],
+    }
+    entry["ratio_step"] = entry["shardrl_step_s"] / entry["fsdp2_step_s"]
+    entry["ratio_peak"] = entry["shardrl_peak_bytes"] / entry["fsdp2_peak_bytes"]
+    fused = ""
+    if ff:
+        # FSDP2 with the optimizer kernel ShardRL uses: the comparison of the FSDP machinery alone.
+        entry["fsdp2_fused_step_s"] = statistics.median(ff["step"])
+        entry["fsdp2_fused_peak_bytes"] = max(ff["peak"])
+        entry["ratio_step_fused"] = entry["shardrl_step_s"] / entry["fsdp2_fused_step_s"]
+        entry["ratio_peak_fused"] = entry["shardrl_peak_bytes"] / entry["fsdp2_fused_peak_bytes"]
+        fused = (f"  | FSDP2 fused AdamW {entry['fsdp2_fused_step_s'] * 1e3:.2f} ms "
+                 f"(x{entry['ratio_step_fused']:.3f}), peak x{entry['ratio_peak_fused']:.3f}")
+    summary[tag] = entry
+    print(f"{tag:<12} step {entry['shardrl_step_s'] * 1e3:8.2f} ms vs FSDP2 "
+          f"{entry['fsdp2_step_s'] * 1e3:8.2f} ms (x{entry['ratio_step']:.3f})  peak "
+          f"{entry['shardrl_peak_bytes'] / 2**20:9.1f} MiB vs {entry['fsdp2_peak_bytes'] / 2**20:9.1f} "
+          f"MiB (x{entry['ratio_peak']:.3f})  first loss {entry['shardrl_loss_first']:.5f} vs "
+          f"{entry['fsdp2_loss_first']:.5f}{fused}")
+with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2, sort_keys=True)
+    f.write("\n")
+EOF
