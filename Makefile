@@ -49,8 +49,10 @@ test-cuda: deps
 	@cmake --build $(CUDA_BUILD) -j $(JOBS)
 	cd $(CUDA_BUILD) && ctest --output-on-failure --timeout 900 -R '$(CUDA_TESTS)'
 
-# On a GPU machine, after test-cuda: ShardRL beside PyTorch FSDP2 on one GPU (step time, peak memory).
-bench-cuda:
+# On a GPU machine: ShardRL beside PyTorch FSDP2 on one GPU (step time, peak memory).
+bench-cuda: deps
+	@cmake -S . -B $(CUDA_BUILD) $(CMAKE_FLAGS) -DSHARDRL_CUDA=ON >/dev/null
+	@cmake --build $(CUDA_BUILD) -j $(JOBS) --target shardrl bench_fsdp
 	@scripts/bench-cuda.sh $(CUDA_BUILD)
 
 fuzz-build: deps

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ShardRL's FSDP beside PyTorch FSDP2 on one GPU (NCCL, world size 1): step time and peak GPU
-# memory of the same model, batch, precision and optimizer, from one run. Needs the CUDA build
-# (make build-cuda, or make test-cuda on the GPU machine) and a Python whose torch has CUDA.
+# memory of the same model, batch, precision and optimizer, from one run. Needs the CUDA build of
+# shardrl and bench_fsdp (`make bench-cuda` builds them) and a Python whose torch has CUDA
+# (BENCH_PYTHON, default python3).
 # Usage: scripts/bench-cuda.sh [BUILD_DIR]   (or `make bench-cuda`)
 #
 # Two models, each in fp32 and with bf16 params (fp32 reduce):

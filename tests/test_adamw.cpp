@@ -15,7 +15,7 @@ struct Params {
   std::vector<torch::Tensor> decayed, exempt, frozen;
 };
 
-// A matrix and a vector that decay, a bias that does not, and a frozen matrix, on `device`.
+// Two tensors that decay (2-D and 3-D), a bias that does not, and a frozen matrix, on `device`.
 Params make_params(const torch::Device& device) {
   torch::manual_seed(7);
   auto leaf = [&](std::vector<int64_t> shape) {
