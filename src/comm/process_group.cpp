@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <functional>
 #include <thread>
 
 namespace shardrl::dist {
@@ -9,6 +10,13 @@ namespace {
 
 uint64_t nbytes(const torch::Tensor& t) {
   return static_cast<uint64_t>(t.numel()) * t.element_size();
+}
+
+// After a collective wrote `on_device`, a staged copy of the host tensor `out`
+// (ProcessGroup::Impl::staged): the copy back, or nothing when the collective wrote `out` itself.
+std::function<void()> copy_back(torch::Tensor out, torch::Tensor on_device) {
+  if (on_device.is_same(out)) return nullptr;
+  return [out, on_device]() mutable { out.copy_(on_device); };
 }
 
 }  // namespace
@@ -96,10 +104,9 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
     works.push_back(launch("all_gather", [&] {
       return impl_->backend->_allgather_base(gathered, in, c10d::AllgatherOptions());
     }));
-    if (gathered.is_same(flat_out)) return make_pending("all_gather", std::move(works));
-    return make_pending(
-        "all_gather", std::move(works),
-        [flat_out, gathered]() mutable { flat_out.copy_(gathered); }, /*host_needs_result=*/true);
+    auto finish = copy_back(flat_out, gathered);
+    const bool host_reads = finish != nullptr;  // the host waits for a staged result
+    return make_pending("all_gather", std::move(works), std::move(finish), host_reads);
   }
   // Gloo's list all-gather copies through its own buffer; W broadcasts straight into views of the
   // output were measured faster here and send the same (W-1)/W of the bytes.
@@ -134,10 +141,9 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
     works.push_back(launch("reduce_scatter", [&] {
       return impl_->backend->_reduce_scatter_base(reduced, in, c10d::ReduceScatterOptions());
     }));
-    if (reduced.is_same(flat_out)) return make_pending("reduce_scatter", std::move(works));
-    return make_pending(
-        "reduce_scatter", std::move(works),
-        [flat_out, reduced]() mutable { flat_out.copy_(reduced); }, /*host_needs_result=*/true);
+    auto finish = copy_back(flat_out, reduced);
+    const bool host_reads = finish != nullptr;  // the host waits for a staged result
+    return make_pending("reduce_scatter", std::move(works), std::move(finish), host_reads);
   }
   // alltoall hands chunk j to rank j; every rank then sums the W chunks it received.
   auto received = torch::empty_like(input);
@@ -193,12 +199,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::launch_all_to_all(const std::string
 Pending ProcessGroup::start_all_reduce(torch::Tensor& tensor, ReduceOp op, bool host_needs_result) {
   if (size() == 1) return make_pending("all_reduce", {});
   torch::Tensor on_device = impl_->staged(tensor);
-  std::function<void()> finish;
-  if (!on_device.is_same(tensor)) {
-    // The host reads a staged result: it waits for the copy back.
-    finish = [tensor, on_device]() mutable { tensor.copy_(on_device); };
-    host_needs_result = true;
-  }
+  auto finish = copy_back(tensor, on_device);
+  if (finish) host_needs_result = true;  // the host waits for a staged result
   std::vector<at::Tensor> tensors{on_device};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
@@ -225,8 +227,8 @@ void ProcessGroup::broadcast(torch::Tensor& tensor, int root) {
   opts.timeout = timeout();
   if (rank() == root) bytes_sent_ += nbytes(tensor) * (size() - 1);
   auto work = launch("broadcast", [&] { return impl_->backend->broadcast(tensors, opts); });
-  make_pending("broadcast", {work}, nullptr, /*host_needs_result=*/true).wait();
-  if (!on_device.is_same(tensor)) tensor.copy_(on_device);
+  make_pending("broadcast", {work}, copy_back(tensor, on_device), /*host_needs_result=*/true)
+      .wait();
 }
 
 void ProcessGroup::barrier() {
