@@ -250,12 +250,13 @@ ProcessResult run_process_until(const std::vector<std::string>& argv,
 }
 
 ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,
-                             double timeout_s, const std::string& worker) {
+                             double timeout_s, const std::string& worker,
+                             const std::map<std::string, std::string>& env) {
   std::vector<std::string> argv = {bin("shardrl"), "launch",   "-n",      std::to_string(nproc),
                                    "--threads",    "1",        "--grace", "20",
                                    "--",           bin(worker)};
   argv.insert(argv.end(), worker_args.begin(), worker_args.end());
-  return run_process(argv, {}, timeout_s);
+  return run_process(argv, env, timeout_s);
 }
 
 std::string smollm2_gguf() {

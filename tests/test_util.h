@@ -68,7 +68,8 @@ ProcessResult run_process_until(const std::vector<std::string>& argv,
 
 // `shardrl launch -n N -- <worker> args...`
 ProcessResult launch_workers(int nproc, const std::vector<std::string>& worker_args,
-                             double timeout_s = 300, const std::string& worker = "dist_worker");
+                             double timeout_s = 300, const std::string& worker = "dist_worker",
+                             const std::map<std::string, std::string>& env = {});
 
 // A Python reference's verdicts: each line of its output that starts {"check", ...} must have
 // "ok": true, there must be at least `at_least` of them, and the process must exit 0.

@@ -76,6 +76,10 @@ class ProcessGroup {
   int size() const;
   const std::string& name() const;
   std::chrono::milliseconds timeout() const;
+  // What carries the bulk collectives (all-gather, reduce-scatter, all-to-all): "nccl"; "shm",
+  // shared memory, for CPU ranks that share a host (SHARDRL_SHM_DISABLE=1 turns it off); "gloo"
+  // between hosts; "none" for a group of one.
+  std::string bulk_transport() const;
 
   // out (contiguous, size() * shard.numel() elements) receives every rank's shard, rank-major.
   Pending all_gather_async(const torch::Tensor& shard, torch::Tensor out);

@@ -38,6 +38,10 @@ int ProcessGroup::size() const {
 const std::string& ProcessGroup::name() const {
   return impl_->name;
 }
+std::string ProcessGroup::bulk_transport() const {
+  if (size() == 1) return "none";
+  return impl_->is_nccl ? "nccl" : impl_->shm ? "shm" : "gloo";
+}
 std::chrono::milliseconds ProcessGroup::timeout() const {
   return impl_->timeout;
 }
@@ -108,6 +112,11 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
     const bool host_reads = finish != nullptr;  // the host waits for a staged result
     return make_pending("all_gather", std::move(works), std::move(finish), host_reads);
   }
+  if (impl_->shm) {
+    works.push_back(
+        launch("all_gather", [&] { return impl_->shm->all_gather(flat_in, flat_out); }));
+    return make_pending("all_gather", std::move(works));
+  }
   // Gloo's list all-gather copies through its own buffer; W broadcasts straight into views of the
   // output were measured faster here and send the same (W-1)/W of the bytes.
   torch::Tensor mine = flat_out.narrow(0, rank() * n, n);
@@ -145,6 +154,16 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
     const bool host_reads = finish != nullptr;  // the host waits for a staged result
     return make_pending("reduce_scatter", std::move(works), std::move(finish), host_reads);
   }
+  if (impl_->shm) {
+    // The transport sums straight into a contiguous output.
+    torch::Tensor target = out.is_contiguous() ? out.view(-1) : torch::empty({n}, out.options());
+    works.push_back(launch("reduce_scatter",
+                           [&] { return impl_->shm->reduce_scatter(input.view(-1), target); }));
+    std::function<void()> finish;
+    if (!out.is_contiguous())
+      finish = [out, target]() mutable { out.copy_(target.view(out.sizes())); };
+    return make_pending("reduce_scatter", std::move(works), std::move(finish));
+  }
   // alltoall hands chunk j to rank j; every rank then sums the W chunks it received.
   auto received = torch::empty_like(input);
   torch::Tensor send = input.view(-1);
@@ -180,6 +199,10 @@ Pending ProcessGroup::all_to_all_async(const torch::Tensor& input, torch::Tensor
   }
   torch::Tensor send = input.view(-1);
   torch::Tensor recv = out.view(-1);
+  if (impl_->shm) {
+    return make_pending("all_to_all",
+                        {launch("all_to_all", [&] { return impl_->shm->all_to_all(send, recv); })});
+  }
   // The buffers must outlive the transfer, whoever drops their tensors first.
   return make_pending("all_to_all", {launch_all_to_all("all_to_all", send, recv)}, [send, recv] {});
 }

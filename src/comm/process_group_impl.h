@@ -7,6 +7,7 @@
 #include <optional>
 #include <thread>
 
+#include "comm/shm_transport.h"
 #include "compat.h"
 #include "shardrl/dist.h"
 
@@ -63,6 +64,8 @@ struct ProcessGroup::Impl {
   torch::Tensor staged(const torch::Tensor& tensor) const {
     return is_nccl && tensor.is_cpu() ? tensor.to(device) : tensor;
   }
+  // The bulk collectives of a CPU group whose ranks share a host; null: they go through Gloo.
+  std::unique_ptr<ShmTransport> shm;
   bool failed = false;  // a collective failed: the transport is abandoned, not torn down
   std::shared_ptr<Liveness> liveness;
 };

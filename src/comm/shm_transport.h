@@ -1,0 +1,55 @@
+// The bulk collectives of ranks that share a host, through one shared-memory segment.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "compat.h"
+
+namespace shardrl::dist {
+
+// FSDP's all-gathers and reduce-scatters (and Ulysses' all-to-all) between ranks of one host,
+// without the network stack. On Gloo's TCP loopback the kernel copies every byte twice and Gloo's
+// threads compete with compute for the same cores; here a rank copies each piece once into its
+// slot of a shared segment and every reader copies (or sums) it out once, as NCCL's SHM transport
+// and DeepSpeed's CPU shm all-reduce do.
+//
+// The segment holds, per rank, two slots of `slot_bytes` (double buffering: a rank fills one while
+// its peers read the other) and the counters that order them: how many pieces a rank has published
+// and how many of each peer's pieces it has consumed. Waits sleep on futexes in slices; each slice
+// checks whether the awaited peer's process still exists (a pidfd), so a dead peer is reported at
+// once and a stuck one at the group's timeout, both as exceptions that ProcessGroup turns into a
+// named CollectiveError. Every piece carries its collective's number, kind and size, so ranks that
+// call different collectives fail with both named instead of exchanging the wrong bytes.
+//
+// Collectives run in the order they were issued, on one thread per group; the returned Work
+// completes when this rank's part is done.
+class ShmTransport {
+ public:
+  // Collective over the group: every rank calls it at the same point. Returns null on every rank
+  // alike when the ranks do not share a host (boot, /dev/shm, network and PID namespaces), when
+  // SHARDRL_SHM_DISABLE=1 is set on any of them, or when the segment cannot be made; `why_not`
+  // says which. `global_ranks` names the group's ranks in messages.
+  static std::unique_ptr<ShmTransport> connect(c10d::Store& store, int rank,
+                                               std::vector<int> global_ranks,
+                                               std::chrono::milliseconds timeout,
+                                               std::string* why_not);
+  ~ShmTransport();
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  // Flat contiguous CPU tensors, as ProcessGroup's collectives of the same names describe them.
+  c10::intrusive_ptr<c10d::Work> all_gather(torch::Tensor in, torch::Tensor out);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(torch::Tensor in, torch::Tensor out);
+  c10::intrusive_ptr<c10d::Work> all_to_all(torch::Tensor in, torch::Tensor out);
+
+  struct Impl;
+
+ private:
+  explicit ShmTransport(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardrl::dist

@@ -1,0 +1,105 @@
+// The bulk collectives on real ranks: shared memory between ranks of one host (the default on a
+// CPU) and Gloo (SHARDRL_SHM_DISABLE=1, and what ranks on different hosts use) give exactly the
+// values each rank computes for itself, across slot boundaries, dtypes and several collectives in
+// flight; a peer that exits, stalls or calls a different collective ends in a named
+// CollectiveError, an exit at once rather than at the timeout.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "test_util.h"
+
+namespace shardrl::testing {
+namespace {
+
+using json = nlohmann::json;
+
+std::vector<json> run_comm(int nproc, const std::vector<std::string>& args,
+                           const std::map<std::string, std::string>& env = {}) {
+  const auto dir = make_temp_dir("comm");
+  std::vector<std::string> all = args;
+  all.insert(all.end(), {"--out", dir});
+  auto result = launch_workers(nproc, all, 300, "comm_worker", env);
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  std::vector<json> ranks;
+  for (int r = 0; r < nproc; ++r) {
+    std::ifstream in(dir + "/rank" + std::to_string(r) + ".json");
+    EXPECT_TRUE(in.good()) << "rank " << r << " wrote nothing\n" << result.output;
+    ranks.push_back(in ? json::parse(in) : json::object());
+  }
+  return ranks;
+}
+
+class CommCheck : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(CommCheck, CollectivesGiveTheExactValues) {
+  const auto [nproc, shm] = GetParam();
+  std::map<std::string, std::string> env;
+  if (!shm) env["SHARDRL_SHM_DISABLE"] = "1";
+  auto ranks = run_comm(nproc, {"check"}, env);
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.value("transport", ""), shm ? "shm" : "gloo") << r.dump();
+    EXPECT_GT(r.value("cases", 0), 100) << r.dump();
+    EXPECT_TRUE(r.contains("failures") && r["failures"].empty()) << r.dump(1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(RanksAndTransport, CommCheck,
+                         ::testing::Values(std::make_tuple(2, true), std::make_tuple(3, true),
+                                           std::make_tuple(4, true), std::make_tuple(2, false),
+                                           std::make_tuple(3, false)));
+
+// One rank's SHARDRL_SHM_DISABLE=1 turns shared memory off for the whole group, not for one side.
+TEST(Comm, OneRankWithoutSharedMemoryTurnsItOffForTheGroup) {
+  auto ranks = run_comm(2, {"check", "--no-shm-rank", "1"});
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.value("transport", ""), "gloo") << r.dump();
+    EXPECT_TRUE(r.contains("failures") && r["failures"].empty()) << r.dump(1);
+  }
+}
+
+// A peer that exits is found through its pidfd: the survivors report it long before the timeout.
+TEST(Comm, ExitedPeerIsNamedAtOnce) {
+  auto ranks = run_comm(3, {"exit", "--exit-rank", "1", "--timeout-ms", "60000"});
+  ASSERT_EQ(ranks.size(), 3u);
+  for (int r : {0, 2}) {
+    EXPECT_EQ(ranks[r].value("transport", ""), "shm");
+    const std::string error = ranks[r].value("error", "");
+    EXPECT_NE(error.find("all_gather failed on rank " + std::to_string(r)), std::string::npos)
+        << error;
+    EXPECT_NE(error.find("rank 1 stopped responding"), std::string::npos) << error;
+    EXPECT_NE(error.find("rank 1 (pid "), std::string::npos) << error;
+    EXPECT_NE(error.find("exited while this rank waited"), std::string::npos) << error;
+    EXPECT_LT(ranks[r].value("seconds", 1e9), 10.0) << error;  // the timeout is 60 s
+  }
+}
+
+// A live peer that does not arrive ends the wait at the group's timeout, named as a timeout.
+TEST(Comm, StalledPeerTimesOut) {
+  auto ranks =
+      run_comm(2, {"stall", "--exit-rank", "1", "--timeout-ms", "2000", "--stall-ms", "8000"});
+  ASSERT_EQ(ranks.size(), 2u);
+  const std::string error = ranks[0].value("error", "");
+  EXPECT_NE(error.find("rank 1 did not publish its piece within 2000 ms"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("every rank of the group is alive"), std::string::npos) << error;
+  const double seconds = ranks[0].value("seconds", 0.0);
+  EXPECT_GT(seconds, 1.9) << error;
+  EXPECT_LT(seconds, 8.0) << error;
+}
+
+// Ranks that call collectives of different sizes both fail, each naming what the other called.
+TEST(Comm, CollectivesOutOfStepAreNamed) {
+  auto ranks = run_comm(2, {"mismatch", "--timeout-ms", "20000"});
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& r : ranks) {
+    const std::string error = r.value("error", "");
+    EXPECT_NE(error.find("shared-memory collectives out of step"), std::string::npos) << error;
+    EXPECT_NE(error.find("all_gather of 2400000 bytes"), std::string::npos) << error;
+    EXPECT_NE(error.find("all_gather of 1200000 bytes"), std::string::npos) << error;
+    EXPECT_LT(r.value("seconds", 1e9), 10.0) << error;
+  }
+}
+
+}  // namespace
+}  // namespace shardrl::testing

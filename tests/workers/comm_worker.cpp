@@ -1,0 +1,180 @@
+// One rank of the collective tests (tests/test_comm.cpp), on whichever transport the group picked
+// for its bulk collectives (shared memory for ranks of one host, Gloo with SHARDRL_SHM_DISABLE=1).
+//   check     all-gather, reduce-scatter and all-to-all over sizes around the transport's slot
+//             and sub-slot boundaries, several in flight at once, in fp32, bf16, fp64 and int64.
+//             Every element is a small integer, so every sum is exact and each rank checks its
+//             results bit for bit against values it computes itself with plain loops.
+//   exit      --exit-rank leaves the job (exit 0) before the second all-gather; the others
+//             report the error they get and how long it took.
+//   stall     --exit-rank sleeps through the second all-gather for --stall-ms, then leaves.
+//   mismatch  rank 0 all-gathers twice the elements the others do.
+// --no-shm-rank R sets SHARDRL_SHM_DISABLE=1 on rank R alone.
+// Each rank writes OUT/rank<R>.json: the group's bulk transport, the cases run, every mismatch
+// found, and the error (message and seconds) of the failing modes.
+#include <c10/util/BFloat16.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <fstream>
+#include <thread>
+
+#include "shardrl/dist.h"
+
+using namespace shardrl;
+using json = nlohmann::json;
+
+namespace {
+
+// Element i of rank q's tensor: an integer in [-30, 30], exact in every dtype used here, and so
+// are sums of a few of them.
+int64_t value(int q, int64_t i) {
+  return (i * 7 + q * 13 + i / 5) % 61 - 30;
+}
+
+torch::Tensor make(int q, int64_t n, torch::ScalarType dtype, int64_t offset = 0) {
+  auto t = torch::empty({n}, torch::kInt64);
+  auto* p = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) p[i] = value(q, offset + i);
+  return t.to(dtype);
+}
+
+// Every element of `got`, read as int64, against `want`.
+std::string compare(const torch::Tensor& got, const std::vector<int64_t>& want) {
+  auto as_int = got.to(torch::kInt64).contiguous();
+  const auto* p = as_int.data_ptr<int64_t>();
+  if (static_cast<size_t>(as_int.numel()) != want.size())
+    return "numel " + std::to_string(as_int.numel()) + " != " + std::to_string(want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (p[i] != want[i]) {
+      return "element " + std::to_string(i) + ": " + std::to_string(p[i]) +
+             " != " + std::to_string(want[i]);
+    }
+  }
+  return "";
+}
+
+json check(dist::ProcessGroup& group) {
+  const int w = group.size(), r = group.rank();
+  // Elements a shard (or a chunk): empty, tiny, odd, either side of 1 MiB slots and 1 MiB / W
+  // sub-slots in fp32 and bf16, and a dozen slots.
+  const std::vector<int64_t> sizes = {0,      1,      7,      65537,  131072, 131073,
+                                      262143, 262144, 262145, 524288, 3000001};
+  const std::vector<torch::ScalarType> dtypes = {torch::kFloat, torch::kBFloat16, torch::kDouble,
+                                                 torch::kInt64};
+  json failures = json::array();
+  int cases = 0;
+  for (auto dtype : dtypes) {
+    for (int64_t n : sizes) {
+      // Issue all three before waiting on any: several collectives in flight, completed in order.
+      auto shard = make(r, n, dtype);
+      auto gathered = torch::full({w * n}, -99, torch::TensorOptions(dtype));
+      auto gather = group.all_gather_async(shard, gathered);
+
+      std::vector<torch::Tensor> pieces;
+      for (int j = 0; j < w; ++j) pieces.push_back(make(r, n, dtype, j * n));
+      auto scatter_in = torch::cat(pieces);
+      auto reduced = torch::full({n}, -99, torch::TensorOptions(dtype));
+      dist::Pending scatter;
+      const bool sums = dtype != torch::kInt64;  // FSDP reduces floating-point gradients
+      if (sums) scatter = group.reduce_scatter_async(scatter_in, reduced);
+
+      auto exchanged = torch::full({w * n}, -99, torch::TensorOptions(dtype));
+      auto exchange = group.all_to_all_async(scatter_in, exchanged);
+
+      gather.wait();
+      if (sums) scatter.wait();
+      exchange.wait();
+
+      std::vector<int64_t> want_gather, want_reduce(n, 0), want_exchange;
+      for (int q = 0; q < w; ++q)
+        for (int64_t i = 0; i < n; ++i) want_gather.push_back(value(q, i));
+      for (int q = 0; q < w; ++q)
+        for (int64_t i = 0; i < n; ++i) want_reduce[i] += value(q, r * n + i);
+      for (int q = 0; q < w; ++q)
+        for (int64_t i = 0; i < n; ++i) want_exchange.push_back(value(q, r * n + i));
+      auto record = [&](const char* op, const std::string& why) {
+        ++cases;
+        if (!why.empty())
+          failures.push_back({{"op", op}, {"dtype", c10::toString(dtype)}, {"n", n}, {"why", why}});
+      };
+      record("all_gather", compare(gathered, want_gather));
+      if (sums) record("reduce_scatter", compare(reduced, want_reduce));
+      record("all_to_all", compare(exchanged, want_exchange));
+    }
+  }
+  // FSDP's gather reads its shard from its own place in the output.
+  auto out = torch::full({w * 1000}, -99, torch::kFloat);
+  out.narrow(0, r * 1000, 1000).copy_(make(r, 1000, torch::kFloat));
+  group.all_gather(out.narrow(0, r * 1000, 1000), out);
+  std::vector<int64_t> want;
+  for (int q = 0; q < w; ++q)
+    for (int64_t i = 0; i < 1000; ++i) want.push_back(value(q, i));
+  ++cases;
+  if (auto why = compare(out, want); !why.empty())
+    failures.push_back({{"op", "all_gather in place"}, {"why", why}});
+  // bf16 gradients reduced into an fp32 output, summed in fp32.
+  auto in = make(r, w * 5000, torch::kBFloat16);
+  auto reduced = torch::empty({5000}, torch::kFloat);
+  group.reduce_scatter(in, reduced);
+  std::vector<int64_t> want_sum(5000, 0);
+  for (int q = 0; q < w; ++q)
+    for (int64_t i = 0; i < 5000; ++i) want_sum[i] += value(q, r * 5000 + i);
+  ++cases;
+  if (auto why = compare(reduced, want_sum); !why.empty())
+    failures.push_back({{"op", "reduce_scatter bf16 -> fp32"}, {"why", why}});
+  return {{"cases", cases}, {"failures", failures}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"collective test worker"};
+  std::string mode = "check", out = ".";
+  int exit_rank = 1, timeout_ms = 60000, stall_ms = 0, no_shm_rank = -1;
+  app.add_option("mode", mode)->required();
+  app.add_option("--out", out)->required();
+  app.add_option("--exit-rank", exit_rank);
+  app.add_option("--timeout-ms", timeout_ms);
+  app.add_option("--stall-ms", stall_ms);
+  app.add_option("--no-shm-rank", no_shm_rank, "this rank alone sets SHARDRL_SHM_DISABLE=1");
+  CLI11_PARSE(app, argc, argv);
+  if (const char* rank = std::getenv("RANK"); rank && std::atoi(rank) == no_shm_rank)
+    setenv("SHARDRL_SHM_DISABLE", "1", 1);
+
+  dist::InitOptions options;
+  options.backend = "gloo";
+  options.timeout = std::chrono::milliseconds(timeout_ms);
+  auto world = dist::World::init_from_env(options);
+  auto& group = world->group();
+  json result = {{"transport", group.bulk_transport()}};
+  if (mode == "check") {
+    result.update(check(group));
+  } else {
+    const int r = group.rank(), w = group.size();
+    const int64_t n = 300000;  // several sub-slots: the failure comes mid-collective for some
+    auto shard = torch::ones({n});
+    auto gathered = torch::empty({w * n});
+    group.all_gather(shard, gathered);
+    if (r == exit_rank && (mode == "exit" || mode == "stall")) {
+      result["left"] = true;
+      std::ofstream(out + "/rank" + std::to_string(world->rank()) + ".json") << result.dump(1);
+      if (mode == "stall") std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms));
+      std::_Exit(0);
+    }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      auto bigger = mode == "mismatch" && r == 0 ? torch::ones({2 * n}) : shard;
+      auto into = torch::empty({w * bigger.numel()});
+      group.all_gather(bigger, into);
+      result["error"] = nullptr;
+    } catch (const dist::CollectiveError& e) {
+      result["error"] = e.what();
+    }
+    result["seconds"] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  std::ofstream(out + "/rank" + std::to_string(world->rank()) + ".json") << result.dump(1);
+  // A failed group is abandoned, not torn down; the job ends here either way.
+  std::_Exit(0);
+}
