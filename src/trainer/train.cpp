@@ -140,8 +140,9 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
   auto world = dist::World::init_from_env(init);
   check_sequence_parallel(config, world->size());
   if (world->rank() == 0) {
-    spdlog::info("task {} on {} rank(s); config:\n{}", get<std::string>(config, "trainer.task"),
-                 world->size(), config.dump(2));
+    spdlog::info("task {} on {} rank(s), bulk collectives over {}; config:\n{}",
+                 get<std::string>(config, "trainer.task"), world->size(),
+                 world->group().bulk_transport(), config.dump(2));
   }
   try {
     return find_task(get<std::string>(config, "trainer.task"), config_path).run(config, world);
