@@ -513,11 +513,14 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, int rank
 c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(torch::Tensor in, torch::Tensor out) {
   Impl& s = *impl_;
   const PieceTag op = s.next_tag(OpKind::kAllGather, in);
-  return s.enqueue([&s, op, in, out] {
-    const size_t n = op.total_bytes;
-    const char* src = static_cast<const char*>(in.data_ptr());
+  // This rank's shard goes to its place in the output now, as Gloo's path does: the caller may
+  // change or free `in` once this returns (an offloaded shard, a cast), never the output.
+  const size_t n = op.total_bytes;
+  char* mine = static_cast<char*>(out.data_ptr()) + s.rank * n;
+  if (n > 0 && mine != in.data_ptr()) std::memcpy(mine, in.data_ptr(), n);
+  return s.enqueue([&s, op, out, n] {
     char* dst = static_cast<char*>(out.data_ptr());
-    if (dst + s.rank * n != src) std::memcpy(dst + s.rank * n, src, n);
+    const char* src = dst + s.rank * n;
     auto piece = [n](int64_t k) { return std::min(kSlotBytes, n - k * kSlotBytes); };
     s.run_rounds(
         op, static_cast<int64_t>((n + kSlotBytes - 1) / kSlotBytes),

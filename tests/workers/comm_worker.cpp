@@ -113,6 +113,22 @@ json check(dist::ProcessGroup& group) {
   ++cases;
   if (auto why = compare(out, want); !why.empty())
     failures.push_back({{"op", "all_gather in place"}, {"why", why}});
+  // The caller may overwrite its shard as soon as the all-gather is issued (Gloo's path never reads
+  // it later either): offload and casts hand over temporaries.
+  {
+    const int64_t m = 300000;  // more than one slot
+    auto reused = make(r, m, torch::kFloat);
+    auto into = torch::full({w * m}, -99, torch::kFloat);
+    auto pending = group.all_gather_async(reused, into);
+    reused.fill_(-7);
+    pending.wait();
+    std::vector<int64_t> expected;
+    for (int q = 0; q < w; ++q)
+      for (int64_t i = 0; i < m; ++i) expected.push_back(value(q, i));
+    ++cases;
+    if (auto why = compare(into, expected); !why.empty())
+      failures.push_back({{"op", "all_gather of a shard overwritten after issue"}, {"why", why}});
+  }
   // bf16 gradients reduced into an fp32 output, summed in fp32.
   auto in = make(r, w * 5000, torch::kBFloat16);
   auto reduced = torch::empty({5000}, torch::kFloat);
