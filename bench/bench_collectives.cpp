@@ -1,5 +1,6 @@
 // Gloo collectives on this LibTorch: every way of doing FSDP's all-gather and reduce-scatter, on
-// the same buffers in the same run, beside ShardRL's ProcessGroup (which picks one of each).
+// the same buffers in the same run, beside ShardRL's ProcessGroup (shared memory between ranks of
+// one host; with SHARDRL_SHM_DISABLE=1, the Gloo method it picks for each).
 //
 //   build/bin/shardrl launch -n 2 --threads 1 -- build/bin/bench_collectives --json-out c.json
 //
@@ -102,7 +103,8 @@ int main(int argc, char** argv) {
         gloo->allreduce(t, {})->wait();
         out_shard.copy_(t[0].narrow(0, rank * chunk, chunk));
       });
-      time("reduce_scatter", "shardrl", [&] { group.reduce_scatter(full, out_shard); });
+      time("reduce_scatter", "shardrl (" + group.bulk_transport() + ")",
+           [&] { group.reduce_scatter(full, out_shard); });
 
       time("all_gather", "_allgather_base",
            [&] { gloo->_allgather_base(out_full, shard, {})->wait(); });
@@ -124,7 +126,8 @@ int main(int argc, char** argv) {
         }
         for (auto& w : works) w->wait();
       });
-      time("all_gather", "shardrl", [&] { group.all_gather(shard, out_full); });
+      time("all_gather", "shardrl (" + group.bulk_transport() + ")",
+           [&] { group.all_gather(shard, out_full); });
     }
   }
   if (rank == 0 && !json_out.empty()) {
