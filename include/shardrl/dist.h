@@ -51,6 +51,10 @@ class Pending {
  public:
   Pending() = default;
   void wait();
+  // For a collective whose result will never be read, after a failure: waits (at most the
+  // timeout) until the transport is done with its buffers, so they may be freed, and reports
+  // nothing.
+  void abandon() noexcept;
   bool valid() const { return group_ != nullptr; }
 
  private:
@@ -77,8 +81,8 @@ class ProcessGroup {
   const std::string& name() const;
   std::chrono::milliseconds timeout() const;
   // What carries the bulk collectives (all-gather, reduce-scatter, all-to-all): "nccl"; "shm",
-  // shared memory, for CPU ranks that share a host (SHARDRL_SHM_DISABLE=1 turns it off); "gloo"
-  // between hosts; "none" for a group of one.
+  // shared memory, for CPU ranks that share a host (SHARDRL_SHM_DISABLE=1 turns it off);
+  // "gloo (why not shm)", between hosts for one; "none" for a group of one.
   std::string bulk_transport() const;
 
   // out (contiguous, size() * shard.numel() elements) receives every rank's shard, rank-major.
@@ -87,6 +91,15 @@ class ProcessGroup {
   // Gloo moves each chunk once (alltoall) and sums locally in fp32: (W-1)/W of the bytes, where
   // allreduce-then-slice would move about twice that.
   Pending reduce_scatter_async(const torch::Tensor& input, torch::Tensor out);
+  // Whether all_gather_segments_async is available: the transport can put each rank's bytes
+  // where they belong (shared memory), so FSDP gathers into the params' own storage.
+  bool gathers_segments_in_place() const;
+  // all_gather_async with the output in pieces: the shard is segments_numels.size() segments, in
+  // order; rank q's segment s goes to parts[s] (contiguous) at q * segment_numels[s] elements,
+  // cut at parts[s]'s end (FSDP: a param's rows, the last ranks' padding cut). No gather buffer
+  // and no copy-out. The parts are written until wait() (or abandon()) returns.
+  Pending all_gather_segments_async(const torch::Tensor& shard, std::vector<torch::Tensor> parts,
+                                    std::vector<int64_t> segment_numels);
   void all_gather(const torch::Tensor& shard, torch::Tensor out) {
     all_gather_async(shard, out).wait();
   }

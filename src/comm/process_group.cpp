@@ -40,7 +40,8 @@ const std::string& ProcessGroup::name() const {
 }
 std::string ProcessGroup::bulk_transport() const {
   if (size() == 1) return "none";
-  return impl_->is_nccl ? "nccl" : impl_->shm ? "shm" : "gloo";
+  if (impl_->is_nccl) return "nccl";
+  return impl_->shm ? "shm" : fmt::format("gloo ({})", impl_->no_shm_because);
 }
 std::chrono::milliseconds ProcessGroup::timeout() const {
   return impl_->timeout;
@@ -65,6 +66,25 @@ Pending ProcessGroup::make_pending(std::string op,
   p.finish_ = std::move(finish);
   p.host_waits_ = !impl_->is_nccl || host_needs_result;
   return p;
+}
+
+void Pending::abandon() noexcept {
+  if (!group_) return;
+  ProcessGroup* group = group_;
+  group_ = nullptr;
+  for (auto& work : works_) {
+    try {
+      if (host_waits_) {
+        work->wait(group->timeout());
+      } else {
+        work->wait();
+      }
+    } catch (...) {
+      // Its failure, if any, is the one already reported.
+    }
+  }
+  works_.clear();
+  finish_ = nullptr;
 }
 
 void Pending::wait() {
@@ -131,6 +151,36 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
         launch("all_gather", [&] { return impl_->backend->broadcast((*views)[r], opts); }));
   }
   return make_pending("all_gather", std::move(works), [views] {});
+}
+
+bool ProcessGroup::gathers_segments_in_place() const {
+  return impl_->shm != nullptr;
+}
+
+Pending ProcessGroup::all_gather_segments_async(const torch::Tensor& shard,
+                                                std::vector<torch::Tensor> parts,
+                                                std::vector<int64_t> segment_numels) {
+  TORCH_CHECK(impl_->shm, "all_gather_segments: process group '", name(),
+              "' has no transport that gathers in place (see gathers_segments_in_place())");
+  TORCH_CHECK(parts.size() == segment_numels.size(), "all_gather_segments: one part per segment");
+  int64_t total = 0;
+  for (size_t s = 0; s < parts.size(); ++s) {
+    TORCH_CHECK(parts[s].is_contiguous() && parts[s].scalar_type() == shard.scalar_type() &&
+                    parts[s].numel() <= size() * segment_numels[s],
+                "all_gather_segments: part ", s,
+                " must be contiguous, of the shard's dtype, and hold at most size() * its "
+                "segment's elements");
+    parts[s] = parts[s].view(-1);
+    total += segment_numels[s];
+  }
+  TORCH_CHECK(total == shard.numel(), "all_gather_segments: the segments must cover the shard");
+  bytes_sent_ += static_cast<uint64_t>(size() - 1) * nbytes(shard);
+  torch::Tensor flat_in = shard.reshape(-1);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.push_back(launch("all_gather", [&] {
+    return impl_->shm->all_gather_segments(flat_in, std::move(parts), std::move(segment_numels));
+  }));
+  return make_pending("all_gather", std::move(works));
 }
 
 Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Tensor out) {
@@ -264,6 +314,8 @@ void ProcessGroup::barrier() {
 
 void ProcessGroup::raise_failure(const std::string& op, const std::string& cause) {
   impl_->failed = true;
+  // Shared-memory collectives still in flight would otherwise wait out their timeout.
+  if (impl_->shm) impl_->shm->abort(fmt::format("an earlier {} of the group failed", op));
   std::string culprit;
   try {
     culprit = impl_->liveness ? impl_->liveness->describe_unresponsive(impl_->global_ranks)

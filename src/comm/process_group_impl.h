@@ -66,7 +66,8 @@ struct ProcessGroup::Impl {
   }
   // The bulk collectives of a CPU group whose ranks share a host; null: they go through Gloo.
   std::unique_ptr<ShmTransport> shm;
-  bool failed = false;  // a collective failed: the transport is abandoned, not torn down
+  std::string no_shm_because;  // why a CPU group of several ranks has no shm
+  bool failed = false;         // a collective failed: the transport is abandoned, not torn down
   std::shared_ptr<Liveness> liveness;
 };
 

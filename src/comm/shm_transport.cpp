@@ -11,6 +11,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
@@ -139,6 +140,27 @@ void futex_wake(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, futex_word(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
+// Where each byte of a rank's shard goes in a segmented all-gather: segment s (bytes
+// [offset[s], offset[s] + length[s]) of the shard) of rank q lands in parts[s] at q * length[s],
+// unless that is past the part's end (the padding of the last ranks' rows).
+struct Segments {
+  std::vector<torch::Tensor> parts;
+  std::vector<size_t> offset, length, capacity;
+
+  // fn(destination, offset in the shard, bytes) for the placed bytes of rank q in [begin, end).
+  template <class Fn>
+  void place(int q, size_t begin, size_t end, Fn&& fn) const {
+    auto first = std::upper_bound(offset.begin(), offset.end(), begin);
+    for (size_t s = first == offset.begin() ? 0 : first - offset.begin() - 1;
+         s < offset.size() && offset[s] < end; ++s) {
+      const size_t from = std::max(begin, offset[s]), to = std::min(end, offset[s] + length[s]);
+      const size_t at = q * length[s] + (from - offset[s]);
+      if (to <= from || at >= capacity[s]) continue;
+      fn(static_cast<char*>(parts[s].data_ptr()) + at, from, std::min(to - from, capacity[s] - at));
+    }
+  }
+};
+
 // A Work that the transport's thread completes.
 class ShmWork : public c10d::Work {
  public:
@@ -174,8 +196,9 @@ struct ShmTransport::Impl {
   std::condition_variable wake;
   std::deque<Task> queue;
   bool stop = false;
-  std::atomic<bool> stopping{false};
-  std::exception_ptr broken;  // the first failure: every later collective fails with it
+  std::atomic<bool> stopping{false};  // waits in flight give up
+  std::atomic<bool> destroyed{false};
+  std::exception_ptr broken;  // under `mutex`: the first failure, which every later collective gets
   std::thread thread;
 
   ~Impl() {
@@ -183,6 +206,7 @@ struct ShmTransport::Impl {
       std::lock_guard<std::mutex> lock(mutex);
       stop = true;
     }
+    destroyed = true;
     stopping = true;  // a wait still in flight gives up within one slice
     wake.notify_all();
     if (thread.joinable()) thread.join();
@@ -225,8 +249,8 @@ struct ShmTransport::Impl {
       if (reached(seen)) return;
       if (stopping) {
         throw std::runtime_error(
-            fmt::format("shared-memory {}: the process group was destroyed with it in flight",
-                        op_name(op.kind)));
+            fmt::format("shared-memory {}: abandoned in flight ({})", op_name(op.kind),
+                        destroyed ? "the process group was destroyed" : "the group failed"));
       }
       if (exited(peer)) {
         // It may have done its part and exited since the load above.
@@ -322,19 +346,22 @@ struct ShmTransport::Impl {
     c10::ParallelGuard inline_sums(true);
     for (;;) {
       Task task;
+      std::exception_ptr error;
       {
         std::unique_lock<std::mutex> lock(mutex);
         wake.wait(lock, [&] { return stop || !queue.empty(); });
         if (queue.empty()) return;
         task = std::move(queue.front());
         queue.pop_front();
+        error = broken;
       }
-      std::exception_ptr error = broken;
       if (!error) {
         try {
           task.run();
         } catch (...) {
-          error = broken = std::current_exception();
+          error = std::current_exception();
+          std::lock_guard<std::mutex> lock(mutex);
+          if (!broken) broken = error;
         }
       }
       task.work->complete(error);
@@ -388,15 +415,20 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, int rank
   // the same verdict.
   const std::string identity = host_identity();
   store.set(key("host", rank), bytes(identity));
+  std::vector<std::string> identities;
+  for (int p = 0; p < size; ++p)
+    identities.push_back(p == rank ? identity : text(store.get(key("host", p))));
   for (int p = 0; p < size; ++p) {
-    const std::string theirs = p == rank ? identity : text(store.get(key("host", p)));
-    if (theirs == "disabled") {
+    if (identities[p] == "disabled") {
       *why_not = fmt::format("SHARDRL_SHM_DISABLE=1 on rank {}", global_ranks[p]);
       return nullptr;
     }
-    if (theirs != identity) {
-      *why_not = fmt::format("ranks {} and {} are not on one host ({} against {})",
-                             global_ranks[rank], global_ranks[p], identity, theirs);
+  }
+  for (int p = 1; p < size; ++p) {
+    if (identities[p] != identities[0]) {
+      *why_not = fmt::format(
+          "ranks {} and {} are not on one host: boot id, /dev/shm, network or PID namespace differ",
+          global_ranks[0], global_ranks[p]);
       return nullptr;
     }
   }
@@ -572,6 +604,62 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_to_all(torch::Tensor in, torch:
                           s.sub_piece(chunk, k));
         });
   });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather_segments(
+    torch::Tensor in, std::vector<torch::Tensor> parts, std::vector<int64_t> segment_numels) {
+  Impl& s = *impl_;
+  const PieceTag op = s.next_tag(OpKind::kAllGather, in);
+  auto segments = std::make_shared<Segments>();
+  const size_t element = in.element_size();
+  size_t offset = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    segments->offset.push_back(offset);
+    segments->length.push_back(static_cast<size_t>(segment_numels[i]) * element);
+    segments->capacity.push_back(static_cast<size_t>(parts[i].numel()) * element);
+    offset += segments->length.back();
+  }
+  segments->parts = std::move(parts);
+  const size_t n = op.total_bytes;
+  // This rank's own segments are placed now: the caller may reuse `in` once this returns.
+  const char* src = static_cast<const char*>(in.data_ptr());
+  segments->place(s.rank, 0, n, [&](char* dst, size_t from, size_t bytes) {
+    std::memcpy(dst, src + from, bytes);
+  });
+  return s.enqueue([&s, op, segments, n] {
+    auto range = [n](int64_t k) {
+      const size_t begin = k * kSlotBytes;
+      return std::make_pair(begin, std::min(n, begin + kSlotBytes));
+    };
+    s.run_rounds(
+        op, static_cast<int64_t>((n + kSlotBytes - 1) / kSlotBytes),
+        [&](int64_t k, char* slot) {
+          // Read back from where this rank's shard was placed; its padding, which no reader
+          // places either, stays unwritten.
+          const auto [begin, end] = range(k);
+          segments->place(s.rank, begin, end, [&](char* placed, size_t from, size_t bytes) {
+            std::memcpy(slot + (from - begin), placed, bytes);
+          });
+        },
+        [&](int64_t k, const std::vector<const char*>& slots) {
+          const auto [begin, end] = range(k);
+          for (int p = 0; p < s.size; ++p) {
+            if (p == s.rank) continue;
+            segments->place(p, begin, end, [&](char* dst, size_t from, size_t bytes) {
+              std::memcpy(dst, slots[p] + (from - begin), bytes);
+            });
+          }
+        });
+  });
+}
+
+void ShmTransport::abort(const std::string& why) {
+  Impl& s = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (!s.broken) s.broken = std::make_exception_ptr(std::runtime_error(why));
+  }
+  s.stopping = true;
 }
 
 }  // namespace shardrl::dist

@@ -44,6 +44,14 @@ class ShmTransport {
   c10::intrusive_ptr<c10d::Work> all_gather(torch::Tensor in, torch::Tensor out);
   c10::intrusive_ptr<c10d::Work> reduce_scatter(torch::Tensor in, torch::Tensor out);
   c10::intrusive_ptr<c10d::Work> all_to_all(torch::Tensor in, torch::Tensor out);
+  // all_gather with the output in pieces, as ProcessGroup::all_gather_segments_async describes:
+  // each rank's bytes go straight where they belong, with no rank-major buffer in between.
+  c10::intrusive_ptr<c10d::Work> all_gather_segments(torch::Tensor in,
+                                                     std::vector<torch::Tensor> parts,
+                                                     std::vector<int64_t> segment_numels);
+  // After a failure elsewhere in the group: collectives in flight give up within one wait slice
+  // and later ones fail at once, so nothing waits on a group that is being abandoned.
+  void abort(const std::string& why);
 
   struct Impl;
 

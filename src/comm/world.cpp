@@ -304,8 +304,8 @@ std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks,
                                         options_.timeout, master_addr_);
       // Gloo stays for the small collectives and carries the bulk ones where the ranks are on
       // more than one host.
-      std::string why_not;
-      impl->shm = ShmTransport::connect(*prefixed, impl->rank, ranks, options_.timeout, &why_not);
+      impl->shm = ShmTransport::connect(*prefixed, impl->rank, ranks, options_.timeout,
+                                        &impl->no_shm_because);
     }
     if (!liveness_) {
       // The heartbeat gets its own store connection so it never queues behind a blocked get().
