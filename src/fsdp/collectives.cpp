@@ -6,6 +6,17 @@ torch::Tensor all_gather_input(const torch::Tensor& flat_shard, torch::ScalarTyp
   return flat_shard.scalar_type() == param_dtype ? flat_shard : flat_shard.to(param_dtype);
 }
 
+dist::Pending all_gather_into_params(dist::ProcessGroup& group, const torch::Tensor& input,
+                                     std::vector<ParamSlot>& params) {
+  std::vector<torch::Tensor> parts;
+  std::vector<int64_t> shard_numels;
+  for (auto& slot : params) {
+    parts.push_back(slot.gather_destination());
+    shard_numels.push_back(slot.shard_numel());
+  }
+  return group.all_gather_segments_async(input, std::move(parts), std::move(shard_numels));
+}
+
 void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& output,
                          int group_size) {
   torch::NoGradGuard no_grad;

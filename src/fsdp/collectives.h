@@ -7,12 +7,18 @@
 #include <vector>
 
 #include "fsdp/param_slot.h"
+#include "shardrl/dist.h"
 
 namespace shardrl::fsdp {
 
 // All-gather copy-in: this rank's flat fp32 shard as the collective's input, in the compute
 // dtype (bf16 on the wire when params compute in bf16).
 torch::Tensor all_gather_input(const torch::Tensor& flat_shard, torch::ScalarType param_dtype);
+
+// The all-gather that fills the params' own storage, where the transport can (shared memory):
+// one segment per param, no gather buffer, no copy-out.
+dist::Pending all_gather_into_params(dist::ProcessGroup& group, const torch::Tensor& input,
+                                     std::vector<ParamSlot>& params);
 
 // All-gather copy-out: `output` holds every rank's flat shard, rank-major; each param gets its
 // rows back.

@@ -45,11 +45,15 @@ void ParamSlot::shard_into(const torch::Tensor& flat_shard, int64_t offset, int 
   compat::free_storage(unsharded_);
 }
 
-void ParamSlot::copy_out(const torch::Tensor& gathered_by_rank) {
+torch::Tensor ParamSlot::gather_destination() {
   compat::alloc_storage(unsharded_);
   // variable_data() does not share the version counter: refilling the storage must not look
   // like an in-place edit to the views autograd saved in forward.
-  torch::Tensor dst = unsharded_.variable_data().view({rows_, row_numel_});
+  return unsharded_.variable_data().view(-1);
+}
+
+void ParamSlot::copy_out(const torch::Tensor& gathered_by_rank) {
+  torch::Tensor dst = gather_destination().view({rows_, row_numel_});
   for (int r = 0; r < group_size_; ++r) {
     const int64_t valid = valid_rows_on(r);
     if (valid == 0) continue;

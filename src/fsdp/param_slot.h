@@ -32,6 +32,9 @@ class ParamSlot {
   // The unit's all-gather output viewed [group size, flat shard numel] -> the unsharded param
   // (its storage is reallocated; autograd's saved views of it come back to life).
   void copy_out(const torch::Tensor& gathered_by_rank);
+  // The unsharded param's storage, reallocated, as a flat tensor for an all-gather to fill in
+  // place: rank r's shard belongs at r * shard_numel(), cut at numel() (the rest is padding rows).
+  torch::Tensor gather_destination();
   // Under no_sync: moves the param's .grad into the sum kept across micro-batches, in
   // reduce_dtype when that is wider than the grad's dtype (FSDP2 accumulates in reduce_dtype:
   // bf16 sums of many micro-batches lose the low bits fp32 keeps). Otherwise the grad stays,

@@ -63,10 +63,16 @@ void UnitState::unshard() {
   torch::NoGradGuard no_grad;
   torch::Tensor shard = residency ? residency->gather_input(view()) : flat_shard;
   torch::Tensor input = all_gather_input(shard, options.mixed_precision.param_dtype);
-  gather_output_ = torch::empty({mesh.shard_size() * flat_shard.numel()}, input.options());
-  const uint64_t sent_before = mesh.shard_group().bytes_sent();
+  dist::ProcessGroup& group = mesh.shard_group();
+  const uint64_t sent_before = group.bytes_sent();
   try {
-    gather_pending_ = mesh.shard_group().all_gather_async(input, gather_output_);
+    if (group.gathers_segments_in_place()) {
+      gathering_in_place_ = true;
+      gather_pending_ = all_gather_into_params(group, input, params);
+    } else {
+      gather_output_ = torch::empty({mesh.shard_size() * flat_shard.numel()}, input.options());
+      gather_pending_ = group.all_gather_async(input, gather_output_);
+    }
   } catch (...) {
     drop_gather();
     root->fail(*this, "all-gather", current_exception_message());
@@ -80,6 +86,12 @@ void UnitState::unshard() {
 }
 
 void UnitState::drop_gather() {
+  if (gathering_in_place_) {
+    // The transport writes the params' storage until it is done; only then may it be freed.
+    gather_pending_.abandon();
+    for (auto& slot : params) compat::free_storage(slot.unsharded());
+    gathering_in_place_ = false;
+  }
   gather_pending_ = dist::Pending();
   gather_output_ = torch::Tensor();
   stage = Stage::kSharded;
@@ -104,7 +116,8 @@ void UnitState::wait_for_unshard() {
     root->fail(*this, "all-gather", current_exception_message());
     throw;
   }
-  all_gather_copy_out(params, gather_output_, mesh.shard_size());
+  if (!gathering_in_place_) all_gather_copy_out(params, gather_output_, mesh.shard_size());
+  gathering_in_place_ = false;
   gather_output_ = torch::Tensor();
   stage = Stage::kUnsharded;
   trace::record(trace::Event::kGatherWaited, *this);

@@ -59,7 +59,8 @@ class UnitState {
  private:
   // Forgets an all-gather that will never be read: the unit is sharded, its params unfilled.
   void drop_gather();
-  torch::Tensor gather_output_;
+  torch::Tensor gather_output_;      // rank-major; undefined when gathering into the params
+  bool gathering_in_place_ = false;  // the pending gather writes the params' own storage
   dist::Pending gather_pending_;
 };
 

@@ -2,6 +2,7 @@
 // for its bulk collectives (shared memory for ranks of one host, Gloo with SHARDRL_SHM_DISABLE=1).
 //   check     all-gather, reduce-scatter and all-to-all over sizes around the transport's slot
 //             and sub-slot boundaries, several in flight at once, in fp32, bf16, fp64 and int64.
+//             With shared memory also the segmented all-gather FSDP uses.
 //             Every element is a small integer, so every sum is exact and each rank checks its
 //             results bit for bit against values it computes itself with plain loops.
 //   exit      --exit-rank leaves the job (exit 0) before the second all-gather; the others
@@ -128,6 +129,39 @@ json check(dist::ProcessGroup& group) {
     ++cases;
     if (auto why = compare(into, expected); !why.empty())
       failures.push_back({{"op", "all_gather of a shard overwritten after issue"}, {"why", why}});
+  }
+  // The segmented all-gather FSDP uses on shared memory: each segment into its own part, cut at
+  // the part's end (the last ranks' padding rows), across slot boundaries; the shard overwritten
+  // once issued.
+  if (group.gathers_segments_in_place()) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      const std::vector<int64_t> lengths = {5, 0, 300000, 1, 262144, 131073};
+      const std::vector<int64_t> cut = {0, 0, 7, 0, 0, 131070};  // elements missing at the end
+      int64_t total = 0;
+      for (int64_t l : lengths) total += l;
+      auto shard = make(r, total, dtype);
+      std::vector<torch::Tensor> parts;
+      for (size_t i = 0; i < lengths.size(); ++i)
+        parts.push_back(torch::full({w * lengths[i] - cut[i]}, -99, torch::TensorOptions(dtype)));
+      auto pending = group.all_gather_segments_async(shard, parts, lengths);
+      shard.fill_(-7);
+      pending.wait();
+      int64_t offset = 0;
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        std::vector<int64_t> expected;
+        for (int q = 0; q < w; ++q)
+          for (int64_t j = 0; j < lengths[i]; ++j) expected.push_back(value(q, offset + j));
+        expected.resize(expected.size() - cut[i]);
+        offset += lengths[i];
+        ++cases;
+        if (auto why = compare(parts[i], expected); !why.empty()) {
+          failures.push_back({{"op", "all_gather_segments"},
+                              {"dtype", c10::toString(dtype)},
+                              {"segment", i},
+                              {"why", why}});
+        }
+      }
+    }
   }
   // bf16 gradients reduced into an fp32 output, summed in fp32.
   auto in = make(r, w * 5000, torch::kBFloat16);
