@@ -19,6 +19,16 @@ std::function<void()> copy_back(torch::Tensor out, torch::Tensor on_device) {
   return [out, on_device]() mutable { out.copy_(on_device); };
 }
 
+// Blocks until `work` is done: on the host, at most `timeout`, or (NCCL, host_waits false) by
+// making the current stream wait for NCCL's while the host goes on. Throws the transport's error.
+void wait_on(c10d::Work& work, bool host_waits, std::chrono::milliseconds timeout) {
+  if (host_waits) {
+    work.wait(timeout);
+  } else {
+    work.wait();
+  }
+}
+
 }  // namespace
 
 ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -74,11 +84,7 @@ void Pending::abandon() noexcept {
   group_ = nullptr;
   for (auto& work : works_) {
     try {
-      if (host_waits_) {
-        work->wait(group->timeout());
-      } else {
-        work->wait();
-      }
+      wait_on(*work, host_waits_, group->timeout());
     } catch (...) {
       // Its failure, if any, is the one already reported.
     }
@@ -94,11 +100,7 @@ void Pending::wait() {
   const auto start = std::chrono::steady_clock::now();
   for (auto& work : works_) {
     try {
-      if (host_waits_) {
-        work->wait(group->timeout());
-      } else {
-        work->wait();  // NCCL: the current stream waits for NCCL's, the host goes on
-      }
+      wait_on(*work, host_waits_, group->timeout());
     } catch (const std::exception& e) {
       group->raise_failure(op_, e.what());
     }

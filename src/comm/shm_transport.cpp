@@ -542,26 +542,10 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, int rank
   return std::unique_ptr<ShmTransport>(new ShmTransport(std::move(impl)));
 }
 
+// The plain all-gather is the segmented one with a single segment: rank q's shard at q * n.
 c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(torch::Tensor in, torch::Tensor out) {
-  Impl& s = *impl_;
-  const PieceTag op = s.next_tag(OpKind::kAllGather, in);
-  // This rank's shard goes to its place in the output now, as Gloo's path does: the caller may
-  // change or free `in` once this returns (an offloaded shard, a cast), never the output.
-  const size_t n = op.total_bytes;
-  char* mine = static_cast<char*>(out.data_ptr()) + s.rank * n;
-  if (n > 0 && mine != in.data_ptr()) std::memcpy(mine, in.data_ptr(), n);
-  return s.enqueue([&s, op, out, n] {
-    char* dst = static_cast<char*>(out.data_ptr());
-    const char* src = dst + s.rank * n;
-    auto piece = [n](int64_t k) { return std::min(kSlotBytes, n - k * kSlotBytes); };
-    s.run_rounds(
-        op, static_cast<int64_t>((n + kSlotBytes - 1) / kSlotBytes),
-        [&](int64_t k, char* slot) { std::memcpy(slot, src + k * kSlotBytes, piece(k)); },
-        [&](int64_t k, const std::vector<const char*>& slots) {
-          for (int p = 0; p < s.size; ++p)
-            if (p != s.rank) std::memcpy(dst + p * n + k * kSlotBytes, slots[p], piece(k));
-        });
-  });
+  const int64_t n = in.numel();
+  return all_gather_segments(std::move(in), {std::move(out)}, {n});
 }
 
 // Reduce-scatter and all-to-all: chunk j of every rank's input goes to rank j, a sub-slot a round.
@@ -624,7 +608,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather_segments(
   // This rank's own segments are placed now: the caller may reuse `in` once this returns.
   const char* src = static_cast<const char*>(in.data_ptr());
   segments->place(s.rank, 0, n, [&](char* dst, size_t from, size_t bytes) {
-    std::memcpy(dst, src + from, bytes);
+    if (dst != src + from) std::memcpy(dst, src + from, bytes);  // FSDP gathers from in place
   });
   return s.enqueue([&s, op, segments, n] {
     auto range = [n](int64_t k) {
