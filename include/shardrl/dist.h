@@ -91,15 +91,26 @@ class ProcessGroup {
   // Gloo moves each chunk once (alltoall) and sums locally in fp32: (W-1)/W of the bytes, where
   // allreduce-then-slice would move about twice that.
   Pending reduce_scatter_async(const torch::Tensor& input, torch::Tensor out);
-  // Whether all_gather_segments_async is available: the transport can put each rank's bytes
-  // where they belong (shared memory), so FSDP gathers into the params' own storage.
-  bool gathers_segments_in_place() const;
+  // Whether all_gather_segments_async and reduce_scatter_segments_async are available: the
+  // transport reads and writes each rank's bytes where they are (shared memory), so FSDP gathers
+  // into the params' own storage and reduces from the grads' own, with no pack in between.
+  bool has_segment_collectives() const;
   // all_gather_async with the output in pieces: the shard is segments_numels.size() segments, in
   // order; rank q's segment s goes to parts[s] (contiguous) at q * segment_numels[s] elements,
   // cut at parts[s]'s end (FSDP: a param's rows, the last ranks' padding cut). No gather buffer
   // and no copy-out. The parts are written until wait() (or abandon()) returns.
   Pending all_gather_segments_async(const torch::Tensor& shard, std::vector<torch::Tensor> parts,
                                     std::vector<int64_t> segment_numels);
+  // reduce_scatter_async with the input and the output in pieces: rank q's rows of segment s are
+  // inputs[s] (contiguous, `dtype`) at q * segment_numels[s] elements, zeros past its end or
+  // where inputs[s] is undefined (FSDP: a param's unsharded grad, or none). outputs[s]
+  // (contiguous, segment_numels[s] elements, any floating dtype) receives `scale` times the sum
+  // over ranks of this rank's rows, summed in fp32 at least. The inputs are read and the outputs
+  // written until wait() (or abandon()) returns.
+  Pending reduce_scatter_segments_async(std::vector<torch::Tensor> inputs,
+                                        std::vector<int64_t> segment_numels,
+                                        torch::ScalarType dtype, std::vector<torch::Tensor> outputs,
+                                        double scale);
   void all_gather(const torch::Tensor& shard, torch::Tensor out) {
     all_gather_async(shard, out).wait();
   }

@@ -155,7 +155,7 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
   return make_pending("all_gather", std::move(works), [views] {});
 }
 
-bool ProcessGroup::gathers_segments_in_place() const {
+bool ProcessGroup::has_segment_collectives() const {
   return impl_->shm != nullptr;
 }
 
@@ -163,7 +163,7 @@ Pending ProcessGroup::all_gather_segments_async(const torch::Tensor& shard,
                                                 std::vector<torch::Tensor> parts,
                                                 std::vector<int64_t> segment_numels) {
   TORCH_CHECK(impl_->shm, "all_gather_segments: process group '", name(),
-              "' has no transport that gathers in place (see gathers_segments_in_place())");
+              "' has no transport that gathers in place (see has_segment_collectives())");
   TORCH_CHECK(parts.size() == segment_numels.size(), "all_gather_segments: one part per segment");
   int64_t total = 0;
   for (size_t s = 0; s < parts.size(); ++s) {
@@ -183,6 +183,43 @@ Pending ProcessGroup::all_gather_segments_async(const torch::Tensor& shard,
     return impl_->shm->all_gather_segments(flat_in, std::move(parts), std::move(segment_numels));
   }));
   return make_pending("all_gather", std::move(works));
+}
+
+Pending ProcessGroup::reduce_scatter_segments_async(std::vector<torch::Tensor> inputs,
+                                                    std::vector<int64_t> segment_numels,
+                                                    torch::ScalarType dtype,
+                                                    std::vector<torch::Tensor> outputs,
+                                                    double scale) {
+  TORCH_CHECK(impl_->shm, "reduce_scatter_segments: process group '", name(),
+              "' has no transport that takes segments (see has_segment_collectives())");
+  TORCH_CHECK(inputs.size() == segment_numels.size() && outputs.size() == segment_numels.size(),
+              "reduce_scatter_segments: one input and one output per segment");
+  int64_t total = 0;
+  for (size_t s = 0; s < inputs.size(); ++s) {
+    if (inputs[s].defined()) {
+      TORCH_CHECK(inputs[s].is_contiguous() && inputs[s].scalar_type() == dtype &&
+                      inputs[s].numel() <= size() * segment_numels[s],
+                  "reduce_scatter_segments: input ", s, " must be contiguous, of dtype ",
+                  c10::toString(dtype), ", and hold at most size() * its segment's elements");
+      inputs[s] = inputs[s].view(-1);
+    }
+    TORCH_CHECK(outputs[s].defined() && outputs[s].is_contiguous() &&
+                    outputs[s].numel() == segment_numels[s] &&
+                    c10::isFloatingType(outputs[s].scalar_type()) &&
+                    outputs[s].scalar_type() == outputs.front().scalar_type(),
+                "reduce_scatter_segments: output ", s,
+                " must be contiguous, hold its segment's elements, and share the others' "
+                "floating dtype");
+    outputs[s] = outputs[s].view(-1);
+    total += segment_numels[s];
+  }
+  bytes_sent_ += static_cast<uint64_t>(size() - 1) * total * c10::elementSize(dtype);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.push_back(launch("reduce_scatter", [&] {
+    return impl_->shm->reduce_scatter_segments(std::move(inputs), std::move(segment_numels), dtype,
+                                               std::move(outputs), scale);
+  }));
+  return make_pending("reduce_scatter", std::move(works));
 }
 
 Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Tensor out) {

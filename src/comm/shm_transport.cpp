@@ -140,24 +140,50 @@ void futex_wake(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, futex_word(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-// Where each byte of a rank's shard goes in a segmented all-gather: segment s (bytes
-// [offset[s], offset[s] + length[s]) of the shard) of rank q lands in parts[s] at q * length[s],
-// unless that is past the part's end (the padding of the last ranks' rows).
+// A collective's tensor in pieces, as a segmented all-gather's output or a segmented
+// reduce-scatter's input sees it: segment s (bytes [offset[s], offset[s] + length[s]) of a rank's
+// shard) of rank q lives in parts[s] at q * length[s], unless that is past the part's end (the
+// padding of the last ranks' rows) or the part has no tensor (a param without a grad): bytes that
+// exist nowhere, read as zeros.
 struct Segments {
-  std::vector<torch::Tensor> parts;
+  std::vector<torch::Tensor> parts;  // kept alive until the collective is done
+  std::vector<char*> data;
   std::vector<size_t> offset, length, capacity;
 
-  // fn(destination, offset in the shard, bytes) for the placed bytes of rank q in [begin, end).
+  Segments(std::vector<torch::Tensor> parts_in, const std::vector<int64_t>& numels, size_t element)
+      : parts(std::move(parts_in)) {
+    size_t at = 0;
+    for (size_t s = 0; s < parts.size(); ++s) {
+      const bool held = parts[s].defined();
+      data.push_back(held ? static_cast<char*>(parts[s].data_ptr()) : nullptr);
+      offset.push_back(at);
+      length.push_back(static_cast<size_t>(numels[s]) * element);
+      capacity.push_back(held ? static_cast<size_t>(parts[s].numel()) * element : 0);
+      at += length.back();
+    }
+  }
+
+  // fn(segment, offset in the shard, bytes, where rank q's bytes [offset, offset + bytes) are or
+  // nullptr where they exist nowhere), for rank q's bytes in [begin, end), in order.
   template <class Fn>
-  void place(int q, size_t begin, size_t end, Fn&& fn) const {
+  void pieces(int q, size_t begin, size_t end, Fn&& fn) const {
     auto first = std::upper_bound(offset.begin(), offset.end(), begin);
     for (size_t s = first == offset.begin() ? 0 : first - offset.begin() - 1;
          s < offset.size() && offset[s] < end; ++s) {
       const size_t from = std::max(begin, offset[s]), to = std::min(end, offset[s] + length[s]);
+      if (to <= from) continue;
       const size_t at = q * length[s] + (from - offset[s]);
-      if (to <= from || at >= capacity[s]) continue;
-      fn(static_cast<char*>(parts[s].data_ptr()) + at, from, std::min(to - from, capacity[s] - at));
+      const size_t held = at < capacity[s] ? std::min(to - from, capacity[s] - at) : 0;
+      if (held > 0) fn(s, from, held, data[s] + at);
+      if (held < to - from) fn(s, from + held, to - from - held, static_cast<char*>(nullptr));
     }
+  }
+  // The pieces that exist: fn(where, offset in the shard, bytes).
+  template <class Fn>
+  void place(int q, size_t begin, size_t end, Fn&& fn) const {
+    pieces(q, begin, end, [&](size_t, size_t from, size_t bytes, char* at) {
+      if (at) fn(at, from, bytes);
+    });
   }
 };
 
@@ -186,7 +212,7 @@ struct ShmTransport::Impl {
 
   uint64_t ops_issued = 0;    // caller's thread
   uint64_t pieces_done = 0;   // transport thread: pieces this rank has published
-  torch::Tensor accumulator;  // fp32 scratch for low-precision sums
+  torch::Tensor accumulator;  // scratch for sums in another dtype than their output's
 
   struct Task {
     c10::intrusive_ptr<ShmWork> work;
@@ -368,37 +394,55 @@ struct ShmTransport::Impl {
     }
   }
 
-  // out[0, n) = the sum over ranks, in rank order, of rows[q][0, n).
+  // out[0, n) = scale * the sum over ranks, in rank order, of rows[q][0, n); a null row (bytes
+  // that exist nowhere) adds nothing.
   void sum_rows(const std::vector<const char*>& rows, int64_t n, c10::ScalarType dtype,
-                torch::Tensor out) {
-    auto row = [&](int q) {
-      return torch::from_blob(const_cast<char*>(rows[q]), {n}, torch::TensorOptions(dtype));
-    };
-    if (c10::isReducedFloatingType(dtype)) {
-      // Low-precision inputs are summed in fp32 and rounded once.
-      if (!accumulator.defined() || accumulator.numel() < n)
-        accumulator = torch::empty({n}, torch::kFloat);
-      torch::Tensor acc = accumulator.narrow(0, 0, n);
-      acc.copy_(row(0));
-      for (int q = 1; q < size; ++q) acc.add_(row(q));
-      out.copy_(acc);
-    } else if (out.scalar_type() == dtype) {
-      at::add_out(out, row(0), row(1));
-      for (int q = 2; q < size; ++q) out.add_(row(q));
-    } else {
-      torch::Tensor acc = row(0) + row(1);
-      for (int q = 2; q < size; ++q) acc.add_(row(q));
-      out.copy_(acc);
+                torch::Tensor out, double scale) {
+    std::vector<torch::Tensor> present;
+    for (const char* row : rows) {
+      if (row)
+        present.push_back(
+            torch::from_blob(const_cast<char*>(row), {n}, torch::TensorOptions(dtype)));
     }
+    const bool widen = c10::isReducedFloatingType(dtype);
+    if (widen || out.scalar_type() != dtype) {
+      // Low-precision inputs are summed in fp32 and rounded once.
+      const auto accumulate_in = widen ? torch::kFloat : dtype;
+      if (!accumulator.defined() || accumulator.scalar_type() != accumulate_in ||
+          accumulator.numel() < n)
+        accumulator = torch::empty({n}, torch::TensorOptions(accumulate_in));
+      torch::Tensor acc = accumulator.narrow(0, 0, n);
+      acc.copy_(present[0]);
+      for (size_t q = 1; q < present.size(); ++q) acc.add_(present[q]);
+      if (scale != 1.0) acc.mul_(scale);
+      out.copy_(acc);
+      return;
+    }
+    if (present.size() == 1) {
+      if (scale == 1.0) {
+        out.copy_(present[0]);
+      } else {
+        at::mul_out(out, present[0], scale);
+      }
+      return;
+    }
+    at::add_out(out, present[0], present[1]);
+    for (size_t q = 2; q < present.size(); ++q) out.add_(present[q]);
+    // The product of the sum while its piece is still in the cache.
+    if (scale != 1.0) out.mul_(scale);
   }
 
-  PieceTag next_tag(OpKind kind, const torch::Tensor& in) {
+  // `total_bytes`: of the whole input (all-to-all, reduce-scatter) or of one rank's shard.
+  PieceTag next_tag(OpKind kind, uint64_t total_bytes, c10::ScalarType dtype) {
     PieceTag t;
     t.op_number = ops_issued++;
-    t.total_bytes = static_cast<uint64_t>(in.numel()) * in.element_size();
+    t.total_bytes = total_bytes;
     t.kind = static_cast<uint32_t>(kind);
-    t.dtype = static_cast<int32_t>(in.scalar_type());
+    t.dtype = static_cast<int32_t>(dtype);
     return t;
+  }
+  PieceTag next_tag(OpKind kind, const torch::Tensor& in) {
+    return next_tag(kind, static_cast<uint64_t>(in.numel()) * in.element_size(), in.scalar_type());
   }
 };
 
@@ -548,24 +592,54 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather(torch::Tensor in, torch:
   return all_gather_segments(std::move(in), {std::move(out)}, {n});
 }
 
-// Reduce-scatter and all-to-all: chunk j of every rank's input goes to rank j, a sub-slot a round.
+// The plain reduce-scatter is the segmented one with a single segment and no scaling.
 c10::intrusive_ptr<c10d::Work> ShmTransport::reduce_scatter(torch::Tensor in, torch::Tensor out) {
+  const int64_t n = out.numel();
+  const auto dtype = in.scalar_type();
+  return reduce_scatter_segments({std::move(in)}, {n}, dtype, {std::move(out)}, 1.0);
+}
+
+// Reduce-scatter and all-to-all: chunk j of every rank's input goes to rank j, a sub-slot a round.
+c10::intrusive_ptr<c10d::Work> ShmTransport::reduce_scatter_segments(
+    std::vector<torch::Tensor> inputs, std::vector<int64_t> segment_numels, c10::ScalarType dtype,
+    std::vector<torch::Tensor> outputs, double scale) {
   Impl& s = *impl_;
-  const PieceTag op = s.next_tag(OpKind::kReduceScatter, in);
-  return s.enqueue([&s, op, in, out] {
-    const size_t chunk = op.total_bytes / s.size, sub = s.sub_slot_bytes();
-    const size_t element = in.element_size();
-    const char* src = static_cast<const char*>(in.data_ptr());
+  const size_t element = c10::elementSize(dtype);
+  auto in = std::make_shared<Segments>(std::move(inputs), segment_numels, element);
+  auto out = std::make_shared<std::vector<torch::Tensor>>(std::move(outputs));
+  const size_t chunk = in->offset.empty() ? 0 : in->offset.back() + in->length.back();
+  const PieceTag op = s.next_tag(OpKind::kReduceScatter, s.size * chunk, dtype);
+  return s.enqueue([&s, op, in, out, dtype, element, scale, chunk] {
+    const size_t sub = s.sub_slot_bytes();
     std::vector<const char*> rows(s.size);
     s.run_rounds(
         op, static_cast<int64_t>((chunk + sub - 1) / sub),
-        [&](int64_t k, char* slot) { s.fill_sub_slots(src, chunk, k, slot); },
+        [&](int64_t k, char* slot) {
+          // Peer p's rows of this round into p's sub-slot; bytes that exist nowhere as zeros.
+          const size_t begin = k * sub, end = begin + s.sub_piece(chunk, k);
+          for (int p = 0; p < s.size; ++p) {
+            if (p == s.rank) continue;
+            char* dst = slot + p * sub - begin;
+            in->pieces(p, begin, end, [&](size_t, size_t from, size_t bytes, const char* src) {
+              if (src) {
+                std::memcpy(dst + from, src, bytes);
+              } else {
+                std::memset(dst + from, 0, bytes);
+              }
+            });
+          }
+        },
         [&](int64_t k, const std::vector<const char*>& slots) {
-          for (int q = 0; q < s.size; ++q)
-            rows[q] = q == s.rank ? src + q * chunk + k * sub : slots[q] + s.rank * sub;
-          const auto n = static_cast<int64_t>(s.sub_piece(chunk, k) / element);
-          s.sum_rows(rows, n, in.scalar_type(),
-                     out.narrow(0, static_cast<int64_t>(k * sub / element), n));
+          // This rank's own rows are read where they are; each segment's sum goes to its output.
+          const size_t begin = k * sub, end = begin + s.sub_piece(chunk, k);
+          in->pieces(s.rank, begin, end,
+                     [&](size_t seg, size_t from, size_t bytes, const char* mine) {
+                       for (int q = 0; q < s.size; ++q)
+                         rows[q] = q == s.rank ? mine : slots[q] + s.rank * sub + (from - begin);
+                       const auto n = static_cast<int64_t>(bytes / element);
+                       const auto at = static_cast<int64_t>((from - in->offset[seg]) / element);
+                       s.sum_rows(rows, n, dtype, (*out)[seg].narrow(0, at, n), scale);
+                     });
         });
   });
 }
@@ -594,16 +668,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather_segments(
     torch::Tensor in, std::vector<torch::Tensor> parts, std::vector<int64_t> segment_numels) {
   Impl& s = *impl_;
   const PieceTag op = s.next_tag(OpKind::kAllGather, in);
-  auto segments = std::make_shared<Segments>();
-  const size_t element = in.element_size();
-  size_t offset = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    segments->offset.push_back(offset);
-    segments->length.push_back(static_cast<size_t>(segment_numels[i]) * element);
-    segments->capacity.push_back(static_cast<size_t>(parts[i].numel()) * element);
-    offset += segments->length.back();
-  }
-  segments->parts = std::move(parts);
+  auto segments = std::make_shared<Segments>(std::move(parts), segment_numels, in.element_size());
   const size_t n = op.total_bytes;
   // This rank's own segments are placed now: the caller may reuse `in` once this returns.
   const char* src = static_cast<const char*>(in.data_ptr());

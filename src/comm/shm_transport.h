@@ -49,6 +49,14 @@ class ShmTransport {
   c10::intrusive_ptr<c10d::Work> all_gather_segments(torch::Tensor in,
                                                      std::vector<torch::Tensor> parts,
                                                      std::vector<int64_t> segment_numels);
+  // reduce_scatter with the input and the output in pieces, as
+  // ProcessGroup::reduce_scatter_segments_async describes: each rank's rows are read where they
+  // are and each segment's sum, times `scale`, goes to its own output.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_segments(std::vector<torch::Tensor> inputs,
+                                                         std::vector<int64_t> segment_numels,
+                                                         c10::ScalarType dtype,
+                                                         std::vector<torch::Tensor> outputs,
+                                                         double scale);
   // After a failure elsewhere in the group: collectives in flight give up within one wait slice
   // and later ones fail at once, so nothing waits on a group that is being abandoned.
   void abort(const std::string& why);

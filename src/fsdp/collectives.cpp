@@ -1,5 +1,7 @@
 #include "fsdp/collectives.h"
 
+#include <algorithm>
+
 namespace shardrl::fsdp {
 
 torch::Tensor all_gather_input(const torch::Tensor& flat_shard, torch::ScalarType param_dtype) {
@@ -24,46 +26,113 @@ void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& ou
   for (auto& slot : params) slot.copy_out(by_rank);
 }
 
-ReduceScatterPack reduce_scatter_copy_in(const std::vector<ParamSlot*>& trainable, int group_size,
-                                         torch::ScalarType reduce_dtype, double scale) {
-  ReduceScatterPack pack;
-  pack.params = trainable;
-  int64_t width = 0;
-  for (const ParamSlot* slot : trainable) {
-    pack.columns.push_back(width);
-    width += slot->shard_numel();
-  }
-  pack.flags_at = width;
-  width += static_cast<int64_t>(trainable.size());
-
-  torch::NoGradGuard no_grad;
-  const auto device = trainable.front()->shard().device();
-  // Every element is written below: no zero-fill of the whole buffer first.
-  pack.input = torch::empty({group_size, width}, torch::dtype(reduce_dtype).device(device));
-  for (size_t k = 0; k < trainable.size(); ++k) {
-    const bool had_grad =
-        trainable[k]->copy_in_grad(trainable[k]->take_grad(), pack.input, pack.columns[k], scale);
-    pack.input.select(1, pack.flags_at + static_cast<int64_t>(k)).fill_(had_grad ? 1 : 0);
-  }
-  pack.output = torch::empty({width}, pack.input.options());
-  return pack;
+torch::Tensor GradReduceScatter::reduced(size_t k) const {
+  const torch::Tensor& shard = params[k]->shard();
+  if (!flat.defined()) return own[k];
+  return flat.narrow(0, columns[k], params[k]->shard_numel()).view(shard.sizes());
 }
 
-CreatedGrads reduce_scatter_copy_out(const ReduceScatterPack& pack, const torch::Tensor& summed) {
+torch::Tensor GradReduceScatter::flags() const {
+  if (!flat.defined()) return own.back();
+  return flat.narrow(0, flags_at, static_cast<int64_t>(params.size()));
+}
+
+namespace {
+
+// The pack: for each destination rank, the shard columns of every param, then the flags.
+void pack_grads(GradReduceScatter& r, int group_size, torch::ScalarType reduce_dtype,
+                double scale) {
+  const auto device = r.params.front()->shard().device();
+  // Every element is written below: no zero-fill of the whole buffer first.
+  torch::Tensor input =
+      torch::empty({group_size, r.flags_at + static_cast<int64_t>(r.params.size())},
+                   torch::dtype(reduce_dtype).device(device));
+  for (size_t k = 0; k < r.params.size(); ++k) {
+    const bool had_grad =
+        r.params[k]->copy_in_grad(r.params[k]->take_grad(), input, r.columns[k], scale);
+    input.select(1, r.flags_at + static_cast<int64_t>(k)).fill_(had_grad ? 1 : 0);
+  }
+  r.sent = {input};
+}
+
+}  // namespace
+
+GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
+                                       const std::vector<ParamSlot*>& trainable,
+                                       torch::ScalarType reduce_dtype, double scale,
+                                       bool one_buffer) {
+  torch::NoGradGuard no_grad;
+  GradReduceScatter r;
+  r.params = trainable;
+  int64_t width = 0;
+  for (const ParamSlot* slot : trainable) {
+    r.columns.push_back(width);
+    width += slot->shard_numel();
+  }
+  r.flags_at = width;
+  const auto count = static_cast<int64_t>(trainable.size());
+  const auto options = torch::dtype(reduce_dtype).device(trainable.front()->shard().device());
+  // The grads are in the params' dtype (and in reduce_dtype, where no_sync kept a wider sum).
+  // Deciding on that, not on which grads this rank has, keeps every rank on the same path.
+  const bool in_reduce_dtype =
+      trainable.front()->unsharded().scalar_type() == reduce_dtype &&
+      std::all_of(trainable.begin(), trainable.end(), [&](const ParamSlot* slot) {
+        return slot->unsharded().scalar_type() == reduce_dtype;
+      });
+  if (!group.has_segment_collectives() || !in_reduce_dtype) {
+    pack_grads(r, group.size(), reduce_dtype, scale);
+    r.flat = torch::empty({width + count}, options);
+    r.pending = group.reduce_scatter_async(r.sent.front().view(-1), r.flat);
+    return r;
+  }
+  std::vector<int64_t> numels;
+  std::vector<float> had;
+  for (ParamSlot* slot : trainable) {
+    torch::Tensor grad = slot->take_grad();
+    had.push_back(grad.defined() ? 1 : 0);
+    r.sent.push_back(grad.defined() ? grad.contiguous() : grad);
+    numels.push_back(slot->shard_numel());
+  }
+  // Each destination rank gets this rank's flags.
+  r.sent.push_back(torch::tensor(had).to(options).repeat({group.size()}));
+  numels.push_back(count);
+  std::vector<torch::Tensor> outputs;
+  if (one_buffer) {
+    r.flat = torch::empty({width + count}, options);
+    for (size_t k = 0; k < trainable.size(); ++k)
+      outputs.push_back(r.flat.narrow(0, r.columns[k], numels[k]));
+    outputs.push_back(r.flat.narrow(0, r.flags_at, count));
+  } else {
+    // Shaped as the shards: each becomes a grad shard as it is, not a view of one.
+    for (const ParamSlot* slot : trainable)
+      r.own.push_back(torch::empty(slot->shard().sizes(), options));
+    r.own.push_back(torch::empty({count}, options));
+    outputs = r.own;
+  }
+  r.pending =
+      group.reduce_scatter_segments_async(r.sent, numels, reduce_dtype, std::move(outputs), scale);
+  return r;
+}
+
+CreatedGrads reduce_scatter_copy_out(const GradReduceScatter& reduction) {
   torch::NoGradGuard no_grad;
   CreatedGrads out;
-  out.flags = summed.narrow(0, pack.flags_at, static_cast<int64_t>(pack.params.size())).clone();
-  for (size_t k = 0; k < pack.params.size(); ++k) {
-    const ParamSlot& slot = *pack.params[k];
-    torch::Tensor grad =
-        summed.narrow(0, pack.columns[k], slot.shard_numel()).view(slot.shard().sizes());
+  // fp32, and a copy where they are a part of `flat`.
+  out.flags = reduction.flags().to(torch::kFloat, /*non_blocking=*/false,
+                                   /*copy=*/reduction.flat.defined());
+  for (size_t k = 0; k < reduction.params.size(); ++k) {
+    const ParamSlot& slot = *reduction.params[k];
+    const torch::Tensor reduced = reduction.reduced(k);
     // A param no rank used adds zeros (exact) to an existing grad shard.
     if (slot.shard().grad().defined()) {
-      slot.shard().mutable_grad().add_(grad);
-    } else {
-      slot.shard().mutable_grad() = grad.clone();
-      out.created.emplace_back(pack.params[k], static_cast<int64_t>(k));
+      slot.shard().mutable_grad().add_(reduced);
+      continue;
     }
+    torch::Tensor grad = reduced.to(slot.shard().scalar_type());
+    // A part of `flat` in the shard's dtype already is a view: the grad gets a copy.
+    const bool exclusive = !reduction.flat.defined() || !grad.is_same(reduced);
+    slot.shard().mutable_grad() = exclusive ? grad : grad.clone();
+    out.created.emplace_back(reduction.params[k], static_cast<int64_t>(k));
   }
   return out;
 }

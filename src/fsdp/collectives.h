@@ -25,32 +25,49 @@ dist::Pending all_gather_into_params(dist::ProcessGroup& group, const torch::Ten
 void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& output,
                          int group_size);
 
-// The reduce-scatter input of a unit: for each destination rank, the shard columns of every
-// trainable param, then one "had a grad" flag per param. The flags ride in the same collective,
-// so a param no rank used keeps no grad (as in unsharded training) without a second round trip.
-struct ReduceScatterPack {
+// One unit's reduce-scatter of grads in flight. Each rank gets, for the rows it holds of every
+// trainable param, `scale` (1 / data-parallel size) times the sum over ranks: the mean. One "had a
+// grad" flag per param rides in the same collective, so a param no rank used keeps no grad (as in
+// unsharded training) without a second round trip.
+struct GradReduceScatter {
   std::vector<ParamSlot*> params;
-  std::vector<int64_t> columns;  // where each param's shard starts in a rank's row
+  dist::Pending pending;
+  // What the transport reads until the collective completes: the packed [group size, width]
+  // input, or the unsharded grads themselves.
+  std::vector<torch::Tensor> sent;
+  // Where the sums land, in reduce_dtype: `flat` ([width]: each param's shard at its column, then
+  // the flags), or, when undefined, a tensor of each param's own in `own` (then the flags).
+  torch::Tensor flat;
+  std::vector<int64_t> columns;
   int64_t flags_at = 0;
-  torch::Tensor input;   // [group size, width] in reduce_dtype, contiguous
-  torch::Tensor output;  // [width] in reduce_dtype: this rank's sum after the collective
+  std::vector<torch::Tensor> own;
+
+  torch::Tensor reduced(size_t k) const;  // param k's sums, shaped as its shard
+  torch::Tensor flags() const;            // [params.size()]: > 0 where any rank had a grad
 };
 
-// Packs the unsharded grads of `trainable` (with what no_sync kept), times `scale` (1 /
-// data-parallel size: the sum that comes back is the mean), and drops them (they live on in the
-// pack).
-ReduceScatterPack reduce_scatter_copy_in(const std::vector<ParamSlot*>& trainable, int group_size,
-                                         torch::ScalarType reduce_dtype, double scale);
+// Starts the reduce-scatter of the unsharded grads of `trainable` (with what no_sync kept), which
+// are dropped from the params (they live on in `sent`).
+// - Where the transport takes segments (shared memory) and the grads are in reduce_dtype
+//   already, it reads each grad where it is and sums each param into a tensor of its own, which
+//   becomes the grad shard: no pack and no copy-out (FSDP2 packs, as ShardRL does below).
+// - Otherwise the grads, times `scale`, are packed into one [group size, width] buffer.
+// `one_buffer`: the sums must land in `flat` (an HSDP replicate all-reduce follows).
+GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
+                                       const std::vector<ParamSlot*>& trainable,
+                                       torch::ScalarType reduce_dtype, double scale,
+                                       bool one_buffer);
 
-// Reduce-scatter copy-out: adds this rank's reduced grads (fp32, [width]) into the grad shards;
-// a grad shard that did not exist is created (a copy: optimizers may detach_ a grad in place,
-// which a view forbids). Returns the "had a grad" flags, still on the
-// device, with the params whose grad shard this call created: a created grad whose flag reads
-// zero is dropped once per backward, so the host never waits on the device per unit.
+// Reduce-scatter copy-out, once the collective (and any all-reduce of `flat`) is done: adds this
+// rank's reduced grads into the grad shards (in fp32); a grad shard that did not exist becomes the
+// sum itself where that is a tensor of its own, else a copy (optimizers may detach_ a grad in
+// place, which a view forbids). Returns the "had a grad" flags, still on the device, with the
+// params whose grad shard this call created: a created grad whose flag reads zero is dropped once
+// per backward, so the host never waits on the device per unit.
 struct CreatedGrads {
   torch::Tensor flags;  // [params.size()] fp32 on the device: > 0 if any rank had a grad
   std::vector<std::pair<ParamSlot*, int64_t>> created;  // (param, index into flags)
 };
-CreatedGrads reduce_scatter_copy_out(const ReduceScatterPack& pack, const torch::Tensor& summed);
+CreatedGrads reduce_scatter_copy_out(const GradReduceScatter& reduction);
 
 }  // namespace shardrl::fsdp

@@ -66,7 +66,7 @@ void UnitState::unshard() {
   dist::ProcessGroup& group = mesh.shard_group();
   const uint64_t sent_before = group.bytes_sent();
   try {
-    if (group.gathers_segments_in_place()) {
+    if (group.has_segment_collectives()) {
       gathering_in_place_ = true;
       gather_pending_ = all_gather_into_params(group, input, params);
     } else {
@@ -149,30 +149,32 @@ void UnitState::reduce_grads() {
   }
   check_usable();
 
-  auto pack = std::make_shared<ReduceScatterPack>(
-      reduce_scatter_copy_in(trainable, mesh.shard_size(), options.mixed_precision.reduce_dtype,
-                             1.0 / mesh.data_parallel_size()));
-  dist::Pending pending;
-  const uint64_t sent_before = mesh.shard_group().bytes_sent();
+  dist::ProcessGroup& group = mesh.shard_group();
+  dist::ProcessGroup* replicate = mesh.replicate_group();
+  auto reduction = std::make_shared<GradReduceScatter>();
+  const uint64_t sent_before = group.bytes_sent();
   try {
-    pending = mesh.shard_group().reduce_scatter_async(pack->input.view(-1), pack->output);
+    *reduction = reduce_scatter_grads(group, trainable, options.mixed_precision.reduce_dtype,
+                                      1.0 / mesh.data_parallel_size(), replicate != nullptr);
   } catch (...) {
     root->fail(*this, "reduce-scatter", current_exception_message());
     throw;
   }
   if (trace::enabled()) {
-    trace::record(trace::Event::kReduceScatterIssued, *this, pack->input.scalar_type(),
-                  mesh.shard_group().bytes_sent() - sent_before);
+    trace::record(trace::Event::kReduceScatterIssued, *this, options.mixed_precision.reduce_dtype,
+                  group.bytes_sent() - sent_before);
   }
-  dist::ProcessGroup* replicate = mesh.replicate_group();
-  root->enqueue_reduce(this, std::move(pending), [this, pack, replicate] {
+  dist::Pending pending = std::move(reduction->pending);
+  root->enqueue_reduce(this, std::move(pending), [this, reduction, replicate] {
     torch::NoGradGuard guard;
-    pack->input = torch::Tensor();
-    torch::Tensor summed = pack->output.to(torch::kFloat);
-    if (replicate) replicate->all_reduce_async(summed).wait();
+    reduction->sent.clear();
+    if (replicate) {
+      reduction->flat = reduction->flat.to(torch::kFloat);
+      replicate->all_reduce_async(reduction->flat).wait();
+    }
     // Offloaded grad shards come in to take the sum and go back after it.
     if (residency) residency->acquire(view(), ShardUse::kGrads);
-    auto created = reduce_scatter_copy_out(*pack, summed);
+    auto created = reduce_scatter_copy_out(*reduction);
     if (residency) residency->release(view(), ShardUse::kGrads);
     return created;
   });

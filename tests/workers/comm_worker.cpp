@@ -2,7 +2,7 @@
 // for its bulk collectives (shared memory for ranks of one host, Gloo with SHARDRL_SHM_DISABLE=1).
 //   check     all-gather, reduce-scatter and all-to-all over sizes around the transport's slot
 //             and sub-slot boundaries, several in flight at once, in fp32, bf16, fp64 and int64.
-//             With shared memory also the segmented all-gather FSDP uses.
+//             With shared memory also the segmented all-gather and reduce-scatter FSDP uses.
 //             Every element is a small integer, so every sum is exact and each rank checks its
 //             results bit for bit against values it computes itself with plain loops.
 //   exit      --exit-rank leaves the job (exit 0) before the second all-gather; the others
@@ -133,7 +133,7 @@ json check(dist::ProcessGroup& group) {
   // The segmented all-gather FSDP uses on shared memory: each segment into its own part, cut at
   // the part's end (the last ranks' padding rows), across slot boundaries; the shard overwritten
   // once issued.
-  if (group.gathers_segments_in_place()) {
+  if (group.has_segment_collectives()) {
     for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
       const std::vector<int64_t> lengths = {5, 0, 300000, 1, 262144, 131073};
       const std::vector<int64_t> cut = {0, 0, 7, 0, 0, 131070};  // elements missing at the end
@@ -157,6 +157,48 @@ json check(dist::ProcessGroup& group) {
         if (auto why = compare(parts[i], expected); !why.empty()) {
           failures.push_back({{"op", "all_gather_segments"},
                               {"dtype", c10::toString(dtype)},
+                              {"segment", i},
+                              {"why", why}});
+        }
+      }
+    }
+  }
+  // The segmented reduce-scatter FSDP uses on shared memory: each rank's rows read where they are,
+  // zeros past a part's end (padding rows) or where a rank has no part (a param without a grad:
+  // segment 3 on every rank, segment 6 on rank 0), each sum times the scale into its own output.
+  if (group.has_segment_collectives()) {
+    const std::vector<std::pair<torch::ScalarType, torch::ScalarType>> in_out = {
+        {torch::kFloat, torch::kFloat},
+        {torch::kBFloat16, torch::kFloat},
+        {torch::kBFloat16, torch::kBFloat16}};
+    for (auto [dtype, out_dtype] : in_out) {
+      const std::vector<int64_t> lengths = {5, 0, 300000, 4, 262144, 131073, 3};
+      const std::vector<int64_t> cut = {0, 0, 7, 0, 0, 131070, 1};
+      auto held = [&](int q, size_t i) { return i != 3 && !(i == 6 && q == 0); };
+      std::vector<torch::Tensor> inputs, outputs;
+      int64_t base = 0;
+      std::vector<int64_t> bases;
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        bases.push_back(base);
+        inputs.push_back(held(r, i) ? make(r, w * lengths[i] - cut[i], dtype, base)
+                                    : torch::Tensor());
+        outputs.push_back(torch::full({lengths[i]}, -99, torch::TensorOptions(out_dtype)));
+        base += w * lengths[i];
+      }
+      group.reduce_scatter_segments_async(inputs, lengths, dtype, outputs, 0.5).wait();
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        std::vector<int64_t> twice(lengths[i], 0);  // the sums, before the scale of 1/2
+        for (int q = 0; q < w; ++q) {
+          for (int64_t e = 0; e < lengths[i]; ++e) {
+            const int64_t j = r * lengths[i] + e;
+            if (held(q, i) && j < w * lengths[i] - cut[i]) twice[e] += value(q, bases[i] + j);
+          }
+        }
+        ++cases;
+        if (auto why = compare(outputs[i].to(torch::kDouble) * 2, twice); !why.empty()) {
+          failures.push_back({{"op", "reduce_scatter_segments"},
+                              {"dtype", c10::toString(dtype)},
+                              {"out_dtype", c10::toString(out_dtype)},
                               {"segment", i},
                               {"why", why}});
         }
