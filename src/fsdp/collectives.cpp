@@ -72,13 +72,12 @@ GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
   r.flags_at = width;
   const auto count = static_cast<int64_t>(trainable.size());
   const auto options = torch::dtype(reduce_dtype).device(trainable.front()->shard().device());
-  // The grads are in the params' dtype (and in reduce_dtype, where no_sync kept a wider sum).
-  // Deciding on that, not on which grads this rank has, keeps every rank on the same path.
-  const bool in_reduce_dtype =
-      trainable.front()->unsharded().scalar_type() == reduce_dtype &&
-      std::all_of(trainable.begin(), trainable.end(), [&](const ParamSlot* slot) {
-        return slot->unsharded().scalar_type() == reduce_dtype;
-      });
+  // Params that compute in reduce_dtype have their grads in it (no_sync keeps a sum of its own
+  // only for a wider reduce_dtype). Deciding on the dtypes, not on which grads this rank has,
+  // keeps every rank on the same path.
+  const bool in_reduce_dtype = std::all_of(
+      trainable.begin(), trainable.end(),
+      [&](const ParamSlot* slot) { return slot->unsharded().scalar_type() == reduce_dtype; });
   if (!group.has_segment_collectives() || !in_reduce_dtype) {
     pack_grads(r, group.size(), reduce_dtype, scale);
     r.flat = torch::empty({width + count}, options);
