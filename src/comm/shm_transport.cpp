@@ -619,12 +619,12 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::reduce_scatter_segments(
           const size_t begin = k * sub, end = begin + s.sub_piece(chunk, k);
           for (int p = 0; p < s.size; ++p) {
             if (p == s.rank) continue;
-            char* dst = slot + p * sub - begin;
+            char* sub_slot = slot + p * sub;
             in->pieces(p, begin, end, [&](size_t, size_t from, size_t bytes, const char* src) {
               if (src) {
-                std::memcpy(dst + from, src, bytes);
+                std::memcpy(sub_slot + (from - begin), src, bytes);
               } else {
-                std::memset(dst + from, 0, bytes);
+                std::memset(sub_slot + (from - begin), 0, bytes);
               }
             });
           }
