@@ -163,7 +163,7 @@ Pending ProcessGroup::all_gather_segments_async(const torch::Tensor& shard,
                                                 std::vector<torch::Tensor> parts,
                                                 std::vector<int64_t> segment_numels) {
   TORCH_CHECK(impl_->shm, "all_gather_segments: process group '", name(),
-              "' has no transport that gathers in place (see has_segment_collectives())");
+              "' has no transport that takes segments (see has_segment_collectives())");
   TORCH_CHECK(parts.size() == segment_numels.size(), "all_gather_segments: one part per segment");
   int64_t total = 0;
   for (size_t s = 0; s < parts.size(); ++s) {

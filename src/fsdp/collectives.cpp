@@ -27,9 +27,8 @@ void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& ou
 }
 
 torch::Tensor GradReduceScatter::reduced(size_t k) const {
-  const torch::Tensor& shard = params[k]->shard();
   if (!flat.defined()) return own[k];
-  return flat.narrow(0, columns[k], params[k]->shard_numel()).view(shard.sizes());
+  return flat.narrow(0, columns[k], params[k]->shard_numel()).view(params[k]->shard().sizes());
 }
 
 torch::Tensor GradReduceScatter::flags() const {
