@@ -303,14 +303,18 @@ int run_fsdp(const Args& a) {
   const int root_gathers = a.reshard_root ? 2 : 1;
   const double theory_schedule = (root_gathers * P_root + 2.0 * (P - P_root) + P) * scale;
   // What the transport must count for this exact layout: shards are padded to ceil(rows / N) rows
-  // and each reduce-scatter carries one "had a grad" flag per parameter.
+  // and each reduce-scatter carries one "had a grad" flag per parameter. The gathers carry the
+  // compute dtype, and so does the reduce-scatter where the transport sums bf16 in fp32 (shared
+  // memory, Gloo); NCCL's carries fp32 (reduce_dtype).
+  const double gather_bytes = a.param_dtype == "bf16" ? 2.0 : 4.0;
+  const double reduce_bytes = mesh.shard_group().sums_low_precision_in_fp32() ? gather_bytes : 4.0;
   double exact = 0;
   for (const auto& p : shards) {
     const bool in_root = p.name.rfind("blocks.", 0) != 0;
     const double shard = static_cast<double>(p.shard.numel());
-    exact += (in_root ? root_gathers : 2) * shard + (shard + 1);
+    exact += ((in_root ? root_gathers : 2) * shard * gather_bytes + (shard + 1) * reduce_bytes);
   }
-  exact *= 4.0 * (N - 1);
+  exact *= N - 1;
   auto ratio = [](double x, double y) { return y > 0 ? json(x / y) : json(nullptr); };
 
   json comm = {{"reshard_root", a.reshard_root},

@@ -33,13 +33,15 @@ inline std::vector<std::string> scenario_args(const Scenario& s) {
   return args;
 }
 
-inline Run train_sharded(int nproc, const Scenario& s, const std::vector<std::string>& extra = {}) {
+// `env`: for the ranks, e.g. SHARDRL_SHM_DISABLE=1 (Gloo, the transport between hosts).
+inline Run train_sharded(int nproc, const Scenario& s, const std::vector<std::string>& extra = {},
+                         const std::map<std::string, std::string>& env = {}) {
   const std::string dir = make_temp_dir("fsdp");
   std::vector<std::string> args = {"train", "--out", dir};
   auto scenario = scenario_args(s);
   args.insert(args.end(), scenario.begin(), scenario.end());
   args.insert(args.end(), extra.begin(), extra.end());
-  auto result = launch_workers(nproc, args);
+  auto result = launch_workers(nproc, args, 300, "dist_worker", env);
   EXPECT_EQ(result.exit_code, 0) << result.output;
   Run run;
   if (result.exit_code != 0) return run;

@@ -239,13 +239,14 @@ TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
 }
 
 // bf16 mixed precision really runs in bf16: every unit's params are gathered, and in bf16, when
-// its forward and backward compute, and the all-gathers carry bf16, exactly half the fp32 run's
-// bytes as the process group counted them.
-TEST(FSDP, Bf16GathersAndComputesInBf16AtHalfTheBytes) {
+// its forward and backward compute. The all-gathers carry bf16, and so does the reduce-scatter
+// (its sums are fp32: Bf16GradsSumInFp32OnEveryTransport): exactly half the fp32 run's bytes as
+// the process group counted them.
+TEST(FSDP, Bf16GathersComputesAndReducesInBf16AtHalfTheBytes) {
   Scenario s = base_scenario();
   s.steps = 2;
   const auto traffic = two_rank_traffic(s);
-  std::map<std::string, double> gathered_per_step;
+  std::map<std::string, double> sent_per_step;
   for (const std::string dtype : {"fp32", "bf16"}) {
     SCOPED_TRACE(dtype);
     const std::string name = dtype == "bf16" ? "BFloat16" : "Float";
@@ -255,14 +256,14 @@ TEST(FSDP, Bf16GathersAndComputesInBf16AtHalfTheBytes) {
     for (const auto& trace : run.traces) {
       ASSERT_EQ(trace.size(), static_cast<size_t>(s.steps));
       for (size_t step = 0; step < trace.size(); ++step) {
-        double gathered = 0;
+        double gathered = 0, reduced = 0;
         std::map<std::string, int> computes;
         for (const auto& e : trace[step]) {
           const std::string event = e["event"];
           EXPECT_GE(e["unit"].get<int>(), 0) << e.dump();
-          if (event == "gather_issued") {
+          if (event == "gather_issued" || event == "reduce_scatter_issued") {
             EXPECT_EQ(e["dtype"], name) << e.dump();
-            gathered += e["bytes"].get<double>();
+            (event == "gather_issued" ? gathered : reduced) += e["bytes"].get<double>();
           } else if (event == "forward_begin" || event == "backward_begin") {
             ++computes[event];
             EXPECT_EQ(e["dtype"], name) << e.dump();
@@ -273,17 +274,75 @@ TEST(FSDP, Bf16GathersAndComputesInBf16AtHalfTheBytes) {
         EXPECT_EQ(computes["forward_begin"], s.layers + 1) << "step " << step;
         EXPECT_EQ(computes["backward_begin"], s.layers + 1) << "step " << step;
         EXPECT_EQ(gathered, traffic.gather_fp32 * element_bytes / 4) << "step " << step;
-        gathered_per_step[dtype] = gathered;
+        EXPECT_EQ(reduced, traffic.reduce * element_bytes / 4) << "step " << step;
       }
     }
-    // Everything the step sent: the gathers, and the reduce-scatter, still in fp32.
+    // Everything the step sent: the gathers and the reduce-scatter.
     ASSERT_EQ(run.bytes.size(), static_cast<size_t>(s.steps));
     for (size_t i = 0; i < run.bytes.size(); ++i) {
-      EXPECT_EQ(run.bytes[i], traffic.gather_fp32 * element_bytes / 4 + traffic.reduce)
+      EXPECT_EQ(run.bytes[i], (traffic.gather_fp32 + traffic.reduce) * element_bytes / 4)
           << "step " << i;
     }
+    sent_per_step[dtype] = run.bytes.empty() ? 0 : run.bytes.front();
   }
-  EXPECT_EQ(2 * gathered_per_step["bf16"], gathered_per_step["fp32"]);
+  EXPECT_EQ(2 * sent_per_step["bf16"], sent_per_step["fp32"]);
+}
+
+// bf16 grads travel as bf16 and sum in fp32 (reduce_dtype) on shared memory (each grad read where
+// it is) and on Gloo (packed, all-to-all, local sum) alike. The same bf16 values summed in fp32 in
+// rank order give the same bits, and the 1/2 (1/4 with HSDP on 2 x 2) of the mean is exact
+// wherever it is applied, so both transports train to the very same params. (How close that is to
+// FSDP2's fp32 wire: Bf16MixedPrecisionMatchesPyTorchFsdp2.) Under no_sync the micro-batches' grads
+// are kept summed in fp32 and go on the wire in fp32: rounding them to bf16 would undo the kept
+// sum.
+TEST(FSDP, Bf16GradsSumInFp32OnEveryTransport) {
+  Scenario s = base_scenario();
+  s.steps = 2;
+  const auto traffic = two_rank_traffic(s);
+  const std::vector<std::string> bf16 = {"--param-dtype", "bf16", "--reduce-dtype", "fp32"};
+  auto expect_same_training = [](const shardrl::testing::Run& shm,
+                                 const shardrl::testing::Run& gloo) {
+    ASSERT_FALSE(shm.params.empty());
+    ASSERT_EQ(shm.params.size(), gloo.params.size());
+    for (const auto& [name, p] : shm.params) {
+      ASSERT_TRUE(gloo.params.count(name)) << name;
+      EXPECT_TRUE(torch::equal(p, gloo.params.at(name))) << name;
+    }
+    EXPECT_EQ(shm.losses, gloo.losses);
+    EXPECT_EQ(shm.bytes, gloo.bytes);
+  };
+  const std::map<std::string, std::string> gloo = {{"SHARDRL_SHM_DISABLE", "1"}};
+  auto on_gloo = train_sharded(2, s, bf16, gloo);
+  expect_same_training(train_sharded(2, s, bf16), on_gloo);
+  for (double sent : on_gloo.bytes) EXPECT_EQ(sent, (traffic.gather_fp32 + traffic.reduce) / 2);
+  // HSDP on 2 x 2: the shard group's sums, then the replicate group's all-reduce of them. Shared
+  // memory takes the 1/4 in its sum, Gloo after the all-reduce: both exact.
+  std::vector<std::string> hybrid = bf16;
+  hybrid.insert(hybrid.end(), {"--fsdp-size", "2"});
+  expect_same_training(train_sharded(4, s, hybrid), train_sharded(4, s, hybrid, gloo));
+
+  s.micro = 3;
+  for (const bool use_shm : {true, false}) {
+    SCOPED_TRACE(use_shm ? "shm" : "gloo");
+    std::map<std::string, std::string> env;
+    if (!use_shm) env["SHARDRL_SHM_DISABLE"] = "1";
+    std::vector<std::string> args = bf16;
+    args.insert(args.end(), {"--no-sync", "--trace"});
+    auto no_sync = train_sharded(2, s, args, env);
+    ASSERT_EQ(no_sync.traces.size(), 2u);
+    for (const auto& trace : no_sync.traces) {
+      ASSERT_EQ(trace.size(), static_cast<size_t>(s.steps));
+      for (size_t step = 0; step < trace.size(); ++step) {
+        double reduced = 0;
+        for (const auto& e : trace[step]) {
+          if (e["event"] != "reduce_scatter_issued") continue;
+          EXPECT_EQ(e["dtype"], "Float") << e.dump();
+          reduced += e["bytes"].get<double>();
+        }
+        EXPECT_EQ(reduced, traffic.reduce) << "step " << step;
+      }
+    }
+  }
 }
 
 TEST(FSDP, NonFiniteGradNormSkipsTheStep) {

@@ -89,8 +89,14 @@ class ProcessGroup {
   Pending all_gather_async(const torch::Tensor& shard, torch::Tensor out);
   // input holds size() equal contiguous chunks; out receives the sum of chunk[rank()] over ranks.
   // Gloo moves each chunk once (alltoall) and sums locally in fp32: (W-1)/W of the bytes, where
-  // allreduce-then-slice would move about twice that.
+  // allreduce-then-slice would move about twice that. out may be wider than input (bf16 in, fp32
+  // out) where sums_low_precision_in_fp32().
   Pending reduce_scatter_async(const torch::Tensor& input, torch::Tensor out);
+  // Whether a reduce-scatter of bf16 or fp16 input sums in fp32 and rounds once into its output,
+  // which may be wider (shared memory; Gloo, by its all-to-all and local sum; a group of one). Then
+  // low-precision grads can travel as they are, at half the bytes of an fp32 wire, and sum to
+  // exactly what fp32 copies of them would. NCCL sums in the wire's dtype.
+  bool sums_low_precision_in_fp32() const;
   // Whether all_gather_segments_async and reduce_scatter_segments_async are available: the
   // transport reads and writes each rank's bytes where they are (shared memory), so FSDP gathers
   // into the params' own storage and reduces from the grads' own, with no pack in between.

@@ -155,6 +155,10 @@ Pending ProcessGroup::all_gather_async(const torch::Tensor& shard, torch::Tensor
   return make_pending("all_gather", std::move(works), [views] {});
 }
 
+bool ProcessGroup::sums_low_precision_in_fp32() const {
+  return !impl_->is_nccl;
+}
+
 bool ProcessGroup::has_segment_collectives() const {
   return impl_->shm != nullptr;
 }
@@ -227,6 +231,10 @@ Pending ProcessGroup::reduce_scatter_async(const torch::Tensor& input, torch::Te
   const int64_t n = out.numel();
   TORCH_CHECK(input.is_contiguous() && input.numel() == n * group_size,
               "reduce_scatter: input must be contiguous with world_size * output numel elements");
+  TORCH_CHECK(input.scalar_type() == out.scalar_type() || sums_low_precision_in_fp32(),
+              "reduce_scatter: process group '", name(), "' sums in the input's dtype (",
+              c10::toString(input.scalar_type()), "); the output must have it too, not ",
+              c10::toString(out.scalar_type()));
   bytes_sent_ += static_cast<uint64_t>(group_size - 1) * n * input.element_size();
   if (group_size == 1) {
     out.view(-1).copy_(input.view(-1));

@@ -39,13 +39,12 @@ torch::Tensor GradReduceScatter::flags() const {
 namespace {
 
 // The pack: for each destination rank, the shard columns of every param, then the flags.
-void pack_grads(GradReduceScatter& r, int group_size, torch::ScalarType reduce_dtype,
-                double scale) {
+void pack_grads(GradReduceScatter& r, int group_size, double scale) {
   const auto device = r.params.front()->shard().device();
   // Every element is written below: no zero-fill of the whole buffer first.
   torch::Tensor input =
       torch::empty({group_size, r.flags_at + static_cast<int64_t>(r.params.size())},
-                   torch::dtype(reduce_dtype).device(device));
+                   torch::dtype(r.wire).device(device));
   for (size_t k = 0; k < r.params.size(); ++k) {
     const bool had_grad =
         r.params[k]->copy_in_grad(r.params[k]->take_grad(), input, r.columns[k], scale);
@@ -56,13 +55,26 @@ void pack_grads(GradReduceScatter& r, int group_size, torch::ScalarType reduce_d
 
 }  // namespace
 
+torch::ScalarType grad_wire_dtype(const dist::ProcessGroup& group,
+                                  const std::vector<ParamSlot*>& trainable,
+                                  torch::ScalarType reduce_dtype, bool kept_sums) {
+  if (kept_sums || !group.sums_low_precision_in_fp32() || trainable.empty()) return reduce_dtype;
+  const auto computes_in = trainable.front()->unsharded().scalar_type();
+  const bool narrower = c10::isReducedFloatingType(computes_in) && reduce_dtype == torch::kFloat;
+  const bool shared = std::all_of(trainable.begin(), trainable.end(), [&](const ParamSlot* slot) {
+    return slot->unsharded().scalar_type() == computes_in;
+  });
+  return narrower && shared ? computes_in : reduce_dtype;
+}
+
 GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
                                        const std::vector<ParamSlot*>& trainable,
                                        torch::ScalarType reduce_dtype, double scale,
-                                       bool one_buffer) {
+                                       bool one_buffer, bool kept_sums) {
   torch::NoGradGuard no_grad;
   GradReduceScatter r;
   r.params = trainable;
+  r.wire = grad_wire_dtype(group, trainable, reduce_dtype, kept_sums);
   int64_t width = 0;
   for (const ParamSlot* slot : trainable) {
     r.columns.push_back(width);
@@ -70,15 +82,18 @@ GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
   }
   r.flags_at = width;
   const auto count = static_cast<int64_t>(trainable.size());
-  const auto options = torch::dtype(reduce_dtype).device(trainable.front()->shard().device());
-  // Params that compute in reduce_dtype have their grads in it (no_sync keeps a sum of its own
-  // only for a wider reduce_dtype). Deciding on the dtypes, not on which grads this rank has,
-  // keeps every rank on the same path.
-  const bool in_reduce_dtype = std::all_of(
-      trainable.begin(), trainable.end(),
-      [&](const ParamSlot* slot) { return slot->unsharded().scalar_type() == reduce_dtype; });
-  if (!group.has_segment_collectives() || !in_reduce_dtype) {
-    pack_grads(r, group.size(), reduce_dtype, scale);
+  const auto device = trainable.front()->shard().device();
+  const auto options = torch::dtype(reduce_dtype).device(device);
+  // Params that compute in the wire's dtype have their grads in it: no_sync keeps a sum of its
+  // own only in a wider reduce_dtype, which is then the wire. Deciding on the dtypes, not on
+  // which grads this rank has, keeps every rank on the same path.
+  const bool grads_in_wire_dtype =
+      std::all_of(trainable.begin(), trainable.end(),
+                  [&](const ParamSlot* slot) { return slot->unsharded().scalar_type() == r.wire; });
+  if (!group.has_segment_collectives() || !grads_in_wire_dtype) {
+    const bool prescale = r.wire == reduce_dtype;
+    pack_grads(r, group.size(), prescale ? scale : 1.0);
+    r.unapplied_scale = prescale ? 1.0 : scale;
     r.flat = torch::empty({width + count}, options);
     r.pending = group.reduce_scatter_async(r.sent.front().view(-1), r.flat);
     return r;
@@ -92,7 +107,8 @@ GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
     numels.push_back(slot->shard_numel());
   }
   // Each destination rank gets this rank's flags.
-  r.sent.push_back(torch::tensor(had).to(options).repeat({group.size()}));
+  r.sent.push_back(
+      torch::tensor(had).to(torch::dtype(r.wire).device(device)).repeat({group.size()}));
   numels.push_back(count);
   std::vector<torch::Tensor> outputs;
   if (one_buffer) {
@@ -108,13 +124,15 @@ GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
     outputs = r.own;
   }
   r.pending =
-      group.reduce_scatter_segments_async(r.sent, numels, reduce_dtype, std::move(outputs), scale);
+      group.reduce_scatter_segments_async(r.sent, numels, r.wire, std::move(outputs), scale);
   return r;
 }
 
 CreatedGrads reduce_scatter_copy_out(const GradReduceScatter& reduction) {
   torch::NoGradGuard no_grad;
   CreatedGrads out;
+  // In place on the sums, in reduce_dtype (the flags are only compared with zero).
+  if (reduction.unapplied_scale != 1.0) reduction.flat.mul_(reduction.unapplied_scale);
   // fp32, and a copy where they are a part of `flat`.
   out.flags = reduction.flags().to(torch::kFloat, /*non_blocking=*/false,
                                    /*copy=*/reduction.flat.defined());

@@ -32,6 +32,10 @@ void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& ou
 struct GradReduceScatter {
   std::vector<ParamSlot*> params;
   dist::Pending pending;
+  torch::ScalarType wire = torch::kFloat;  // the dtype the grads travel in (see grad_wire_dtype)
+  // The factor the sums still need: a low-precision pack is not pre-scaled, which would round
+  // each grad before the fp32 sum.
+  double unapplied_scale = 1.0;
   // What the transport reads until the collective completes: the packed [group size, width]
   // input, or the unsharded grads themselves.
   std::vector<torch::Tensor> sent;
@@ -46,17 +50,30 @@ struct GradReduceScatter {
   torch::Tensor flags() const;            // [params.size()]: > 0 where any rank had a grad
 };
 
+// The dtype a unit's grads travel in. Grads of params that compute in a narrower float than
+// reduce_dtype (bf16 params, fp32 reduce) travel as they are where the transport sums them in
+// fp32 (group.sums_low_precision_in_fp32()): the same sums at half the bytes of FSDP2's fp32
+// wire. They travel in reduce_dtype where the transport sums in the wire's dtype (NCCL), and when
+// no_sync kept sums in reduce_dtype since the unit's last reduce-scatter (`kept_sums`): those
+// must not be rounded. Decided on dtypes and on the no_sync history, never on which grads this
+// rank has, so every rank picks the same wire.
+torch::ScalarType grad_wire_dtype(const dist::ProcessGroup& group,
+                                  const std::vector<ParamSlot*>& trainable,
+                                  torch::ScalarType reduce_dtype, bool kept_sums);
+
 // Starts the reduce-scatter of the unsharded grads of `trainable` (with what no_sync kept), which
-// are dropped from the params (they live on in `sent`).
-// - Where the transport takes segments (shared memory) and the grads are in reduce_dtype
+// are dropped from the params (they live on in `sent`). The sums are in reduce_dtype; the wire
+// is grad_wire_dtype(group, trainable, reduce_dtype, kept_sums).
+// - Where the transport takes segments (shared memory) and the grads are in the wire's dtype
 //   already, it reads each grad where it is and sums each param into a tensor of its own, which
 //   becomes the grad shard: no pack and no copy-out (FSDP2 packs, as ShardRL does below).
-// - Otherwise the grads, times `scale`, are packed into one [group size, width] buffer.
+// - Otherwise the grads are packed into one [group size, width] buffer in the wire's dtype, times
+//   `scale` where that is reduce_dtype.
 // `one_buffer`: the sums must land in `flat` (an HSDP replicate all-reduce follows).
 GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
                                        const std::vector<ParamSlot*>& trainable,
                                        torch::ScalarType reduce_dtype, double scale,
-                                       bool one_buffer);
+                                       bool one_buffer, bool kept_sums);
 
 // Reduce-scatter copy-out, once the collective (and any all-reduce of `flat`) is done: adds this
 // rank's reduced grads into the grad shards (in fp32); a grad shard that did not exist becomes the

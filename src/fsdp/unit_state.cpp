@@ -145,6 +145,7 @@ void UnitState::reduce_grads() {
   if (!root->requires_gradient_sync) {
     for (ParamSlot* slot : trainable)
       slot->keep_grad_for_sync(options.mixed_precision.reduce_dtype);
+    kept_grads_since_reduce_ = true;
     return;
   }
   check_usable();
@@ -155,13 +156,15 @@ void UnitState::reduce_grads() {
   const uint64_t sent_before = group.bytes_sent();
   try {
     *reduction = reduce_scatter_grads(group, trainable, options.mixed_precision.reduce_dtype,
-                                      1.0 / mesh.data_parallel_size(), replicate != nullptr);
+                                      1.0 / mesh.data_parallel_size(), replicate != nullptr,
+                                      kept_grads_since_reduce_);
   } catch (...) {
     root->fail(*this, "reduce-scatter", current_exception_message());
     throw;
   }
+  kept_grads_since_reduce_ = false;
   if (trace::enabled()) {
-    trace::record(trace::Event::kReduceScatterIssued, *this, options.mixed_precision.reduce_dtype,
+    trace::record(trace::Event::kReduceScatterIssued, *this, reduction->wire,
                   group.bytes_sent() - sent_before);
   }
   dist::Pending pending = std::move(reduction->pending);

@@ -61,6 +61,9 @@ class UnitState {
   void drop_gather();
   torch::Tensor gather_output_;      // rank-major; undefined when gathering into the params
   bool gathering_in_place_ = false;  // the pending gather writes the params' own storage
+  // A no_sync backward ran since the last reduce-scatter: the params' kept sums (in a wider
+  // reduce_dtype) go on the wire as they are. The same on every rank, whichever grads it had.
+  bool kept_grads_since_reduce_ = false;
   dist::Pending gather_pending_;
 };
 
