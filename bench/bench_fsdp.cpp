@@ -306,7 +306,8 @@ int run_fsdp(const Args& a) {
   // and each reduce-scatter carries one "had a grad" flag per parameter. The gathers carry the
   // compute dtype, and so does the reduce-scatter where the transport sums bf16 in fp32 (shared
   // memory, Gloo); NCCL's carries fp32 (reduce_dtype).
-  const double gather_bytes = a.param_dtype == "bf16" ? 2.0 : 4.0;
+  const auto gather_bytes =
+      static_cast<double>(c10::elementSize(fsdp::parse_dtype(a.param_dtype, "--param-dtype")));
   const double reduce_bytes = mesh.shard_group().sums_low_precision_in_fp32() ? gather_bytes : 4.0;
   double exact = 0;
   for (const auto& p : shards) {
