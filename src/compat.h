@@ -83,6 +83,13 @@ inline void alloc_storage(const at::Tensor& t, size_t nbytes) {
   impl->set_nbytes(nbytes);
 }
 
+// Points t's storage at `nbytes` that `data` owns (memory the tensor's allocator did not make).
+inline void set_storage(const at::Tensor& t, at::DataPtr data, size_t nbytes) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(std::move(data));
+  impl->set_nbytes(nbytes);
+}
+
 inline void alloc_storage(const at::Tensor& t) {
   alloc_storage(t, static_cast<size_t>(t.numel()) * t.element_size());
 }

@@ -65,6 +65,26 @@ TEST(Comm, OneRankWithoutSharedMemoryTurnsItOffForTheGroup) {
   }
 }
 
+// FSDP's host-shared image: every rank reads all rows where its peers wrote them, and a rank that
+// starts the next gather waits until every peer has released the last one. Rank 1 holds the first
+// gather for 600 ms; rank 0's second gather must block that long, and rank 1 must see the first
+// gather's rows all along. An image larger than /dev/shm is refused on both ranks alike.
+TEST(Comm, HostImageWaitsForEveryPeerToReleaseTheLastGather) {
+  auto ranks = run_comm(2, {"image", "--stall-ms", "600"});
+  for (const auto& r : ranks) {
+    ASSERT_EQ(r.value("transport", ""), "shm") << r.dump();
+    EXPECT_TRUE(r.contains("failures") && r["failures"].empty()) << r.dump(1);
+    EXPECT_GE(r.value("cases", 0), 2 * 3 + 1) << r.dump();
+    EXPECT_FALSE(r.value("too_big_mapped", true)) << r.dump();
+    EXPECT_NE(r.value("too_big_why", "").find("no host-shared image (rank 0: reserving"),
+              std::string::npos)
+        << r.dump();
+  }
+  EXPECT_GE(ranks[1].value("cases", 0), 2 * 3 + 1 + 3 * 20) << ranks[1].dump();  // read all along
+  EXPECT_GT(ranks[0].value("issue_seconds_2", 0.0), 0.5) << ranks[0].dump();
+  EXPECT_LT(ranks[1].value("issue_seconds_2", 1.0), 0.3) << ranks[1].dump();
+}
+
 // A /dev/shm too small for the segment (here 1 MiB: a tmpfs mounted in a mount namespace of the
 // job's own; Docker's default is 64 MiB) leaves the group on Gloo, saying why, rather than failing
 // with SIGBUS in the middle of a step when tmpfs runs out of pages.

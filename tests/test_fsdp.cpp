@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <fstream>
 #include <iostream>
 #include <set>
@@ -115,6 +117,9 @@ struct TwoRankTraffic {
   // All-gathers of a forward and backward in fp32: the root's params once (it stays gathered
   // until after backward), each block's twice (forward, and again for backward after resharding).
   double gather_fp32 = 0;
+  // The same where the ranks share a host image of the unsharded params (shared memory, the
+  // default): backward reads the rows forward gathered there, so every param is gathered once.
+  double gather_fp32_shared = 0;
   // One reduce-scatter of every trainable param's grad in fp32, each with a 4-byte "had a grad"
   // flag.
   double reduce = 0;
@@ -129,6 +134,7 @@ TwoRankTraffic two_rank_traffic(const Scenario& s) {
     const double shard = static_cast<double>((rows + 1) / 2 * row_numel);
     const bool in_block = item.key().rfind("blocks.", 0) == 0;
     t.gather_fp32 += (in_block ? 2 : 1) * shard * 4;
+    t.gather_fp32_shared += shard * 4;
     if (p.requires_grad()) t.reduce += (shard + 1) * 4;
   }
   return t;
@@ -171,8 +177,10 @@ TEST(FSDP, GradientAccumulationWithoutSyncMatchesAndReducesOnce) {
   ASSERT_EQ(no_sync.bytes.size(), static_cast<size_t>(s.steps));
   ASSERT_EQ(synced.bytes.size(), static_cast<size_t>(s.steps));
   for (size_t i = 0; i < synced.bytes.size(); ++i) {
-    EXPECT_EQ(synced.bytes[i], s.micro * (traffic.gather_fp32 + traffic.reduce)) << "step " << i;
-    EXPECT_EQ(no_sync.bytes[i], s.micro * traffic.gather_fp32 + traffic.reduce) << "step " << i;
+    EXPECT_EQ(synced.bytes[i], s.micro * (traffic.gather_fp32_shared + traffic.reduce))
+        << "step " << i;
+    EXPECT_EQ(no_sync.bytes[i], s.micro * traffic.gather_fp32_shared + traffic.reduce)
+        << "step " << i;
   }
 }
 
@@ -204,7 +212,9 @@ TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
   const int blocks = static_cast<int>(s.layers);
   for (const int prefetch : {0, 1}) {
     SCOPED_TRACE("prefetch " + std::to_string(prefetch));
-    auto run = train_sharded(2, s, {"--prefetch", std::to_string(prefetch), "--trace"});
+    // Private copies: backward gathers again (the host-shared image's reuse: below).
+    auto run = train_sharded(
+        2, s, {"--prefetch", std::to_string(prefetch), "--trace", "--private-unsharded"});
     ASSERT_EQ(run.traces.size(), 2u);
     for (const auto& trace : run.traces) {
       ASSERT_EQ(trace.size(), 1u);
@@ -234,6 +244,29 @@ TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
       }
       for (int k = 1; k < blocks; ++k) check(k, k + 1, "forward", 0);
       for (int k = blocks; k > 1; --k) check(k, k - 1, "backward", 1);
+    }
+  }
+  // With the host-shared image, each block is gathered once, in forward; its backward reads the
+  // same rows again, taken up (by prefetch) before the backward of the block after it begins.
+  auto shared = train_sharded(2, s, {"--trace"});
+  ASSERT_EQ(shared.traces.size(), 2u);
+  for (const auto& trace : shared.traces) {
+    ASSERT_EQ(trace.size(), 1u);
+    const auto& events = trace[0];
+    for (int k = 1; k <= blocks; ++k) {
+      int issued = 0, reused = 0;
+      for (const auto& e : events) {
+        if (e["unit"] != k) continue;
+        issued += e["event"] == "gather_issued";
+        reused += e["event"] == "gather_reused";
+      }
+      EXPECT_EQ(issued, 1) << "block " << k << ": " << events.dump();
+      EXPECT_EQ(reused, 1) << "block " << k << ": " << events.dump();
+      EXPECT_LT(position(events, "gather_reused", k), position(events, "backward_begin", k));
+      if (k < blocks) {
+        EXPECT_LT(position(events, "gather_reused", k), position(events, "backward_begin", k + 1))
+            << events.dump();
+      }
     }
   }
 }
@@ -273,19 +306,116 @@ TEST(FSDP, Bf16GathersComputesAndReducesInBf16AtHalfTheBytes) {
         // The root and the blocks, each forward and backward once.
         EXPECT_EQ(computes["forward_begin"], s.layers + 1) << "step " << step;
         EXPECT_EQ(computes["backward_begin"], s.layers + 1) << "step " << step;
-        EXPECT_EQ(gathered, traffic.gather_fp32 * element_bytes / 4) << "step " << step;
+        EXPECT_EQ(gathered, traffic.gather_fp32_shared * element_bytes / 4) << "step " << step;
         EXPECT_EQ(reduced, traffic.reduce * element_bytes / 4) << "step " << step;
       }
     }
     // Everything the step sent: the gathers and the reduce-scatter.
     ASSERT_EQ(run.bytes.size(), static_cast<size_t>(s.steps));
     for (size_t i = 0; i < run.bytes.size(); ++i) {
-      EXPECT_EQ(run.bytes[i], (traffic.gather_fp32 + traffic.reduce) * element_bytes / 4)
+      EXPECT_EQ(run.bytes[i], (traffic.gather_fp32_shared + traffic.reduce) * element_bytes / 4)
           << "step " << i;
     }
     sent_per_step[dtype] = run.bytes.empty() ? 0 : run.bytes.front();
   }
   EXPECT_EQ(2 * sent_per_step["bf16"], sent_per_step["fp32"]);
+}
+
+// Two runs trained to the very same bits: every param and every loss.
+void expect_same_training(const shardrl::testing::Run& a, const shardrl::testing::Run& b) {
+  ASSERT_FALSE(a.params.empty());
+  ASSERT_EQ(a.params.size(), b.params.size());
+  for (const auto& [name, p] : a.params) {
+    ASSERT_TRUE(b.params.count(name)) << name;
+    EXPECT_TRUE(torch::equal(p, b.params.at(name))) << name;
+  }
+  EXPECT_EQ(a.losses, b.losses);
+}
+
+// Ranks of one host share one /dev/shm image of each unit's unsharded params (host_shared_params,
+// the default with shared memory): each rank writes only its rows and reads its peers' where they
+// are. That trains to the same bits, with the same bytes counted, as private copies filled by the
+// segmented all-gather and as Gloo's packed all-gather, in fp32 and bf16, resharding after forward
+// or not; and every unit (the root and each block) really maps an image.
+TEST(FSDP, HostSharedParamsTrainAsPrivateCopiesDo) {
+  Scenario s = base_scenario();
+  s.steps = 2;
+  const std::map<std::string, std::string> gloo = {{"SHARDRL_SHM_DISABLE", "1"}};
+  const auto traffic = two_rank_traffic(s);
+  // Per step: the forward's gathers, backward's where it gathers again, the reduce-scatter.
+  auto expect_bytes = [&](const shardrl::testing::Run& run, double gathers, double element) {
+    ASSERT_EQ(run.bytes.size(), static_cast<size_t>(s.steps));
+    for (double sent : run.bytes) EXPECT_EQ(sent, (gathers + traffic.reduce) * element / 4);
+  };
+  auto images = [](const shardrl::testing::Run& run) {
+    std::vector<int> per_rank;
+    for (const auto& m : run.memory) per_rank.push_back(m.value("host_images", -1));
+    return per_rank;
+  };
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    for (const bool keep_unsharded : {false, true}) {
+      SCOPED_TRACE(dtype + (keep_unsharded ? ", reshard_after_forward=false" : ""));
+      std::vector<std::string> args = {"--param-dtype", dtype};
+      if (keep_unsharded) args.push_back("--keep-unsharded");
+      auto shared = train_sharded(2, s, args);
+      auto own_args = args;
+      own_args.push_back("--private-unsharded");
+      auto own = train_sharded(2, s, own_args);
+      expect_same_training(shared, own);
+      EXPECT_EQ(images(shared), std::vector<int>(2, s.layers + 1));
+      EXPECT_EQ(images(own), std::vector<int>(2, 0));
+      const double element = dtype == "bf16" ? 2 : 4;
+      // Backward reads the image's rows again, or the params were never resharded: one gather.
+      expect_bytes(shared, traffic.gather_fp32_shared, element);
+      expect_bytes(own, keep_unsharded ? traffic.gather_fp32_shared : traffic.gather_fp32, element);
+      if (keep_unsharded) continue;
+      auto on_gloo = train_sharded(2, s, args, gloo);
+      expect_same_training(shared, on_gloo);
+      expect_bytes(on_gloo, traffic.gather_fp32, element);
+      EXPECT_EQ(images(on_gloo), std::vector<int>(2, 0));
+    }
+  }
+  // HSDP on 2 x 2: each shard group shares images of its own.
+  auto hybrid = train_sharded(4, s, {"--fsdp-size", "2"});
+  expect_same_training(hybrid, train_sharded(4, s, {"--fsdp-size", "2", "--private-unsharded"}));
+  EXPECT_EQ(images(hybrid), std::vector<int>(4, s.layers + 1));
+}
+
+// A /dev/shm that holds the transport's segment but not the images (a tmpfs of the segment's
+// 1026 pages for 2 ranks plus one, less than any image's two, mounted in a mount namespace of the
+// job's own; Docker's default is 64 MB): FSDP says why once and gathers into private copies, and
+// trains exactly as with them.
+TEST(FSDP, HostSharedParamsFallBackWhereDevShmIsTooSmall) {
+  SHARDRL_REQUIRE_DEPENDENCY(geteuid() == 0 && run_process({"unshare", "-m", "true"}).exit_code == 0
+                                 ? ""
+                                 : "root and unshare (util-linux) for a mount namespace");
+  Scenario s = base_scenario();
+  s.steps = 2;
+  const std::string dir = make_temp_dir("fsdp_small_shm");
+  std::string job = "mount -t tmpfs -o size=" + std::to_string((1026 + 1) * 4096) +
+                    " tmpfs /dev/shm && exec " + bin("shardrl") + " launch -n 2 --threads 1 -- " +
+                    bin("dist_worker") + " train --out " + dir;
+  for (const auto& arg : scenario_args(s)) job += " " + arg;
+  auto result =
+      run_process({"unshare", "-m", "--propagation", "private", "sh", "-c", job}, {}, 300);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("FSDP: each rank holds unsharded params of its own"),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("no host-shared image (rank 0: reserving"), std::string::npos)
+      << result.output;
+  for (int r = 0; r < 2; ++r) {
+    auto memory =
+        nlohmann::json::parse(std::ifstream(dir + "/memory_" + std::to_string(r) + ".json"));
+    EXPECT_EQ(memory.value("host_images", -1), 0) << memory.dump();
+  }
+  const auto fallen_back = read_params(dir);
+  const auto own = train_sharded(2, s, {"--private-unsharded"});
+  ASSERT_EQ(fallen_back.size(), own.params.size());
+  for (const auto& [name, p] : own.params) {
+    ASSERT_TRUE(fallen_back.count(name)) << name;
+    EXPECT_TRUE(torch::equal(p, fallen_back.at(name))) << name;
+  }
 }
 
 // bf16 grads travel as bf16 and sum in fp32 (reduce_dtype) on shared memory (each grad read where
@@ -300,26 +430,24 @@ TEST(FSDP, Bf16GradsSumInFp32OnEveryTransport) {
   s.steps = 2;
   const auto traffic = two_rank_traffic(s);
   const std::vector<std::string> bf16 = {"--param-dtype", "bf16", "--reduce-dtype", "fp32"};
-  auto expect_same_training = [](const shardrl::testing::Run& shm,
-                                 const shardrl::testing::Run& gloo) {
-    ASSERT_FALSE(shm.params.empty());
-    ASSERT_EQ(shm.params.size(), gloo.params.size());
-    for (const auto& [name, p] : shm.params) {
-      ASSERT_TRUE(gloo.params.count(name)) << name;
-      EXPECT_TRUE(torch::equal(p, gloo.params.at(name))) << name;
-    }
-    EXPECT_EQ(shm.losses, gloo.losses);
+  auto expect_same_training_and_bytes = [](const shardrl::testing::Run& shm,
+                                           const shardrl::testing::Run& gloo) {
+    expect_same_training(shm, gloo);
     EXPECT_EQ(shm.bytes, gloo.bytes);
   };
   const std::map<std::string, std::string> gloo = {{"SHARDRL_SHM_DISABLE", "1"}};
   auto on_gloo = train_sharded(2, s, bf16, gloo);
-  expect_same_training(train_sharded(2, s, bf16), on_gloo);
+  // Shared memory with private unsharded params gathers what Gloo does, so all the bytes compare
+  // (the host-shared image's are in HostSharedParamsTrainAsPrivateCopiesDo).
+  std::vector<std::string> bf16_private = bf16;
+  bf16_private.push_back("--private-unsharded");
+  expect_same_training_and_bytes(train_sharded(2, s, bf16_private), on_gloo);
   for (double sent : on_gloo.bytes) EXPECT_EQ(sent, (traffic.gather_fp32 + traffic.reduce) / 2);
   // HSDP on 2 x 2: the shard group's sums, then the replicate group's all-reduce of them. Shared
   // memory takes the 1/4 in its sum, Gloo after the all-reduce: both exact.
-  std::vector<std::string> hybrid = bf16;
+  std::vector<std::string> hybrid = bf16_private;
   hybrid.insert(hybrid.end(), {"--fsdp-size", "2"});
-  expect_same_training(train_sharded(4, s, hybrid), train_sharded(4, s, hybrid, gloo));
+  expect_same_training_and_bytes(train_sharded(4, s, hybrid), train_sharded(4, s, hybrid, gloo));
 
   s.micro = 3;
   for (const bool use_shm : {true, false}) {

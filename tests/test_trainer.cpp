@@ -46,6 +46,11 @@ TEST(TrainerConfig, FileThenOverridesWithTypesKept) {
   EXPECT_DOUBLE_EQ(engine.optim.beta1, 0.8);
   EXPECT_EQ(engine.micro_batch_size_per_gpu, 2);
   EXPECT_EQ(engine.optim.schedule.total_training_steps, 4);
+  EXPECT_TRUE(engine.fsdp.host_shared_params);
+  auto private_copies =
+      trainer::task_config(path, {"actor_rollout_ref.actor.fsdp_config.host_shared_params=false"});
+  EXPECT_FALSE(
+      trainer::engine_config(private_copies, "language_model", "actor").fsdp.host_shared_params);
   // Untouched defaults survive.
   EXPECT_EQ(trainer::get<std::string>(config, "trainer.resume_mode"), "auto");
 }
@@ -167,8 +172,11 @@ TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
       path, {"trainer.default_local_dir=" + dir + "/resumed", "trainer.total_training_steps=6"});
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  // Straight through with private unsharded params: the ranks' host-shared image (the default,
+  // above) trains to the same bits.
   auto straight = train(
-      path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6"});
+      path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6",
+             "actor_rollout_ref.actor.fsdp_config.host_shared_params=false"});
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
 
   expect_same_metrics(dir + "/resumed/metrics.jsonl", dir + "/straight/metrics.jsonl", 6,
@@ -228,8 +236,11 @@ const std::vector<Damage>& damages() {
 TEST(Trainer, DamagedCheckpointsAreNamedAndAutoResumePassesOverThem) {
   const auto dir = make_temp_dir("trainer_damaged");
   const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
+  // Straight through with private unsharded params: the ranks' host-shared image (the default,
+  // above) trains to the same bits.
   auto straight = train(
-      path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6"});
+      path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6",
+             "actor_rollout_ref.actor.fsdp_config.host_shared_params=false"});
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
   auto base = train(path, {"trainer.default_local_dir=" + dir + "/base"});
   ASSERT_EQ(base.exit_code, 0) << base.output;
@@ -309,8 +320,11 @@ TEST(Trainer, AutoResumeWithOnlyDamagedCheckpointsStopsAndTouchesNothing) {
 TEST(Trainer, RotationAfterAFallbackKeepsTheWholeCheckpoints) {
   const auto dir = make_temp_dir("trainer_rotation_fallback");
   const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
+  // Straight through with private unsharded params: the ranks' host-shared image (the default,
+  // above) trains to the same bits.
   auto straight = train(
-      path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6"});
+      path, {"trainer.default_local_dir=" + dir + "/straight", "trainer.total_training_steps=6",
+             "actor_rollout_ref.actor.fsdp_config.host_shared_params=false"});
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
   const std::string run = dir + "/run", root = run + "/checkpoints";
   auto base = train(path, {"trainer.default_local_dir=" + run});

@@ -23,6 +23,7 @@ class Work;
 namespace shardrl::dist {
 
 class Liveness;
+class HostImage;
 
 // A collective failed or timed out. The message names the op, this rank and, when it can be
 // found out, the rank that stopped answering, or the store's host:port when rank 0, which hosts
@@ -117,6 +118,19 @@ class ProcessGroup {
                                         std::vector<int64_t> segment_numels,
                                         torch::ScalarType dtype, std::vector<torch::Tensor> outputs,
                                         double scale);
+  // Where has_segment_collectives(): `bytes` of zeros that every rank of the group maps, for
+  // FSDP's unsharded params, which the ranks of a host then share (see all_gather_in_image_async).
+  // Collective. Null on every rank alike, with `why_not`, where the transport cannot
+  // (/dev/shm too small, or not shared memory).
+  std::shared_ptr<HostImage> map_host_image(size_t bytes, std::string* why_not);
+  // all_gather_segments_async for parts that live in `image`: each rank writes only its own rows,
+  // and reads its peers' where they are, so nothing is copied out. `generation` counts this
+  // rank's all-gathers into the image, this one included. The call first waits, bounded by the
+  // timeout, until every peer has resharded its last gather into the image, released with
+  // HostImage::release.
+  Pending all_gather_in_image_async(HostImage& image, uint64_t generation,
+                                    const torch::Tensor& shard, std::vector<torch::Tensor> parts,
+                                    std::vector<int64_t> segment_numels);
   void all_gather(const torch::Tensor& shard, torch::Tensor out) {
     all_gather_async(shard, out).wait();
   }

@@ -57,6 +57,14 @@ struct Options {
   bool reshard_after_forward = true;  // the root always keeps its params until after backward
   MixedPrecision mixed_precision;
   int prefetch = 1;  // units whose all-gather starts ahead of use, in forward and backward order
+  // Where the shard group's ranks share a host (the shared-memory transport), they share one image
+  // of each unit's unsharded params in /dev/shm: each rank writes only its own rows and reads its
+  // peers' where they are, with no copy-out, and no rank holds a private copy of the unit. A unit
+  // resharded after forward keeps its rows there, and its backward reads them again instead of
+  // gathering. The host holds one copy of the params in the compute dtype for the whole job; falls
+  // back to private copies where /dev/shm cannot hold it. Writing an unsharded param in place
+  // writes the rows every rank of the host reads (FSDP drops such writes at reshard either way).
+  bool host_shared_params = true;
 };
 
 // One sharded parameter as the optimizer and checkpoints see it.

@@ -163,28 +163,70 @@ bool ProcessGroup::has_segment_collectives() const {
   return impl_->shm != nullptr;
 }
 
-Pending ProcessGroup::all_gather_segments_async(const torch::Tensor& shard,
-                                                std::vector<torch::Tensor> parts,
-                                                std::vector<int64_t> segment_numels) {
-  TORCH_CHECK(impl_->shm, "all_gather_segments: process group '", name(),
-              "' has no transport that takes segments (see has_segment_collectives())");
-  TORCH_CHECK(parts.size() == segment_numels.size(), "all_gather_segments: one part per segment");
+namespace {
+
+// all_gather_segments' parts, flattened, after the checks both of its forms make.
+void check_gather_parts(const char* op, const torch::Tensor& shard,
+                        std::vector<torch::Tensor>& parts,
+                        const std::vector<int64_t>& segment_numels, int group_size) {
+  TORCH_CHECK(parts.size() == segment_numels.size(), op, ": one part per segment");
   int64_t total = 0;
   for (size_t s = 0; s < parts.size(); ++s) {
     TORCH_CHECK(parts[s].is_contiguous() && parts[s].scalar_type() == shard.scalar_type() &&
-                    parts[s].numel() <= size() * segment_numels[s],
-                "all_gather_segments: part ", s,
+                    parts[s].numel() <= group_size * segment_numels[s],
+                op, ": part ", s,
                 " must be contiguous, of the shard's dtype, and hold at most size() * its "
                 "segment's elements");
     parts[s] = parts[s].view(-1);
     total += segment_numels[s];
   }
-  TORCH_CHECK(total == shard.numel(), "all_gather_segments: the segments must cover the shard");
+  TORCH_CHECK(total == shard.numel(), op, ": the segments must cover the shard");
+}
+
+}  // namespace
+
+Pending ProcessGroup::all_gather_segments_async(const torch::Tensor& shard,
+                                                std::vector<torch::Tensor> parts,
+                                                std::vector<int64_t> segment_numels) {
+  TORCH_CHECK(impl_->shm, "all_gather_segments: process group '", name(),
+              "' has no transport that takes segments (see has_segment_collectives())");
+  check_gather_parts("all_gather_segments", shard, parts, segment_numels, size());
   bytes_sent_ += static_cast<uint64_t>(size() - 1) * nbytes(shard);
   torch::Tensor flat_in = shard.reshape(-1);
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   works.push_back(launch("all_gather", [&] {
     return impl_->shm->all_gather_segments(flat_in, std::move(parts), std::move(segment_numels));
+  }));
+  return make_pending("all_gather", std::move(works));
+}
+
+std::shared_ptr<HostImage> ProcessGroup::map_host_image(size_t bytes, std::string* why_not) {
+  if (!impl_->shm) {
+    *why_not = fmt::format("process group '{}' does not use shared memory", name());
+    return nullptr;
+  }
+  std::shared_ptr<HostImage> image;
+  launch("map_host_image", [&] {
+    image = impl_->shm->map_image(bytes, why_not);
+    return c10::intrusive_ptr<c10d::Work>();
+  });
+  return image;
+}
+
+Pending ProcessGroup::all_gather_in_image_async(HostImage& image, uint64_t generation,
+                                                const torch::Tensor& shard,
+                                                std::vector<torch::Tensor> parts,
+                                                std::vector<int64_t> segment_numels) {
+  TORCH_CHECK(impl_->shm, "all_gather_in_image: process group '", name(),
+              "' does not use shared memory");
+  check_gather_parts("all_gather_in_image", shard, parts, segment_numels, size());
+  // The same count as any all-gather: what each rank makes its peers' to read.
+  bytes_sent_ += static_cast<uint64_t>(size() - 1) * nbytes(shard);
+  torch::Tensor flat_in = shard.reshape(-1);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.push_back(launch("all_gather", [&] {
+    return impl_->shm->all_gather_in_image(image, generation, flat_in, std::move(parts),
+                                           std::move(segment_numels));
   }));
   return make_pending("all_gather", std::move(works));
 }

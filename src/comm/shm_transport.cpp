@@ -40,7 +40,7 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(50);
 // The counters grow as the square of the group; beyond this a host is better served by NCCL.
 constexpr int kMaxRanks = 64;
 
-enum class OpKind : uint32_t { kAllGather = 1, kReduceScatter = 2, kAllToAll = 3 };
+enum class OpKind : uint32_t { kAllGather = 1, kReduceScatter = 2, kAllToAll = 3, kMapImage = 4 };
 
 const char* op_name(uint32_t kind) {
   switch (static_cast<OpKind>(kind)) {
@@ -50,6 +50,8 @@ const char* op_name(uint32_t kind) {
       return "reduce_scatter";
     case OpKind::kAllToAll:
       return "all_to_all";
+    case OpKind::kMapImage:
+      return "map_image";
   }
   return "an unknown collective";
 }
@@ -210,6 +212,8 @@ struct ShmTransport::Impl {
   char* base = nullptr;
   std::vector<int> pids, pidfds;  // per group rank; pidfd -1 where pidfd_open is unavailable
 
+  std::string segment_name;   // the shm_open name of the segment, from which images take theirs
+  uint64_t images_made = 0;   // caller's thread
   uint64_t ops_issued = 0;    // caller's thread
   uint64_t pieces_done = 0;   // transport thread: pieces this rank has published
   torch::Tensor accumulator;  // scratch for sums in another dtype than their output's
@@ -355,6 +359,26 @@ struct ShmTransport::Impl {
     const size_t sub = sub_slot_bytes();
     for (int p = 0; p < size; ++p)
       if (p != rank) std::memcpy(slot + p * sub, src + p * chunk + k * sub, sub_piece(chunk, k));
+  }
+
+  // Every rank's `mine` (a short verdict), in rank order, through one round of the slots.
+  std::vector<std::string> exchange(const PieceTag& op, const std::string& mine) {
+    std::vector<std::string> all(size);
+    run_rounds(
+        op, 1,
+        [&](int64_t, char* slot) {
+          const auto n = static_cast<uint32_t>(std::min<size_t>(mine.size(), kSlotBytes - 4));
+          std::memcpy(slot, &n, sizeof n);
+          std::memcpy(slot + sizeof n, mine.data(), n);
+        },
+        [&](int64_t, const std::vector<const char*>& slots) {
+          for (int p = 0; p < size; ++p) {
+            uint32_t n = 0;
+            std::memcpy(&n, slots[p], sizeof n);
+            all[p].assign(slots[p] + sizeof n, n);
+          }
+        });
+    return all;
   }
 
   c10::intrusive_ptr<c10d::Work> enqueue(std::function<void()> run) {
@@ -567,6 +591,7 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, int rank
   // Every rank has mapped it (or given up): the name is no longer needed, and a crash can no
   // longer leak the segment.
   if (rank == 0 && !name.empty() && failure.empty()) shm_unlink(name.c_str());
+  impl->segment_name = name;
   if (!first_failure.empty()) {
     *why_not = "no shared-memory segment (" + first_failure + ")";
     return nullptr;  // Impl's destructor unmaps
@@ -699,6 +724,120 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather_segments(
             });
           }
         });
+  });
+}
+
+HostImage::~HostImage() {
+  if (base_) munmap(base_, mapped_);
+}
+
+std::atomic<uint32_t>* HostImage::released(int rank) const {
+  return reinterpret_cast<std::atomic<uint32_t>*>(base_ + kLine * static_cast<size_t>(rank));
+}
+
+void HostImage::release(uint64_t generation) {
+  released(rank_)->store(static_cast<uint32_t>(generation), std::memory_order_release);
+  futex_wake(released(rank_));
+}
+
+std::shared_ptr<HostImage> ShmTransport::map_image(size_t bytes, std::string* why_not) {
+  Impl& s = *impl_;
+  auto image = std::shared_ptr<HostImage>(new HostImage());
+  image->rank_ = s.rank;
+  image->bytes_ = bytes;
+  const size_t header = round_up(kLine * static_cast<size_t>(s.size), 4096);
+  image->mapped_ = header + round_up(std::max<size_t>(bytes, 1), 4096);
+  const std::string name = fmt::format("{}-image{}", s.segment_name, s.images_made++);
+  const PieceTag op = s.next_tag(OpKind::kMapImage, image->mapped_, c10::ScalarType::Byte);
+  auto verdict = std::make_shared<std::string>();
+  auto work = s.enqueue([&s, op, name, image, verdict] {
+    HostImage& im = *image;
+    auto map = [&](int fd) -> std::string {
+      void* p = mmap(nullptr, im.mapped_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED)
+        return fmt::format("mmap of {} bytes: {}", im.mapped_, std::strerror(errno));
+      im.base_ = static_cast<char*>(p);
+      return "";
+    };
+    // Rank 0 makes the file and reserves its pages (a full /dev/shm fails here, not as a SIGBUS
+    // later); then the others map it; then rank 0 unlinks it, so a crash cannot leak it.
+    std::string mine;
+    if (s.rank == 0) {
+      const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0) {
+        mine = fmt::format("shm_open({}): {}", name, std::strerror(errno));
+      } else {
+        const int err = ftruncate(fd, static_cast<off_t>(im.mapped_)) != 0
+                            ? errno
+                            : posix_fallocate(fd, 0, static_cast<off_t>(im.mapped_));
+        mine = err != 0 ? fmt::format("reserving {} bytes of /dev/shm: {}", im.mapped_,
+                                      std::strerror(err))
+                        : map(fd);
+        close(fd);
+        if (!mine.empty()) shm_unlink(name.c_str());
+      }
+    }
+    std::string first_failure;
+    const auto made = s.exchange(op, mine);
+    if (!made[0].empty()) {
+      first_failure = fmt::format("rank {}: {}", s.global_ranks[0], made[0]);
+    } else {
+      if (s.rank != 0) {
+        const int fd = shm_open(name.c_str(), O_RDWR, 0);
+        struct stat st {};
+        if (fd < 0) {
+          mine = fmt::format("shm_open({}): {}", name, std::strerror(errno));
+        } else if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != im.mapped_) {
+          mine = fmt::format("{} is not the size this image needs", name);
+        } else {
+          mine = map(fd);
+        }
+        if (fd >= 0) close(fd);
+      }
+      const auto mapped = s.exchange(op, mine);
+      if (s.rank == 0) shm_unlink(name.c_str());
+      for (int p = 0; p < s.size && first_failure.empty(); ++p)
+        if (!mapped[p].empty())
+          first_failure = fmt::format("rank {}: {}", s.global_ranks[p], mapped[p]);
+    }
+    if (!first_failure.empty() && im.base_) {
+      munmap(im.base_, im.mapped_);
+      im.base_ = nullptr;
+    }
+    *verdict = first_failure;
+  });
+  work->wait(s.timeout);
+  if (!verdict->empty()) {
+    *why_not = "no host-shared image (" + *verdict + ")";
+    return nullptr;
+  }
+  image->data_ = image->base_ + header;
+  return image;
+}
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather_in_image(
+    HostImage& image, uint64_t generation, const torch::Tensor& in,
+    std::vector<torch::Tensor> parts, std::vector<int64_t> segment_numels) {
+  Impl& s = *impl_;
+  const PieceTag op = s.next_tag(OpKind::kAllGather, in);
+  // This rank's own reads of the last gather are over (its caller resharded), and its peers'
+  // must be before their rows of it are overwritten. They released it when they resharded,
+  // which each does before its own next gather, so this wait ends without this rank's help.
+  image.release(generation - 1);
+  for (int p = 0; p < s.size; ++p) {
+    if (p != s.rank)
+      s.await(image.released(p), static_cast<uint32_t>(generation - 1), p,
+              "release the rows of the last all-gather into the host-shared image", op);
+  }
+  const Segments segments(std::move(parts), segment_numels, in.element_size());
+  const char* src = static_cast<const char*>(in.data_ptr());
+  segments.place(s.rank, 0, op.total_bytes, [&](char* dst, size_t from, size_t bytes) {
+    std::memcpy(dst, src + from, bytes);
+  });
+  // A round with nothing in it: every rank has written its rows once every rank has published.
+  return s.enqueue([&s, op] {
+    s.run_rounds(
+        op, 1, [](int64_t, char*) {}, [](int64_t, const std::vector<const char*>&) {});
   });
 }
 

@@ -1,6 +1,7 @@
 // The bulk collectives of ranks that share a host, through one shared-memory segment.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -9,6 +10,34 @@
 #include "compat.h"
 
 namespace shardrl::dist {
+
+// Memory that every rank of a group maps, from /dev/shm: FSDP's unsharded params, which the ranks
+// of one host then share instead of each holding, and refilling, a copy of all of them. A rank
+// writes only its own rows into it, and reads its peers' rows where they are.
+//
+// Its header holds, for each rank, the number of the last all-gather into the image whose rows
+// that rank no longer reads. A rank writes its rows of gather g only once every peer has
+// released gather g - 1 (ShmTransport::all_gather_in_image), so nobody overwrites rows a peer
+// still computes with.
+class HostImage {
+ public:
+  ~HostImage();
+  HostImage(const HostImage&) = delete;
+  HostImage& operator=(const HostImage&) = delete;
+  char* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  // This rank reads nothing that gathers up to number `generation` wrote any more.
+  void release(uint64_t generation);
+
+ private:
+  friend class ShmTransport;
+  HostImage() = default;
+  std::atomic<uint32_t>* released(int rank) const;
+  char* base_ = nullptr;  // the mapping: the header, then the data
+  char* data_ = nullptr;
+  size_t mapped_ = 0, bytes_ = 0;
+  int rank_ = 0;
+};
 
 // FSDP's all-gathers and reduce-scatters (and Ulysses' all-to-all) between ranks of one host,
 // without the network stack. On Gloo's TCP loopback the kernel copies every byte twice and Gloo's
@@ -57,6 +86,18 @@ class ShmTransport {
                                                          c10::ScalarType dtype,
                                                          std::vector<torch::Tensor> outputs,
                                                          double scale);
+  // Collective: maps `bytes` of zeros that every rank of the group shares, in a file of /dev/shm
+  // that rank 0 makes and unlinks once all have mapped it. Null on every rank alike, with
+  // `why_not`, where any rank cannot (/dev/shm too small: Docker gives 64 MB by default).
+  std::shared_ptr<HostImage> map_image(size_t bytes, std::string* why_not);
+  // all_gather_segments for parts that live in `image` (`generation`: this rank's all-gathers
+  // into the image so far, this one included, the same on every rank). Waits until every peer
+  // has released gather generation - 1, writes this rank's own rows now and returns a Work that
+  // completes once every rank has written its own: there is nothing to copy out.
+  c10::intrusive_ptr<c10d::Work> all_gather_in_image(HostImage& image, uint64_t generation,
+                                                     const torch::Tensor& in,
+                                                     std::vector<torch::Tensor> parts,
+                                                     std::vector<int64_t> segment_numels);
   // After a failure elsewhere in the group: collectives in flight give up within one wait slice
   // and later ones fail at once, so nothing waits on a group that is being abandoned.
   void abort(const std::string& why);

@@ -1,5 +1,7 @@
 #include "fsdp/collectives.h"
 
+#include "comm/shm_transport.h"
+
 #include <algorithm>
 
 namespace shardrl::fsdp {
@@ -17,6 +19,21 @@ dist::Pending all_gather_into_params(dist::ProcessGroup& group, const torch::Ten
     shard_numels.push_back(slot.shard_numel());
   }
   return group.all_gather_segments_async(input, std::move(parts), std::move(shard_numels));
+}
+
+dist::Pending all_gather_into_image(dist::ProcessGroup& group,
+                                    const std::shared_ptr<dist::HostImage>& image,
+                                    uint64_t generation, const torch::Tensor& input,
+                                    std::vector<ParamSlot>& params,
+                                    const std::vector<int64_t>& offsets) {
+  std::vector<torch::Tensor> parts;
+  std::vector<int64_t> shard_numels;
+  for (size_t k = 0; k < params.size(); ++k) {
+    parts.push_back(params[k].gather_destination_at(image->data() + offsets[k], image));
+    shard_numels.push_back(params[k].shard_numel());
+  }
+  return group.all_gather_in_image_async(*image, generation, input, std::move(parts),
+                                         std::move(shard_numels));
 }
 
 void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& output,

@@ -20,6 +20,16 @@ torch::Tensor all_gather_input(const torch::Tensor& flat_shard, torch::ScalarTyp
 dist::Pending all_gather_into_params(dist::ProcessGroup& group, const torch::Tensor& input,
                                      std::vector<ParamSlot>& params);
 
+// The same where the host's ranks share one image of the unit's unsharded params: each param's
+// storage is its place in `image` (at `offsets`, in bytes), each rank writes only its own rows
+// and reads its peers' where they are. `generation`: this unit's gathers into the image so far,
+// this one included.
+dist::Pending all_gather_into_image(dist::ProcessGroup& group,
+                                    const std::shared_ptr<dist::HostImage>& image,
+                                    uint64_t generation, const torch::Tensor& input,
+                                    std::vector<ParamSlot>& params,
+                                    const std::vector<int64_t>& offsets);
+
 // All-gather copy-out: `output` holds every rank's flat shard, rank-major; each param gets its
 // rows back.
 void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& output,

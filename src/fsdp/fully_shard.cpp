@@ -248,6 +248,7 @@ std::vector<torch::Tensor> post_forward(UnitState& unit, std::vector<torch::Tens
   if (torch::GradMode::is_enabled()) {
     for (const auto& t : outputs) needs_backward |= t.defined() && t.requires_grad();
   }
+  unit.backward_expected = needs_backward;
   if (needs_backward) outputs = wrap_requiring_grad(std::move(outputs), unit, apply_pre_backward);
   if (unit.is_root) {
     if (auto dtype = unit.options.mixed_precision.output_dtype) {
@@ -261,7 +262,7 @@ std::vector<torch::Tensor> post_forward(UnitState& unit, std::vector<torch::Tens
       for (auto* u : unit.root->units) u->reshard();
     }
   } else if (!needs_backward || unit.options.reshard_after_forward) {
-    unit.reshard();
+    unit.reshard(/*for_backward=*/needs_backward);
   }
   return outputs;
 }

@@ -52,6 +52,21 @@ torch::Tensor ParamSlot::gather_destination() {
   return unsharded_.variable_data().view(-1);
 }
 
+torch::Tensor ParamSlot::gather_destination_at(char* where, std::shared_ptr<void> owner) {
+  auto* keep = new std::shared_ptr<void>(std::move(owner));
+  compat::set_storage(
+      unsharded_,
+      at::DataPtr(
+          where, keep, [](void* ctx) { delete static_cast<std::shared_ptr<void>*>(ctx); },
+          unsharded_.device()),
+      static_cast<size_t>(unsharded_bytes()));
+  return unsharded_.variable_data().view(-1);
+}
+
+int64_t ParamSlot::unsharded_bytes() const {
+  return unsharded_.numel() * static_cast<int64_t>(unsharded_.element_size());
+}
+
 void ParamSlot::copy_out(const torch::Tensor& gathered_by_rank) {
   torch::Tensor dst = gather_destination().view({rows_, row_numel_});
   for (int r = 0; r < group_size_; ++r) {

@@ -35,6 +35,10 @@ class ParamSlot {
   // The unsharded param's storage, reallocated, as a flat tensor for an all-gather to fill in
   // place: rank r's shard belongs at r * shard_numel(), cut at numel() (the rest is padding rows).
   torch::Tensor gather_destination();
+  // gather_destination() in memory the caller provides (a host-shared image of the unsharded
+  // params), which `owner` keeps mapped while the storage points there.
+  torch::Tensor gather_destination_at(char* where, std::shared_ptr<void> owner);
+  int64_t unsharded_bytes() const;  // in the compute dtype
   // Under no_sync: moves the param's .grad into the sum kept across micro-batches, in
   // reduce_dtype when that is wider than the grad's dtype (FSDP2 accumulates in reduce_dtype:
   // bf16 sums of many micro-batches lose the low bits fp32 keeps). Otherwise the grad stays,

@@ -60,6 +60,8 @@ const char* name(Event event) {
       return "gather_issued";
     case Event::kGatherWaited:
       return "gather_waited";
+    case Event::kGatherReused:
+      return "gather_reused";
     case Event::kForwardBegin:
       return "forward_begin";
     case Event::kForwardEnd:

@@ -19,8 +19,11 @@ class UnitState;
 namespace shardrl::fsdp::trace {
 
 enum class Event {
-  kGatherIssued,   // the unit's all-gather was started (by prefetch or by its own forward)
-  kGatherWaited,   // its output arrived and was copied into the params
+  kGatherIssued,  // the unit's all-gather was started (by prefetch or by its own forward)
+  kGatherWaited,  // its output arrived and was copied into the params
+  // Its backward reads the rows its forward gathered into the host-shared image (which no rank
+  // overwrote since): no collective (Options::host_shared_params).
+  kGatherReused,
   kForwardBegin,   // the unit's own forward compute starts (params gathered, inputs cast)
   kForwardEnd,     // its forward compute has ended
   kBackwardBegin,  // its backward compute starts (params gathered again)

@@ -4,6 +4,9 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <atomic>
+
+#include "comm/shm_transport.h"
 #include "compat.h"
 #include "fsdp/trace.h"
 
@@ -53,6 +56,10 @@ void UnitState::shard_parameters(const std::vector<std::pair<std::string, torch:
 
 void UnitState::unshard() {
   if (stage != Stage::kSharded || params.empty()) return;
+  if (parked_ && root && root->backward_callback_queued) {
+    reuse_parked_gather();
+    return;
+  }
   for (const auto& slot : params) {
     // Every rank has the same flags, so every rank stops here before the collective.
     TORCH_CHECK(!slot.awaiting_load, "FSDP: parameter '", slot.name(), "' of unit ", module->name(),
@@ -67,8 +74,12 @@ void UnitState::unshard() {
   const uint64_t sent_before = group.bytes_sent();
   try {
     if (group.has_segment_collectives()) {
+      if (!image_tried_) map_host_image();
       gathering_in_place_ = true;
-      gather_pending_ = all_gather_into_params(group, input, params);
+      parked_ = false;  // the gather releases this rank's hold on the image's last rows
+      gather_pending_ = image_ ? all_gather_into_image(group, image_, ++image_gathers_, input,
+                                                       params, image_offsets_)
+                               : all_gather_into_params(group, input, params);
     } else {
       gather_output_ = torch::empty({mesh.shard_size() * flat_shard.numel()}, input.options());
       gather_pending_ = group.all_gather_async(input, gather_output_);
@@ -89,7 +100,7 @@ void UnitState::drop_gather() {
   if (gathering_in_place_) {
     // The transport writes the params' storage until it is done; only then may it be freed.
     gather_pending_.abandon();
-    for (auto& slot : params) compat::free_storage(slot.unsharded());
+    free_unsharded();
     gathering_in_place_ = false;
   }
   gather_pending_ = dist::Pending();
@@ -107,6 +118,7 @@ void UnitState::wait_for_unshard() {
   // hold another collective's data.
   check_usable();
   if (stage == Stage::kSharded) unshard();
+  if (stage == Stage::kUnsharded) return;  // a parked gather, reused
   try {
     gather_pending_.wait();
   } catch (...) {
@@ -123,7 +135,7 @@ void UnitState::wait_for_unshard() {
   trace::record(trace::Event::kGatherWaited, *this);
 }
 
-void UnitState::reshard() {
+void UnitState::reshard(bool for_backward) {
   if (stage == Stage::kUnsharding) {
     if (root && !root->failure.empty()) {
       drop_gather();  // never read; resharding must not throw (UnshardScope's destructor)
@@ -132,8 +144,41 @@ void UnitState::reshard() {
     }
   }
   if (held_unsharded) return;
-  for (auto& slot : params) compat::free_storage(slot.unsharded());
+  free_unsharded(/*keep_rows=*/for_backward && stage == Stage::kUnsharded);
   stage = Stage::kSharded;
+}
+
+void UnitState::free_unsharded(bool keep_rows) {
+  for (auto& slot : params) compat::free_storage(slot.unsharded());
+  if (!image_) return;
+  parked_ = keep_rows;
+  if (!parked_) image_->release(image_gathers_);
+}
+
+void UnitState::reuse_parked_gather() {
+  for (size_t k = 0; k < params.size(); ++k)
+    params[k].gather_destination_at(image_->data() + image_offsets_[k], image_);
+  parked_ = false;
+  stage = Stage::kUnsharded;
+  trace::record(trace::Event::kGatherReused, *this);
+}
+
+void UnitState::map_host_image() {
+  image_tried_ = true;
+  if (!options.host_shared_params || !mesh.device().is_cpu()) return;
+  int64_t bytes = 0;
+  for (const auto& slot : params) {
+    image_offsets_.push_back(bytes);
+    bytes += (slot.unsharded_bytes() + 63) / 64 * 64;  // each param on a cache line of its own
+  }
+  std::string why_not;
+  image_ = mesh.shard_group().map_host_image(static_cast<size_t>(bytes), &why_not);
+  static std::atomic<bool> said{false};  // once a process: every unit would say the same
+  if (!image_ && mesh.shard_group().rank() == 0 && !said.exchange(true)) {
+    fmt::print(stderr,
+               "FSDP: each rank holds unsharded params of its own (from unit '{}' on): {}\n", path,
+               why_not);
+  }
 }
 
 void UnitState::reduce_grads() {
@@ -226,9 +271,12 @@ void RootContext::prefetch_after_in_forward(UnitState* unit) {
 
 void RootContext::prefetch_before_in_backward(UnitState* unit) {
   auto it = std::find(forward_order.rbegin(), forward_order.rend(), unit);
-  for (int k = 0; k < root_->options.prefetch && it != forward_order.rend(); ++k) {
+  for (int k = 0; k < root_->options.prefetch && it != forward_order.rend();) {
     if (++it == forward_order.rend()) break;
+    // A unit whose outputs needed no grad (frozen embeddings under LoRA) has no backward.
+    if (!(*it)->backward_expected) continue;
     (*it)->unshard();
+    ++k;
   }
 }
 

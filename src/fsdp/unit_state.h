@@ -25,7 +25,10 @@ class UnitState {
   void unshard();
   // Waits for the all-gather (starting it if nobody prefetched it) and fills the params.
   void wait_for_unshard();
-  void reshard();
+  // `for_backward`: after a forward whose backward will come (post_forward). With the host-shared
+  // image the unit then keeps its hold on the gathered rows, and that backward reads them again
+  // instead of gathering (FSDP2 gathers again; no rank can change them in between).
+  void reshard(bool for_backward = false);
   // Reduce-scatters the unsharded grads (or keeps them under no_sync) and frees them.
   void reduce_grads();
 
@@ -53,18 +56,37 @@ class UnitState {
   std::unique_ptr<RootContext> owned_root;
   bool is_root = false;
   bool post_backward_done = false;
+  bool backward_expected = false;  // its last forward's outputs needed grad: a backward will come
   std::shared_ptr<ShardResidency> residency;  // null: every shard is always resident
   bool held_unsharded = false;  // FSDPModule::unshard(): reshard() keeps the params until released
 
  private:
   // Forgets an all-gather that will never be read: the unit is sharded, its params unfilled.
   void drop_gather();
+  // The params' storage freed; unless `keep_rows`, this rank no longer reads the host-shared
+  // image's last gather.
+  void free_unsharded(bool keep_rows = false);
+  // Backward of a unit parked by reshard(true): its params point at the image's rows again.
+  void reuse_parked_gather();
+  // Collective, at the unit's first gather: maps the host-shared image where the options and the
+  // transport allow it.
+  void map_host_image();
   torch::Tensor gather_output_;      // rank-major; undefined when gathering into the params
   bool gathering_in_place_ = false;  // the pending gather writes the params' own storage
   // A no_sync backward ran since the last reduce-scatter: the params' kept sums (in a wider
   // reduce_dtype) go on the wire as they are. The same on every rank, whichever grads it had.
   bool kept_grads_since_reduce_ = false;
   dist::Pending gather_pending_;
+  // Where the host's ranks share one image of the unsharded params (Options::host_shared_params):
+  // each param's place in it (bytes) and this unit's gathers into it so far. Null: each rank
+  // gathers into storage of its own.
+  std::shared_ptr<dist::HostImage> image_;
+  std::vector<int64_t> image_offsets_;
+  uint64_t image_gathers_ = 0;
+  bool image_tried_ = false;
+  // Resharded after a forward, still holding the image's rows for its backward: the peers do not
+  // overwrite them until this rank releases them.
+  bool parked_ = false;
 };
 
 // Per-model schedule: the units in order, the pending reduce-scatters and the end-of-backward work.

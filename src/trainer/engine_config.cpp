@@ -29,6 +29,7 @@ json engine_defaults() {
                {"offload_dir", ""},
                {"reshard_after_forward", true},
                {"forward_prefetch", 1},
+               {"host_shared_params", true},
                {"mixed_precision", {{"param_dtype", "fp32"}, {"reduce_dtype", "fp32"}}}};
   json role = {{"optim", optim}, {"fsdp_config", fsdp}, {"ppo_micro_batch_size_per_gpu", 0}};
   json model = {{"family", nullptr},
@@ -113,6 +114,7 @@ engine::EngineConfig engine_config(const json& config, const std::string& model_
   c.ulysses_sequence_parallel_size = ulysses_sequence_parallel_size(config, role);
   c.fsdp.reshard_after_forward = get<bool>(config, f + ".reshard_after_forward");
   c.fsdp.prefetch = get<int>(config, f + ".forward_prefetch");
+  c.fsdp.host_shared_params = get<bool>(config, f + ".host_shared_params");
   c.offload.param_offload = get<bool>(config, f + ".param_offload");
   c.offload.optimizer_offload = get<bool>(config, f + ".optimizer_offload");
   c.offload.tier =

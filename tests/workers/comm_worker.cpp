@@ -9,6 +9,11 @@
 //             report the error they get and how long it took.
 //   stall     --exit-rank sleeps through the second all-gather for --stall-ms, then leaves.
 //   mismatch  rank 0 all-gathers twice the elements the others do.
+//   image     (shared memory) FSDP's host-shared image: each rank writes its rows of a gather
+//             into memory every rank maps, and every rank reads all rows there. Rank 1 holds the
+//             first gather for --stall-ms while rank 0 starts the second: rank 0 must wait, and
+//             rank 1 must see the first gather's rows all along. An image larger than /dev/shm
+//             can hold is refused on every rank, and the group goes on.
 // --no-shm-rank R sets SHARDRL_SHM_DISABLE=1 on rank R alone.
 // Each rank writes OUT/rank<R>.json: the group's bulk transport, the cases run, every mismatch
 // found, and the error (message and seconds) of the failing modes.
@@ -20,6 +25,7 @@
 #include <fstream>
 #include <thread>
 
+#include "comm/shm_transport.h"
 #include "shardrl/dist.h"
 
 using namespace shardrl;
@@ -218,6 +224,78 @@ json check(dist::ProcessGroup& group) {
   return {{"cases", cases}, {"failures", failures}};
 }
 
+json image_check(dist::ProcessGroup& group, int hold_ms) {
+  json failures = json::array();
+  int cases = 0;
+  const int r = group.rank(), w = group.size();
+  // Segments as FSDP's params are: rows past the param's end (the last ranks' padding) are cut.
+  const std::vector<int64_t> lengths = {5, 300000, 131073};
+  const std::vector<int64_t> cut = {0, 7, 131070};
+  std::vector<int64_t> offsets;
+  int64_t total = 0, bytes = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    offsets.push_back(bytes);
+    bytes += (w * lengths[i] - cut[i]) * 4;
+    total += lengths[i];
+  }
+  std::string why;
+  auto image = group.map_host_image(static_cast<size_t>(bytes), &why);
+  if (!image) return {{"failures", {{{"op", "map_host_image"}, {"why", why}}}}};
+  std::vector<torch::Tensor> parts;
+  for (size_t i = 0; i < lengths.size(); ++i)
+    parts.push_back(torch::from_blob(image->data() + offsets[i], {w * lengths[i] - cut[i]}));
+  auto expected = [&](size_t i, int64_t base) {
+    std::vector<int64_t> e;
+    int64_t at = base;
+    for (size_t k = 0; k < i; ++k) at += lengths[k];
+    for (int q = 0; q < w; ++q)
+      for (int64_t j = 0; j < lengths[i]; ++j) e.push_back(value(q, at + j));
+    e.resize(e.size() - cut[i]);
+    return e;
+  };
+  auto check_all = [&](const std::string& what, int64_t base) {
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      ++cases;
+      if (auto mismatch = compare(parts[i], expected(i, base)); !mismatch.empty())
+        failures.push_back({{"op", what}, {"segment", i}, {"why", mismatch}});
+    }
+  };
+  json result;
+  for (uint64_t generation = 1; generation <= 2; ++generation) {
+    const int64_t base = generation == 1 ? 0 : 1000;  // the second gather's values differ
+    if (generation == 2 && r == 1) {
+      // Still computing with the first gather: its rows must not change under this rank.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(hold_ms);
+      do {
+        check_all("first gather, read while a peer starts the second", 0);
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      } while (std::chrono::steady_clock::now() < until);
+    }
+    auto shard = make(r, total, torch::kFloat, base);
+    const auto start = std::chrono::steady_clock::now();
+    auto pending = group.all_gather_in_image_async(*image, generation, shard, parts, lengths);
+    result["issue_seconds_" + std::to_string(generation)] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    shard.fill_(-7);  // written once the call returns: the rows are in the image already
+    pending.wait();
+    check_all("all_gather_in_image #" + std::to_string(generation), base);
+    // Not released here: the next gather releases this rank's hold (rank 1 holds until then).
+  }
+  // More than /dev/shm holds: refused on every rank alike, and the group goes on.
+  std::string too_big;
+  result["too_big_mapped"] = group.map_host_image(size_t{1} << 50, &too_big) != nullptr;
+  result["too_big_why"] = too_big;
+  auto one = torch::full({3}, static_cast<float>(r));
+  auto all = torch::empty({3 * w});
+  group.all_gather(one, all);
+  ++cases;
+  if (all[3 * (w - 1)].item<float>() != static_cast<float>(w - 1))
+    failures.push_back({{"op", "all_gather after a refused image"}});
+  result["cases"] = cases;
+  result["failures"] = failures;
+  return result;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -242,6 +320,8 @@ int main(int argc, char** argv) {
   json result = {{"transport", group.bulk_transport()}};
   if (mode == "check") {
     result.update(check(group));
+  } else if (mode == "image") {
+    result.update(image_check(group, stall_ms));
   } else {
     const int r = group.rank(), w = group.size();
     const int64_t n = 300000;  // several sub-slots: the failure comes mid-collective for some

@@ -30,10 +30,21 @@ struct OffloadArgs {
   }
 };
 
+// The host-shared images of unsharded params this process maps (Options::host_shared_params):
+// their /dev/shm files are unlinked once mapped, but /proc/self/maps still names them.
+int host_images_mapped() {
+  std::ifstream maps("/proc/self/maps");
+  int images = 0;
+  for (std::string line; std::getline(maps, line);)
+    images +=
+        line.find("/shardrl-") != std::string::npos && line.find("-image") != std::string::npos;
+  return images;
+}
+
 int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
           const std::string& param_dtype, const std::string& reduce_dtype, bool no_sync,
           int die_rank, int die_step, int hang_rank, int timeout_ms, bool reshard_after_forward,
-          int prefetch, bool trace, const OffloadArgs& offloading) {
+          int prefetch, bool trace, const OffloadArgs& offloading, bool private_unsharded) {
   dist::InitOptions init;
   init.timeout = std::chrono::milliseconds(timeout_ms);
   auto world = dist::World::init_from_env(init);
@@ -47,6 +58,7 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
   options.mixed_precision.output_dtype = torch::kFloat;
   options.reshard_after_forward = reshard_after_forward;
   options.prefetch = prefetch;
+  options.host_shared_params = !private_unsharded;
 
   auto model = testing::build_model(s);
   const int64_t vocab = model->config().vocab_size;
@@ -121,7 +133,8 @@ int train(const testing::Scenario& s, const std::string& out, int fsdp_size,
                            {"unsharded_param_bytes", mem.unsharded_param_bytes},
                            {"unsharded_grad_bytes", mem.unsharded_grad_bytes},
                            {"optimizer_bytes", optim::optimizer_state_bytes(*optimizer)},
-                           {"offloaded", offloaded}};
+                           {"offloaded", offloaded},
+                           {"host_images", host_images_mapped()}};
   auto full = fsdp_model.full_parameters();
   if (world->rank() == 0) {
     testing::write_params(full, out);
@@ -146,7 +159,7 @@ int main(int argc, char** argv) {
   std::string out = ".", param_dtype = "fp32", reduce_dtype = "fp32";
   int fsdp_size = -1, die_rank = -1, die_step = -1, hang_rank = -1, timeout_ms = 60000,
       prefetch = 1;
-  bool no_sync = false, keep_unsharded = false, trace = false;
+  bool no_sync = false, keep_unsharded = false, trace = false, private_unsharded = false;
   OffloadArgs offloading;
   auto* train_cmd = app.add_subcommand("train", "FSDP training of the test transformer");
   train_cmd->add_option("--steps", s.steps);
@@ -176,11 +189,14 @@ int main(int argc, char** argv) {
   train_cmd->add_flag("--optimizer-offload", offloading.policy.optimizer_offload);
   train_cmd->add_option("--offload-dir", offloading.policy.dir);
   train_cmd->add_option("--offload-round-trip-step", offloading.round_trip_step);
+  train_cmd->add_flag("--private-unsharded", private_unsharded,
+                      "host_shared_params = false: each rank gathers into its own memory");
   app.require_subcommand(1);
   CLI11_PARSE(app, argc, argv);
   try {
     return train(s, out, fsdp_size, param_dtype, reduce_dtype, no_sync, die_rank, die_step,
-                 hang_rank, timeout_ms, !keep_unsharded, prefetch, trace, offloading);
+                 hang_rank, timeout_ms, !keep_unsharded, prefetch, trace, offloading,
+                 private_unsharded);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;
