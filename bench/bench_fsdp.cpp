@@ -44,6 +44,7 @@ struct Args {
   std::string mode = "fsdp", json_out;
   bool reshard_root = false;
   bool reshard_after_forward = true;
+  bool host_shared_params = true;
   int prefetch = 1;
   std::string param_dtype = "fp32";
   // --mode lora (LLaMA decoder): d_model, layers, heads, vocab, seq and batch as above, plus
@@ -205,6 +206,7 @@ fsdp::Options fsdp_options(const Args& a) {
   fsdp::Options options;
   options.reshard_after_forward = a.reshard_after_forward;
   options.prefetch = a.prefetch;
+  options.host_shared_params = a.host_shared_params;
   options.mixed_precision.param_dtype = fsdp::parse_dtype(a.param_dtype, "--param-dtype");
   options.mixed_precision.output_dtype = torch::kFloat;
   return options;
@@ -301,7 +303,14 @@ int run_fsdp(const Args& a) {
   const int64_t P = config.parameter_count(), P_root = root_param_count(config);
   const double theory_3p = 3.0 * P * scale;
   const int root_gathers = a.reshard_root ? 2 : 1;
-  const double theory_schedule = (root_gathers * P_root + 2.0 * (P - P_root) + P) * scale;
+  // Backward gathers a block again after forward resharded it, unless the host's ranks share an
+  // image of the unsharded params and read the forward's rows there (--reshard-root's reshard
+  // between forward and backward lets go of them).
+  const bool backward_reads_image =
+      a.host_shared_params && mesh.shard_group().has_segment_collectives() && !a.reshard_root;
+  const int block_gathers = a.reshard_after_forward && !backward_reads_image ? 2 : 1;
+  const double theory_schedule =
+      (root_gathers * P_root + block_gathers * static_cast<double>(P - P_root) + P) * scale;
   // What the transport must count for this exact layout: shards are padded to ceil(rows / N) rows
   // and each reduce-scatter carries one "had a grad" flag per parameter. The gathers carry the
   // compute dtype, and so does the reduce-scatter where the transport sums bf16 in fp32 (shared
@@ -313,7 +322,8 @@ int run_fsdp(const Args& a) {
   for (const auto& p : shards) {
     const bool in_root = p.name.rfind("blocks.", 0) != 0;
     const double shard = static_cast<double>(p.shard.numel());
-    exact += ((in_root ? root_gathers : 2) * shard * gather_bytes + (shard + 1) * reduce_bytes);
+    exact += ((in_root ? root_gathers : block_gathers) * shard * gather_bytes +
+              (shard + 1) * reduce_bytes);
   }
   exact *= N - 1;
   auto ratio = [](double x, double y) { return y > 0 ? json(x / y) : json(nullptr); };
@@ -338,6 +348,7 @@ int run_fsdp(const Args& a) {
             {"device_memory", memory},
             {"param_dtype", a.param_dtype},
             {"reshard_after_forward", a.reshard_after_forward},
+            {"host_shared_params", a.host_shared_params},
             {"model", model_json(config)},
             {"batch_global", a.batch},
             {"batch_per_rank", local},
@@ -594,6 +605,8 @@ int main(int argc, char** argv) {
   app.add_option("--param-dtype", a.param_dtype, "fsdp: mixed_precision.param_dtype");
   app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", a.reshard_after_forward,
                "fsdp: free block params after forward (default) or keep them until backward");
+  app.add_flag("--host-shared-params,!--no-host-shared-params", a.host_shared_params,
+               "fsdp: ranks of a host share one image of the unsharded params (default)");
   app.add_flag("--reshard-root,!--no-reshard-root", a.reshard_root,
                "fsdp: free the root's parameters after forward so backward gathers them again");
   app.add_option("--kv-heads", a.kv_heads, "lora: key/value heads")->check(CLI::PositiveNumber);

@@ -4,6 +4,8 @@
 #
 #   a)  ShardRL FSDP, 2 ranks x 1 thread, global batch B (fp32); FSDP's bytes go through shared
 #       memory, ShardRL's transport for ranks of one host
+#   a5) a with --no-host-shared-params: each rank gathers into unsharded params of its own, and
+#       backward gathers the blocks again (ShardRL before the host-shared image)
 #   a4) a with SHARDRL_SHM_DISABLE=1: the same bytes through Gloo's TCP loopback, the transport
 #       between hosts
 #   b)  ShardRL, 1 process x 1 thread, batch B/2 (one rank's share, no communication)
@@ -15,7 +17,7 @@
 #   a3) / f2) ShardRL and FSDP2 with bf16 params and fp32 reduce (fewer steps: this CPU has no
 #       bf16 arithmetic, a step takes ~25x the fp32 one)
 #
-# a, a4, b, b2, d, f, a2 and f3 run interleaved, BENCH_ROUNDS times; the summary takes the median over rounds of
+# a, a5, a4, b, b2, d, f, a2 and f3 run interleaved, BENCH_ROUNDS times; the summary takes the median over rounds of
 # each run's median step. Timings need a quiet machine: every run shares the same 2 cores.
 #
 # Sizes and steps can be overridden for a quick smoke run, e.g.
@@ -78,6 +80,9 @@ for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round: a) ShardRL FSDP 2x1"
   "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
     --json-out "$OUT/a_fsdp_2x1.r$round.json"
+  echo "== round $round: a5) ShardRL FSDP 2x1, private unsharded params"
+  "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
+    --no-host-shared-params --json-out "$OUT/a5_fsdp_2x1_private.r$round.json"
   echo "== round $round: a4) ShardRL FSDP 2x1 over Gloo's TCP loopback"
   SHARDRL_SHM_DISABLE=1 "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${TIMING[@]}" \
     --batch "$BATCH" --json-out "$OUT/a4_fsdp_2x1_gloo.r$round.json"
@@ -122,7 +127,7 @@ def load(name):
         return json.load(f)
 
 runs = {k: [load(f"{n}.r{r}") for r in range(1, rounds + 1)]
-        for k, n in [("a", "a_fsdp_2x1"), ("a4", "a4_fsdp_2x1_gloo"), ("b", "b_local_1x1_half"), ("d", "d_ddp_2x1"),
+        for k, n in [("a", "a_fsdp_2x1"), ("a5", "a5_fsdp_2x1_private"), ("a4", "a4_fsdp_2x1_gloo"), ("b", "b_local_1x1_half"), ("d", "d_ddp_2x1"),
                      ("f", "f_fsdp2_2x1"), ("a2", "a2_fsdp_2x1_no_reshard"),
                      ("f3", "f3_fsdp2_2x1_no_reshard")]}
 a3, f2 = load("a3_fsdp_2x1_bf16"), load("f2_fsdp2_2x1_bf16")
@@ -138,7 +143,7 @@ def sent(r):
     return comm.get("bytes_sent_per_step", comm.get("loopback_tx_bytes_per_rank_per_step"))
 
 print(f"\n{'run':<4} {'setup':<28} {'median s (per round)':<28} {'MB/rank/step':>12}")
-names = {"a": "ShardRL FSDP 2x1", "a4": "ShardRL 2x1 over Gloo", "b": "ShardRL local 1x1 B/2", "d": "PyTorch DDP 2x1",
+names = {"a": "ShardRL FSDP 2x1", "a5": "ShardRL 2x1 private copies", "a4": "ShardRL 2x1 over Gloo", "b": "ShardRL local 1x1 B/2", "d": "PyTorch DDP 2x1",
          "f": "PyTorch FSDP2 2x1", "a2": "ShardRL 2x1 no reshard", "f3": "FSDP2 2x1 no reshard"}
 for k, v in runs.items():
     per_round = ", ".join(f"{r['median_step_s']:.3f}" for r in v)
@@ -156,6 +161,7 @@ ratios = {
     "shardrl_over_ddp": {"value": t["a"] / t["d"], "target": "<= 1.0"},
     "cost_of_sharding_a_over_b": {"value": t["a"] / t["b"], "target": "<= 1.05"},
     "shm_over_gloo_loopback_a_over_a4": {"value": t["a"] / t["a4"], "target": None},
+    "host_shared_over_private_a_over_a5": {"value": t["a"] / t["a5"], "target": None},
     "fsdp2_cost_of_sharding_f_over_b": {"value": t["f"] / t["b"], "target": None},
     "shared_cores_b2_over_b": {"value": t["b2"] / t["b"], "target": None},
     "communication_a_over_b2": {"value": t["a"] / t["b2"], "target": None},
