@@ -1,8 +1,8 @@
 #include "fsdp/collectives.h"
 
-#include "comm/shm_transport.h"
-
 #include <algorithm>
+
+#include "comm/shm_transport.h"
 
 namespace shardrl::fsdp {
 
