@@ -744,7 +744,6 @@ std::shared_ptr<HostImage> ShmTransport::map_image(size_t bytes, std::string* wh
   Impl& s = *impl_;
   auto image = std::shared_ptr<HostImage>(new HostImage());
   image->rank_ = s.rank;
-  image->bytes_ = bytes;
   const size_t header = round_up(kLine * static_cast<size_t>(s.size), 4096);
   image->mapped_ = header + round_up(std::max<size_t>(bytes, 1), 4096);
   const std::string name = fmt::format("{}-image{}", s.segment_name, s.images_made++);

@@ -25,7 +25,6 @@ class HostImage {
   HostImage(const HostImage&) = delete;
   HostImage& operator=(const HostImage&) = delete;
   char* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
   // This rank reads nothing that gathers up to number `generation` wrote any more.
   void release(uint64_t generation);
 
@@ -35,7 +34,7 @@ class HostImage {
   std::atomic<uint32_t>* released(int rank) const;
   char* base_ = nullptr;  // the mapping: the header, then the data
   char* data_ = nullptr;
-  size_t mapped_ = 0, bytes_ = 0;
+  size_t mapped_ = 0;
   int rank_ = 0;
 };
 

@@ -26,14 +26,20 @@ dist::Pending all_gather_into_image(dist::ProcessGroup& group,
                                     uint64_t generation, const torch::Tensor& input,
                                     std::vector<ParamSlot>& params,
                                     const std::vector<int64_t>& offsets) {
-  std::vector<torch::Tensor> parts;
   std::vector<int64_t> shard_numels;
-  for (size_t k = 0; k < params.size(); ++k) {
-    parts.push_back(params[k].gather_destination_at(image->data() + offsets[k], image));
-    shard_numels.push_back(params[k].shard_numel());
-  }
-  return group.all_gather_in_image_async(*image, generation, input, std::move(parts),
+  for (const auto& slot : params) shard_numels.push_back(slot.shard_numel());
+  return group.all_gather_in_image_async(*image, generation, input,
+                                         point_params_at_image(params, image, offsets),
                                          std::move(shard_numels));
+}
+
+std::vector<torch::Tensor> point_params_at_image(std::vector<ParamSlot>& params,
+                                                 const std::shared_ptr<dist::HostImage>& image,
+                                                 const std::vector<int64_t>& offsets) {
+  std::vector<torch::Tensor> parts;
+  for (size_t k = 0; k < params.size(); ++k)
+    parts.push_back(params[k].gather_destination_at(image->data() + offsets[k], image));
+  return parts;
 }
 
 void all_gather_copy_out(std::vector<ParamSlot>& params, const torch::Tensor& output,

@@ -24,6 +24,12 @@ dist::Pending all_gather_into_params(dist::ProcessGroup& group, const torch::Ten
 // storage is its place in `image` (at `offsets`, in bytes), each rank writes only its own rows
 // and reads its peers' where they are. `generation`: this unit's gathers into the image so far,
 // this one included.
+// Points each param's storage at its place in `image` (at `offsets`, in bytes) and returns those
+// places as flat tensors: the gather's parts, or, for a backward that reads the rows its forward
+// gathered, just the params made whole again.
+std::vector<torch::Tensor> point_params_at_image(std::vector<ParamSlot>& params,
+                                                 const std::shared_ptr<dist::HostImage>& image,
+                                                 const std::vector<int64_t>& offsets);
 dist::Pending all_gather_into_image(dist::ProcessGroup& group,
                                     const std::shared_ptr<dist::HostImage>& image,
                                     uint64_t generation, const torch::Tensor& input,

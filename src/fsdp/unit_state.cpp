@@ -156,8 +156,7 @@ void UnitState::free_unsharded(bool keep_rows) {
 }
 
 void UnitState::reuse_parked_gather() {
-  for (size_t k = 0; k < params.size(); ++k)
-    params[k].gather_destination_at(image_->data() + image_offsets_[k], image_);
+  point_params_at_image(params, image_, image_offsets_);
   parked_ = false;
   stage = Stage::kUnsharded;
   trace::record(trace::Event::kGatherReused, *this);
