@@ -153,5 +153,72 @@ TEST(Comm, CollectivesOutOfStepAreNamed) {
   }
 }
 
+// The end of a job whose ranks finish apart. Rank 0 hosts the store and stays until every rank has
+// checked out: a rank left beating against a store that is gone gets LibTorch's lost-connection
+// warning, with a C++ stack trace, at the end of a job that succeeded.
+TEST(Comm, StoreHostStaysUntilEveryRankHasFinished) {
+  for (const int late : {1, 2}) {
+    auto ranks = run_comm(3, {"finish", "--exit-rank", std::to_string(late), "--stall-ms", "800"});
+    for (const auto& r : ranks) EXPECT_EQ(r.value("sum", 0.0), 3.0) << r.dump();
+  }
+  const auto dir = make_temp_dir("finish");
+  auto result = launch_workers(2, {"finish", "--exit-rank", "1", "--stall-ms", "800", "--out", dir},
+                               60, "comm_worker");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  for (const char* noise : {"frame #", "Connection was likely closed", "TCPStore"})
+    EXPECT_EQ(result.output.find(noise), std::string::npos) << noise << "\n" << result.output;
+}
+
+// A rank that died never checks out: rank 0 stops waiting for it once its heartbeat has stood
+// still for a few periods (1.5 s), not at the group's timeout (60 s).
+TEST(Comm, StoreHostDoesNotWaitForADeadRank) {
+  const auto dir = make_temp_dir("vanish");
+  auto result = launch_workers(
+      2, {"vanish", "--exit-rank", "1", "--timeout-ms", "60000", "--out", dir}, 120, "comm_worker");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_TRUE(std::ifstream(dir + "/rank0.json").good()) << result.output;
+  EXPECT_LT(result.seconds, 15.0) << result.output;
+}
+
+// Under torchrun its agent hosts the store and every rank is a client of it, as
+// torch.distributed's own ranks are: no rank tries to bind the agent's port (LibTorch would log
+// that as an error before carrying on), and nobody waits for anybody at the end. In "restart",
+// rank 1 fails after its first attempt has run and torchrun (--max-restarts 1) starts both again;
+// the agent's store still holds the first attempt's keys, and rank 0 comes a second late, so a
+// rank 1 that read them would connect to Gloo's address of a rank that is gone.
+TEST(Comm, RanksStartedByTorchrunUseItsAgentsStore) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"torch"}));
+  for (const std::string mode : {"check", "finish", "restart"}) {
+    const auto dir = make_temp_dir("torchrun");
+    const std::string worker = bin("comm_worker") + (mode == "finish" ? " finish" : " check") +
+                               " --stall-ms 800 --timeout-ms 20000 --out " + dir;
+    const std::string attempt = "[ \"$TORCHELASTIC_RESTART_COUNT\" = ";
+    const std::string script =
+        mode == "restart"
+            ? "if " + attempt + "1 ] && [ \"$RANK\" = 0 ]; then sleep 1; fi; " + worker +
+                  " && if " + attempt + "0 ] && [ \"$RANK\" = 1 ]; then rm " + dir +
+                  "/rank1.json; exit 3; fi"
+            : "exec " + worker;
+    auto result = run_process(
+        {SHARDRL_PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port",
+         std::to_string(free_port()), "--no-python", "/bin/sh", "-c", script},
+        {}, 300);
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+    if (mode == "restart") {
+      EXPECT_NE(result.output.find("exitcode: 3"), std::string::npos) << result.output;
+    }
+    for (const char* noise : {"failed to bind", "frame #", "Connection was likely closed"})
+      EXPECT_EQ(result.output.find(noise), std::string::npos) << noise << "\n" << result.output;
+    for (int r = 0; r < 2; ++r) {
+      auto rank = json::parse(std::ifstream(dir + "/rank" + std::to_string(r) + ".json"));
+      EXPECT_EQ(rank.value("transport", ""), "shm") << rank.dump();
+      if (mode == "check") {
+        EXPECT_TRUE(rank["failures"].empty()) << rank.dump(1);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace shardrl::testing

@@ -18,6 +18,8 @@ namespace shardrl::dist {
 namespace {
 
 constexpr const char* kKeyPrefix = "shardrl/";
+// The longest the store's host waits at the end for the other ranks to check out (Liveness).
+constexpr std::chrono::seconds kCheckOutGrace{5};
 
 std::optional<std::string> env(const char* name) {
   const char* v = std::getenv(name);
@@ -66,19 +68,64 @@ void ignore_sigpipe_unless_handled() {
   sigaction(SIGPIPE, &ignore, nullptr);
 }
 
+// Runs a store request on a thread of its own: nullopt when it has not answered by `deadline`
+// (the thread is abandoned; it owns what it uses). Rethrows the store's own error.
+template <typename Request>
+auto within(std::chrono::milliseconds deadline, Request request)
+    -> std::optional<decltype(request())> {
+  using Answer = decltype(request());
+  auto result = std::make_shared<std::promise<Answer>>();
+  auto answer = result->get_future();
+  std::thread([result, request = std::move(request)] {
+    try {
+      result->set_value(request());
+    } catch (...) {
+      result->set_exception(std::current_exception());
+    }
+  }).detach();
+  if (answer.wait_for(deadline) != std::future_status::ready) return std::nullopt;
+  return answer.get();
+}
+
+// The store answers in milliseconds when it is there; a second is generous even on a busy host.
+std::chrono::milliseconds probe_deadline(std::chrono::milliseconds period) {
+  return std::max<std::chrono::milliseconds>(std::chrono::seconds(1), period * 4);
+}
+
+// Under torchrun, the elastic agent hosts the store on MASTER_PORT and outlives the workers, which
+// all connect as clients (torch.distributed's env:// rendezvous does the same).
+bool torchrun_agent_hosts_store() {
+  const char* v = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  return v && std::string(v) == "True";
+}
+
+// The agent's store outlives a failed attempt, and a restarted one must not read its keys (Gloo's
+// peer addresses, the shared-memory segment's name): measured, attempt 1 then hangs or aborts.
+// Each attempt gets keys of its own, as torch.distributed's workers once did.
+c10::intrusive_ptr<c10d::Store> for_this_attempt(c10::intrusive_ptr<c10d::Store> store) {
+  if (!torchrun_agent_hosts_store()) return store;
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return c10::make_intrusive<c10d::PrefixStore>(
+      fmt::format("/worker/attempt_{}", attempt && *attempt ? attempt : "0"), std::move(store));
+}
+
+c10d::TCPStore& tcp_store_of(const c10::intrusive_ptr<c10d::Store>& store) {
+  auto* prefixed = dynamic_cast<c10d::PrefixStore*>(store.get());
+  return dynamic_cast<c10d::TCPStore&>(prefixed ? *prefixed->getUnderlyingNonPrefixStore()
+                                                : *store);
+}
+
 }  // namespace
 
 Liveness::Liveness(c10::intrusive_ptr<c10d::Store> heartbeat_store,
-                   c10::intrusive_ptr<c10d::Store> probe_store, int rank,
-                   std::chrono::milliseconds period, std::string store_address)
+                   c10::intrusive_ptr<c10d::Store> probe_store, Options options)
     : probe_store_(std::move(probe_store)),
-      rank_(rank),
-      period_(period),
-      store_address_(std::move(store_address)),
+      options_(std::move(options)),
       beat_(std::make_shared<Beat>()) {
   beat_->store = std::move(heartbeat_store);
   thread_ =
-      std::thread([beat = beat_, key = fmt::format("{}heartbeat/{}", kKeyPrefix, rank), period] {
+      std::thread([beat = beat_, key = fmt::format("{}heartbeat/{}", kKeyPrefix, options_.rank),
+                   period = options_.period] {
         std::unique_lock<std::mutex> lock(beat->mutex);
         while (!beat->stop) {
           lock.unlock();
@@ -97,12 +144,17 @@ Liveness::Liveness(c10::intrusive_ptr<c10d::Store> heartbeat_store,
 }
 
 Liveness::~Liveness() {
+  stop_beating();
+  check_out();
+}
+
+void Liveness::stop_beating() {
   std::unique_lock<std::mutex> lock(beat_->mutex);
   beat_->stop = true;
   beat_->wake.notify_all();
   // A beat blocked on a store that no longer answers would hold the exit back for minutes; the
   // thread owns what it uses, so it is left to the process's end.
-  if (beat_->wake.wait_for(lock, period_ * 4, [&] { return beat_->done; })) {
+  if (beat_->wake.wait_for(lock, options_.period * 4, [&] { return beat_->done; })) {
     lock.unlock();
     thread_.join();
   } else {
@@ -110,40 +162,69 @@ Liveness::~Liveness() {
   }
 }
 
-std::optional<std::vector<int64_t>> Liveness::read_heartbeats(const std::vector<int>& ranks) {
-  auto counts = std::make_shared<std::promise<std::vector<int64_t>>>();
-  auto answer = counts->get_future();
-  std::thread([counts, store = probe_store_, ranks] {
-    try {
-      std::vector<int64_t> values;
-      for (int r : ranks)
-        values.push_back(store->add(fmt::format("{}heartbeat/{}", kKeyPrefix, r), 0));
-      counts->set_value(std::move(values));
-    } catch (...) {
-      counts->set_exception(std::current_exception());
+std::optional<std::vector<int64_t>> Liveness::read_counters(const char* name,
+                                                            const std::vector<int>& ranks) {
+  std::vector<std::string> keys;
+  for (int r : ranks) keys.push_back(fmt::format("{}{}/{}", kKeyPrefix, name, r));
+  return within(probe_deadline(options_.period), [store = probe_store_, keys] {
+    std::vector<int64_t> values;
+    for (const auto& key : keys) values.push_back(store->add(key, 0));
+    return values;
+  });
+}
+
+void Liveness::check_out() {
+  if (options_.world_size < 2) return;
+  try {
+    const auto key = fmt::format("{}checked_out/{}", kKeyPrefix, options_.rank);
+    if (!within(probe_deadline(options_.period),
+                [store = probe_store_, key] { return store->add(key, 1); }))
+      return;  // the store does not answer: nobody is left to wait for this rank
+    if (!options_.hosts_store || failure_seen_) return;
+    std::vector<int> others;
+    for (int r = 0; r < options_.world_size; ++r)
+      if (r != options_.rank) others.push_back(r);
+    const auto deadline = std::chrono::steady_clock::now() + kCheckOutGrace;
+    std::optional<std::vector<int64_t>> beats;
+    auto beats_read_at = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() < deadline) {
+      const auto out = read_counters("checked_out", others);
+      if (!out) return;
+      if (std::all_of(out->begin(), out->end(), [](int64_t n) { return n > 0; })) return;
+      // A rank that still beats is still at work and will check out; when no rank that has not
+      // checked out has beaten for six periods, they died (or froze, or are cut off) and never
+      // will.
+      const auto now = std::chrono::steady_clock::now();
+      if (!beats || now - beats_read_at >= options_.period * 6) {
+        const auto latest = read_counters("heartbeat", others);
+        if (!latest) return;
+        bool still_beating = !beats;
+        for (size_t i = 0; beats && i < others.size(); ++i)
+          still_beating |= (*out)[i] == 0 && (*latest)[i] != (*beats)[i];
+        if (!still_beating) return;
+        beats = latest;
+        beats_read_at = now;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-  }).detach();
-  // The store answers in milliseconds when it is there; a second is generous even on a busy host.
-  if (answer.wait_for(std::max<std::chrono::milliseconds>(std::chrono::seconds(1), period_ * 4)) !=
-      std::future_status::ready) {
-    return std::nullopt;
+  } catch (const std::exception&) {
+    // The store failed under this rank: there is nothing left to wait for.
   }
-  return answer.get();  // rethrows the store's own error (connection reset or refused)
 }
 
 std::string Liveness::describe_unresponsive(const std::vector<int>& ranks) {
+  failure_seen_ = true;
   auto store_lost = [&](const std::string& why) {
     return fmt::format(
-        "the rendezvous store at {} (hosted by rank 0) {}, so rank 0 is down or the network to "
-        "it is cut",
-        store_address_, why);
+        "the rendezvous store at {} (hosted by {}) {}, so {} is down or the network to it is cut",
+        options_.store_address, options_.store_host, why, options_.store_host);
   };
   std::optional<std::vector<int64_t>> before, after;
   try {
-    before = read_heartbeats(ranks);
+    before = read_counters("heartbeat", ranks);
     if (before) {
-      std::this_thread::sleep_for(period_ * 6);
-      after = read_heartbeats(ranks);
+      std::this_thread::sleep_for(options_.period * 6);
+      after = read_counters("heartbeat", ranks);
     }
   } catch (const std::exception& e) {
     std::string why = e.what();
@@ -152,12 +233,13 @@ std::string Liveness::describe_unresponsive(const std::vector<int>& ranks) {
   if (!before || !after) return store_lost("does not answer");
   std::vector<std::string> silent;
   for (size_t i = 0; i < ranks.size(); ++i) {
-    if (ranks[i] != rank_ && (*after)[i] == (*before)[i])
+    if (ranks[i] != options_.rank && (*after)[i] == (*before)[i])
       silent.push_back(std::to_string(ranks[i]));
   }
-  // Rank 0 hosts the store: when it exits on this error, peers still diagnosing the same loss
-  // could no longer read heartbeats and would blame rank 0. One more window lets them finish.
-  if (rank_ == 0) std::this_thread::sleep_for(period_ * 6);
+  // When the store's host exits on this error without its destructors (an uncaught exception),
+  // peers still diagnosing the same loss could no longer read heartbeats and would blame it. One
+  // more window lets them finish.
+  if (options_.hosts_store) std::this_thread::sleep_for(options_.period * 6);
   if (silent.empty()) {
     return "every rank of the group is alive, so the collective itself failed or timed out "
            "(ranks calling different collectives, or one rank far slower than the timeout)";
@@ -217,16 +299,19 @@ std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
       throw std::invalid_argument(fmt::format("MASTER_PORT={} is not a port", port));
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(port);
-    store_options.isServer = world->rank_ == 0;
+    // Under torchrun the agent's store is already there: binding its port again would fail (and
+    // LibTorch would log that as an error before carrying on as a client).
+    store_options.isServer = world->rank_ == 0 && !torchrun_agent_hosts_store();
     store_options.numWorkers = world->size_;
     store_options.waitWorkers = false;
     store_options.timeout = options.timeout;
     try {
-      world->store_ = c10::make_intrusive<c10d::TCPStore>(world->master_addr_, store_options);
+      world->store_ =
+          for_this_attempt(c10::make_intrusive<c10d::TCPStore>(world->master_addr_, store_options));
     } catch (const std::exception& e) {
       std::string why = e.what();
       why = why.substr(0, why.find('\n'));
-      if (world->rank_ == 0) {
+      if (store_options.isServer) {
         throw std::runtime_error(fmt::format(
             "rank 0 cannot host the rendezvous store on {}:{} (is the port in use? pick another "
             "MASTER_PORT / --master-port): {}",
@@ -310,14 +395,18 @@ std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks,
     if (!liveness_) {
       // The heartbeat gets its own store connection so it never queues behind a blocked get().
       c10d::TCPStoreOptions o;
-      o.port = static_cast<c10d::TCPStore*>(store_.get())->getPort();
+      o.port = tcp_store_of(store_).getPort();
       o.isServer = false;
       o.waitWorkers = false;
       o.timeout = options_.timeout;
-      auto beat_store = c10::make_intrusive<c10d::TCPStore>(master_addr_, o);
-      liveness_ =
-          std::make_shared<Liveness>(beat_store, store_, rank_, std::chrono::milliseconds(250),
-                                     fmt::format("{}:{}", master_addr_, o.port));
+      auto beat_store = for_this_attempt(c10::make_intrusive<c10d::TCPStore>(master_addr_, o));
+      Liveness::Options liveness;
+      liveness.rank = rank_;
+      liveness.world_size = size_;
+      liveness.hosts_store = rank_ == 0 && !torchrun_agent_hosts_store();
+      liveness.store_address = fmt::format("{}:{}", master_addr_, o.port);
+      liveness.store_host = torchrun_agent_hosts_store() ? "torchrun's agent" : "rank 0";
+      liveness_ = std::make_shared<Liveness>(beat_store, store_, std::move(liveness));
     }
     impl->liveness = liveness_;
   }

@@ -9,6 +9,9 @@
 //             report the error they get and how long it took.
 //   stall     --exit-rank sleeps through the second all-gather for --stall-ms, then leaves.
 //   mismatch  rank 0 all-gathers twice the elements the others do.
+//   finish    after one all-reduce every rank returns from main (its World torn down, the store
+//             with rank 0's), --exit-rank --stall-ms later than the others.
+//   vanish    as finish, but --exit-rank dies at once (std::_Exit, no destructors).
 //   image     (shared memory) FSDP's host-shared image: each rank writes its rows of a gather
 //             into memory every rank maps, and every rank reads all rows there. Rank 1 holds the
 //             first gather for --stall-ms while rank 0 starts the second: rank 0 must wait, and
@@ -318,6 +321,19 @@ int main(int argc, char** argv) {
   auto world = dist::World::init_from_env(options);
   auto& group = world->group();
   json result = {{"transport", group.bulk_transport()}};
+  if (mode == "finish" || mode == "vanish") {
+    // The end of a job whose ranks finish apart: rank --exit-rank is still at work (finish) or
+    // dies without its destructors (vanish) when the others end. Every other rank returns from
+    // main, so its World and the store it may host are torn down.
+    auto t = torch::ones({4});
+    group.all_reduce(t);
+    result["sum"] = t[0].item<double>();
+    const bool late = world->rank() == exit_rank;
+    if (late && mode == "vanish") std::_Exit(0);
+    if (late) std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms));
+    std::ofstream(out + "/rank" + std::to_string(world->rank()) + ".json") << result.dump(1);
+    return 0;
+  }
   if (mode == "check") {
     result.update(check(group));
   } else if (mode == "image") {
