@@ -186,6 +186,50 @@ TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
   EXPECT_LT(reference[5]["loss"].get<double>(), reference[0]["loss"].get<double>());
 }
 
+// The torchrun way: its agent starts the ranks and hosts the store (no `shardrl launch`). A run
+// that torchrun started and resumed trains to the bits of one `shardrl train` ran straight, with
+// the same one thread a rank (torchrun's default).
+TEST(Trainer, TorchrunTrainsAndResumesAsShardrlLaunchDoes) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"torch"}));
+  const auto dir = make_temp_dir("trainer_torchrun");
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
+  auto torchrun = [&](const std::vector<std::string>& overrides) {
+    std::vector<std::string> argv = {SHARDRL_PYTHON,
+                                     "-m",
+                                     "torch.distributed.run",
+                                     "--nnodes",
+                                     "1",
+                                     "--nproc-per-node",
+                                     "2",
+                                     "--master-addr",
+                                     "127.0.0.1",
+                                     "--master-port",
+                                     std::to_string(free_port()),
+                                     "--no-python",
+                                     bin("shardrl"),
+                                     "train",
+                                     path};
+    argv.insert(argv.end(), overrides.begin(), overrides.end());
+    auto result = run_process(argv, {}, 300);
+    for (const char* noise : {"failed to bind", "frame #"})
+      EXPECT_EQ(result.output.find(noise), std::string::npos) << noise << "\n" << result.output;
+    return result;
+  };
+  auto first = torchrun({"trainer.default_local_dir=" + dir + "/resumed"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto second =
+      torchrun({"trainer.default_local_dir=" + dir + "/resumed", "trainer.total_training_steps=6"});
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  auto straight =
+      run_process({bin("shardrl"), "train", path, "trainer.default_local_dir=" + dir + "/straight",
+                   "trainer.total_training_steps=6"},
+                  {{"OMP_NUM_THREADS", "1"}}, 300);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  expect_same_metrics(dir + "/resumed/metrics.jsonl", dir + "/straight/metrics.jsonl", 6,
+                      {"step", "loss", "grad_norm"});
+}
+
 // Damage to a checkpoint `shardrl train` wrote, of every kind a disk or a copy can do.
 struct Damage {
   std::string kind, file, reason;  // reason: what the error and the warning say
