@@ -1,6 +1,7 @@
 // Two hosts on one machine: a network namespace each, joined by a veth pair. Ranks start the
 // torchrun way (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GLOO_SOCKET_IFNAME; no `shardrl
-// launch`) with `ip netns exec`, and share the checkpoint folder as a shared filesystem would.
+// launch`) with `ip netns exec`, by hand or by a real torchrun on each host, and share the
+// checkpoint folder as a shared filesystem would.
 // Training, checkpointing and resuming cross the link; a cut link and a killed host end every
 // surviving rank within the collective timeout plus kGraceSeconds, naming what it lost.
 //
@@ -111,6 +112,20 @@ class TwoHosts {
     return std::make_unique<BackgroundProcess>(argv);
   }
 
+  // torchrun on host `node` (one rank a host): its agents rendezvous, node 0's hosts the store,
+  // and each starts its rank with the environment above.
+  std::unique_ptr<BackgroundProcess> start_torchrun(int node,
+                                                    const std::vector<std::string>& args) {
+    const Host& h = hosts_[node];
+    std::vector<std::string> argv = {
+        "ip", "netns", "exec", h.ns, "env", "GLOO_SOCKET_IFNAME=" + h.veth,
+        // torchrun sets it only for several ranks a host
+        "OMP_NUM_THREADS=1", SHARDRL_PYTHON, "-m", "torch.distributed.run", "--nnodes", "2",
+        "--node-rank", std::to_string(node), "--nproc-per-node", "1", "--master-addr",
+        hosts_[0].address, "--master-port", std::to_string(kPort), "--no-python", bin("shardrl")};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return std::make_unique<BackgroundProcess>(argv);
+  }
   // SIGKILLs every process in the host's namespace: a host that dies.
   void kill_all(const Host& host) {
     auto r = ip({"netns", "pids", host.ns});
@@ -183,6 +198,33 @@ TEST(MultiHost, TrainsCheckpointsAndResumesAcrossHosts) {
   ASSERT_NO_FATAL_FAILURE(run_both(hosts, args("straight", 6)));
   expect_same_metrics(dir + "/resumed/metrics.jsonl", dir + "/straight/metrics.jsonl", 6,
                       {"step", "loss"});
+}
+
+// The README's torchrun line, one torchrun a host: it trains to the bits of the same job started
+// the Slurm way (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand).
+TEST(MultiHost, TorchrunOnEachHostTrainsAsRanksStartedByHandDo) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"torch"}));
+  REQUIRE_TWO_HOSTS(hosts);
+  const auto dir = make_temp_dir("multihost_torchrun");
+  const auto config = write_config(dir);
+  auto args = [&](const std::string& out) {
+    return std::vector<std::string>{"train", config, "trainer.default_local_dir=" + dir + "/" + out,
+                                    "trainer.total_training_steps=3",
+                                    "actor_rollout_ref.nccl_timeout=60"};
+  };
+  auto node0 = hosts.start_torchrun(0, args("torchrun"));
+  auto node1 = hosts.start_torchrun(1, args("torchrun"));
+  auto r1 = node1->wait(300);
+  auto r0 = node0->wait(300);
+  ASSERT_EQ(r0.exit_code, 0) << r0.output;
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  EXPECT_NE(r0.output.find("on 2 rank(s), bulk collectives over gloo"), std::string::npos)
+      << r0.output;
+  // Rank 0 is a client of its agent's store, like rank 1.
+  EXPECT_EQ(r0.output.find("failed to bind"), std::string::npos) << r0.output;
+  ASSERT_NO_FATAL_FAILURE(run_both(hosts, args("by_hand")));
+  expect_same_metrics(dir + "/torchrun/metrics.jsonl", dir + "/by_hand/metrics.jsonl", 3,
+                      {"step", "loss", "grad_norm"});
 }
 
 enum class Fault { kCutLink, kKillStoreHost, kKillOtherHost };
