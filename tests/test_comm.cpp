@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <fstream>
 
 #include "test_util.h"
@@ -153,6 +154,14 @@ TEST(Comm, CollectivesOutOfStepAreNamed) {
   }
 }
 
+// Seconds from when rank 0's main returned to the end of the job (rank 0's teardown, at least).
+double rank0_teardown_seconds(const std::string& dir) {
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  auto rank0 = json::parse(std::ifstream(dir + "/rank0.json"));
+  return now - rank0.value("returned_at", now);
+}
+
 // The end of a job whose ranks finish apart. Rank 0 hosts the store and stays until every rank has
 // checked out: a rank left beating against a store that is gone gets LibTorch's lost-connection
 // warning, with a C++ stack trace, at the end of a job that succeeded.
@@ -167,17 +176,19 @@ TEST(Comm, StoreHostStaysUntilEveryRankHasFinished) {
   EXPECT_EQ(result.exit_code, 0) << result.output;
   for (const char* noise : {"frame #", "Connection was likely closed", "TCPStore"})
     EXPECT_EQ(result.output.find(noise), std::string::npos) << noise << "\n" << result.output;
+  EXPECT_GT(rank0_teardown_seconds(dir), 0.7);  // rank 0 waited for rank 1's 800 ms
 }
 
 // A rank that died never checks out: rank 0 stops waiting for it once its heartbeat has stood
-// still for a few periods (1.5 s), not at the group's timeout (60 s).
+// still for six periods (1.5 s), well before the longest it would wait for a live one (5 s).
 TEST(Comm, StoreHostDoesNotWaitForADeadRank) {
   const auto dir = make_temp_dir("vanish");
   auto result = launch_workers(
       2, {"vanish", "--exit-rank", "1", "--timeout-ms", "60000", "--out", dir}, 120, "comm_worker");
   EXPECT_EQ(result.exit_code, 0) << result.output;
-  EXPECT_TRUE(std::ifstream(dir + "/rank0.json").good()) << result.output;
-  EXPECT_LT(result.seconds, 15.0) << result.output;
+  const double teardown = rank0_teardown_seconds(dir);
+  EXPECT_GT(teardown, 1.0);
+  EXPECT_LT(teardown, 4.0);
 }
 
 // Under torchrun its agent hosts the store and every rank is a client of it, as
@@ -213,7 +224,7 @@ TEST(Comm, RanksStartedByTorchrunUseItsAgentsStore) {
     for (int r = 0; r < 2; ++r) {
       auto rank = json::parse(std::ifstream(dir + "/rank" + std::to_string(r) + ".json"));
       EXPECT_EQ(rank.value("transport", ""), "shm") << rank.dump();
-      if (mode == "check") {
+      if (mode != "finish") {
         EXPECT_TRUE(rank["failures"].empty()) << rank.dump(1);
       }
     }

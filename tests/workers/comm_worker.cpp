@@ -331,6 +331,9 @@ int main(int argc, char** argv) {
     const bool late = world->rank() == exit_rank;
     if (late && mode == "vanish") std::_Exit(0);
     if (late) std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms));
+    // When main returned: the test measures how long the teardown after it took.
+    result["returned_at"] =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     std::ofstream(out + "/rank" + std::to_string(world->rank()) + ".json") << result.dump(1);
     return 0;
   }
