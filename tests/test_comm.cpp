@@ -86,6 +86,19 @@ TEST(Comm, HostImageWaitsForEveryPeerToReleaseTheLastGather) {
   EXPECT_LT(ranks[1].value("issue_seconds_2", 1.0), 0.3) << ranks[1].dump();
 }
 
+// A peer that dies while the ranks map a host-shared image leaves nothing in /dev/shm: rank 0 made
+// the file before it waited for the peer, and unlinks it on the way out of the failed collective
+// (/dev/shm is memory: a leaked file keeps its pages until the machine reboots).
+TEST(Comm, PeerDyingWhileAnImageIsMappedLeavesNothingInDevShm) {
+  const auto dir = make_temp_dir("orphan_image");
+  auto result = launch_workers(2, {"orphan-image", "--out", dir}, 120, "comm_worker");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  auto rank0 = json::parse(std::ifstream(dir + "/rank0.json"));
+  EXPECT_NE(rank0.value("error", "").find("rank 1"), std::string::npos) << rank0.dump(1);
+  EXPECT_FALSE(rank0.value("mapped", false)) << rank0.dump(1);
+  EXPECT_TRUE(rank0["left_in_dev_shm"].empty()) << rank0.dump(1);
+}
+
 // A /dev/shm too small for the segment (here 1 MiB: a tmpfs mounted in a mount namespace of the
 // job's own; Docker's default is 64 MiB) leaves the group on Gloo, saying why, rather than failing
 // with SIGBUS in the middle of a step when tmpfs runs out of pages.

@@ -202,6 +202,23 @@ class ShmWork : public c10d::Work {
   }
 };
 
+// Unlinks a /dev/shm name this rank made when the scope that made it ends, however it ends. The
+// name goes once every rank has mapped the file; a peer that dies before that makes the wait for
+// it throw, and the file would otherwise keep its pages (host memory) until the machine reboots.
+class UnlinkAtExit {
+ public:
+  UnlinkAtExit() = default;
+  UnlinkAtExit(const UnlinkAtExit&) = delete;
+  UnlinkAtExit& operator=(const UnlinkAtExit&) = delete;
+  ~UnlinkAtExit() {
+    if (!name_.empty()) shm_unlink(name_.c_str());
+  }
+  void arm(const std::string& name) { name_ = name; }
+
+ private:
+  std::string name_;
+};
+
 }  // namespace
 
 struct ShmTransport::Impl {
@@ -514,7 +531,9 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, int rank
   impl->layout = Layout(size);
   const size_t total = impl->layout.total;
 
-  // Rank 0 makes the segment; the others attach to it by name and check its nonce.
+  // Rank 0 makes the segment; the others attach to it by name and check its nonce. Once every
+  // rank has attached (or given up), rank 0 unlinks the name: a crash can then no longer leak it.
+  UnlinkAtExit unlink_made;
   std::string name, failure;
   uint64_t nonce = 0;
   auto map = [&](int fd) {
@@ -532,6 +551,7 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, int rank
     if (fd < 0) {
       failure = fmt::format("shm_open({}): {}", name, std::strerror(errno));
     } else {
+      unlink_made.arm(name);
       // tmpfs hands out pages when they are first touched: reserve them now, so that a full
       // /dev/shm fails here, with a fallback, rather than as a SIGBUS in the middle of a step.
       int err = ftruncate(fd, static_cast<off_t>(total)) != 0
@@ -544,7 +564,6 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, int rank
         map(fd);
       }
       close(fd);
-      if (!failure.empty()) shm_unlink(name.c_str());
     }
     if (impl->base) {
       auto* header = reinterpret_cast<SegmentHeader*>(impl->base);
@@ -588,9 +607,6 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, int rank
     if (theirs != "ok" && first_failure.empty())
       first_failure = fmt::format("rank {}: {}", impl->global_ranks[p], theirs);
   }
-  // Every rank has mapped it (or given up): the name is no longer needed, and a crash can no
-  // longer leak the segment.
-  if (rank == 0 && !name.empty() && failure.empty()) shm_unlink(name.c_str());
   impl->segment_name = name;
   if (!first_failure.empty()) {
     *why_not = "no shared-memory segment (" + first_failure + ")";
@@ -760,12 +776,14 @@ std::shared_ptr<HostImage> ShmTransport::map_image(size_t bytes, std::string* wh
     };
     // Rank 0 makes the file and reserves its pages (a full /dev/shm fails here, not as a SIGBUS
     // later); then the others map it; then rank 0 unlinks it, so a crash cannot leak it.
+    UnlinkAtExit unlink_made;
     std::string mine;
     if (s.rank == 0) {
       const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       if (fd < 0) {
         mine = fmt::format("shm_open({}): {}", name, std::strerror(errno));
       } else {
+        unlink_made.arm(name);
         const int err = ftruncate(fd, static_cast<off_t>(im.mapped_)) != 0
                             ? errno
                             : posix_fallocate(fd, 0, static_cast<off_t>(im.mapped_));
@@ -773,7 +791,6 @@ std::shared_ptr<HostImage> ShmTransport::map_image(size_t bytes, std::string* wh
                                       std::strerror(err))
                         : map(fd);
         close(fd);
-        if (!mine.empty()) shm_unlink(name.c_str());
       }
     }
     std::string first_failure;
@@ -794,7 +811,6 @@ std::shared_ptr<HostImage> ShmTransport::map_image(size_t bytes, std::string* wh
         if (fd >= 0) close(fd);
       }
       const auto mapped = s.exchange(op, mine);
-      if (s.rank == 0) shm_unlink(name.c_str());
       for (int p = 0; p < s.size && first_failure.empty(); ++p)
         if (!mapped[p].empty())
           first_failure = fmt::format("rank {}: {}", s.global_ranks[p], mapped[p]);

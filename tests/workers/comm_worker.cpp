@@ -12,6 +12,8 @@
 //   finish    after one all-reduce every rank returns from main (its World torn down, the store
 //             with rank 0's), --exit-rank --stall-ms later than the others.
 //   vanish    as finish, but --exit-rank dies at once (std::_Exit, no destructors).
+//   orphan-image  (shared memory) rank 1 dies; rank 0 then maps a host-shared image, which fails,
+//             and lists what of its own is left in /dev/shm.
 //   image     (shared memory) FSDP's host-shared image: each rank writes its rows of a gather
 //             into memory every rank maps, and every rank reads all rows there. Rank 1 holds the
 //             first gather for --stall-ms while rank 0 starts the second: rank 0 must wait, and
@@ -24,7 +26,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -321,6 +326,26 @@ int main(int argc, char** argv) {
   auto world = dist::World::init_from_env(options);
   auto& group = world->group();
   json result = {{"transport", group.bulk_transport()}};
+  if (mode == "orphan-image") {
+    // Rank 1 dies after the group is up; rank 0 then maps an image, which it makes before it waits
+    // for rank 1, and reports what of its own is left in /dev/shm.
+    group.barrier();
+    if (world->rank() == 1) std::_Exit(0);
+    std::string why;
+    try {
+      result["mapped"] = group.map_host_image(size_t{64} << 20, &why) != nullptr;
+    } catch (const dist::CollectiveError& e) {
+      result["error"] = e.what();
+    }
+    const std::string mine = "shardrl-" + std::to_string(getpid()) + "-";
+    result["left_in_dev_shm"] = json::array();
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind(mine, 0) == 0) result["left_in_dev_shm"].push_back(name);
+    }
+    std::ofstream(out + "/rank0.json") << result.dump(1);
+    std::_Exit(0);
+  }
   if (mode == "finish" || mode == "vanish") {
     // The end of a job whose ranks finish apart: rank --exit-rank is still at work (finish) or
     // dies without its destructors (vanish) when the others end. Every other rank returns from
