@@ -99,6 +99,11 @@ bool torchrun_agent_hosts_store() {
   return v && std::string(v) == "True";
 }
 
+// Whether `rank` is the store's server: rank 0, unless torchrun's agent is.
+bool hosts_store(int rank) {
+  return rank == 0 && !torchrun_agent_hosts_store();
+}
+
 // The agent's store outlives a failed attempt, and a restarted one must not read its keys (Gloo's
 // peer addresses, the shared-memory segment's name): measured, attempt 1 then hangs or aborts.
 // Each attempt gets keys of its own, as torch.distributed's workers once did.
@@ -301,7 +306,7 @@ std::shared_ptr<World> World::init_from_env(const InitOptions& options) {
     store_options.port = static_cast<uint16_t>(port);
     // Under torchrun the agent's store is already there: binding its port again would fail (and
     // LibTorch would log that as an error before carrying on as a client).
-    store_options.isServer = world->rank_ == 0 && !torchrun_agent_hosts_store();
+    store_options.isServer = hosts_store(world->rank_);
     store_options.numWorkers = world->size_;
     store_options.waitWorkers = false;
     store_options.timeout = options.timeout;
@@ -403,7 +408,7 @@ std::shared_ptr<ProcessGroup> World::new_group(const std::vector<int>& ranks,
       Liveness::Options liveness;
       liveness.rank = rank_;
       liveness.world_size = size_;
-      liveness.hosts_store = rank_ == 0 && !torchrun_agent_hosts_store();
+      liveness.hosts_store = hosts_store(rank_);
       liveness.store_address = fmt::format("{}:{}", master_addr_, o.port);
       liveness.store_host = torchrun_agent_hosts_store() ? "torchrun's agent" : "rank 0";
       liveness_ = std::make_shared<Liveness>(beat_store, store_, std::move(liveness));
