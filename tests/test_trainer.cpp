@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <unistd.h>
+
 #include "../src/trainer/tasks.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/weights.h"
@@ -390,6 +392,56 @@ TEST(Trainer, RotationAfterAFallbackKeepsTheWholeCheckpoints) {
             std::string::npos)
       << to_6.output;
   expect_same_metrics(run + "/metrics.jsonl", dir + "/straight/metrics.jsonl", 6, {"step", "loss"});
+}
+
+// The disk fills during a save: the run stops on both ranks with an error naming the file it could
+// not write and why, `latest` still names the last whole checkpoint, the partial files are gone
+// (a full disk is not left full), and once there is room the run resumes from that checkpoint to
+// the bits of a run that never failed. The disk is a 1 MiB tmpfs in a mount namespace of its own:
+// global_step_2 (600 KB) fits, global_step_4 beside it does not.
+TEST(Trainer, FullDiskDuringASaveKeepsTheLastCheckpointAndResumes) {
+  if (geteuid() != 0) {
+    if (running_in_ci()) GTEST_FAIL() << "needs root to mount a tmpfs (CI=true)";
+    GTEST_SKIP() << "needs root to mount a tmpfs";
+  }
+  SHARDRL_REQUIRE_DEPENDENCY(missing_program("unshare", "util-linux"));
+  const auto dir = make_temp_dir("trainer_full_disk");
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
+  auto straight = train(path, {"trainer.default_local_dir=" + dir + "/straight"});
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const std::string disk = dir + "/disk", out = dir + "/out";
+  fs::create_directories(disk);
+  fs::create_directories(out);
+  // $1 the disk, $2 shardrl, $3 the config, $4 where the results go (outside the disk).
+  const char* script = R"(set -u
+mount -t tmpfs -o size=1m tmpfs "$1" || exit 90
+"$2" train "$3" trainer.default_local_dir="$1/run" > "$4/full.log" 2>&1
+echo $? > "$4/full.rc"
+ls -A "$1/run/checkpoints" > "$4/listing"
+cp "$1/run/checkpoints/latest" "$4/latest"
+mount -o remount,size=8m "$1" || exit 91
+"$2" train "$3" trainer.default_local_dir="$1/run" > "$4/room.log" 2>&1
+echo $? > "$4/room.rc"
+cp "$1/run/metrics.jsonl" "$4/metrics.jsonl"
+)";
+  auto ns = run_process({"unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+                         disk, bin("shardrl"), path, out},
+                        {}, 300);
+  ASSERT_EQ(ns.exit_code, 0) << ns.output;
+  const std::string full = slurp(out + "/full.log");
+  EXPECT_NE(slurp(out + "/full.rc"), "0\n") << full;
+  for (const std::string& expected : {"cannot write " + disk + "/run/checkpoints/.tmp-step-4/",
+                                      std::string("No space left on device")}) {
+    EXPECT_NE(full.find(expected), std::string::npos) << expected << "\n" << full;
+  }
+  EXPECT_EQ(slurp(out + "/listing"), "global_step_2\nlatest\n") << full;
+  EXPECT_EQ(slurp(out + "/latest"), "global_step_2\n");
+  const std::string room = slurp(out + "/room.log");
+  ASSERT_EQ(slurp(out + "/room.rc"), "0\n") << room;
+  EXPECT_NE(room.find("resumed from " + disk + "/run/checkpoints/global_step_2 at step 2"),
+            std::string::npos)
+      << room;
+  expect_same_metrics(out + "/metrics.jsonl", dir + "/straight/metrics.jsonl", 4, {"step", "loss"});
 }
 
 // GRPO for the decoder on single-digit addition, from a supervised stage that gets about half the

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <system_error>
 #include <unordered_map>
 
 #include "checkpoint/io.h"
@@ -380,21 +381,32 @@ std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
     }
     fs::create_directory(tmp);
   });
-  json mine;
-  collectively(mesh, what, [&] {
-    const auto owners = adamw_owners(optimizer, model.sharded_parameters(), what);
-    mine = write_rank_files(tmp, model, owners, options);
-  });
-  const auto ranks = all_gather_json(mesh, mine);
-  collectively(mesh, what, [&] {
-    if (!leader) return;
-    const json index = build_index(step, model, scheduler, extra, ranks);
-    const std::string text = index.dump(1);
-    write_file_durably((tmp / kIndexFile).string(), text);
-    write_file_durably((tmp / kIndexChecksumFile).string(), index_checksum_line(text));
-    publish(root_path, tmp, final_dir);
-    rotate(root, options, final_dir.string());
-  });
+  try {
+    json mine;
+    collectively(mesh, what, [&] {
+      const auto owners = adamw_owners(optimizer, model.sharded_parameters(), what);
+      mine = write_rank_files(tmp, model, owners, options);
+    });
+    const auto ranks = all_gather_json(mesh, mine);
+    collectively(mesh, what, [&] {
+      if (!leader) return;
+      const json index = build_index(step, model, scheduler, extra, ranks);
+      const std::string text = index.dump(1);
+      write_file_durably((tmp / kIndexFile).string(), text);
+      write_file_durably((tmp / kIndexChecksumFile).string(), index_checksum_line(text));
+      publish(root_path, tmp, final_dir);
+      rotate(root, options, final_dir.string());
+    });
+  } catch (...) {
+    // The last checkpoint is untouched. The partial files go too, or a save that failed for a
+    // full disk would leave it full. Every rank is past its writes once collectively() agreed on
+    // the failure, and a rank that died writes no more.
+    if (leader) {
+      std::error_code ignored;
+      fs::remove_all(tmp, ignored);
+    }
+    throw;
+  }
   return final_dir.string();
 }
 
