@@ -269,26 +269,33 @@ TEST(Checkpoint, HybridShardedSaveResumesOneDimensional) {
   expect_same_optimizer(hybrid + "/global_step_4", root + "/global_step_4", 1e-6);
 }
 
+// A rank killed while it writes step 6: global_step_3 stays the latest and whole, and the run
+// resumes from it. Rank 1 killed: rank 0, the leader, sees the save fail and removes the partial
+// files. Rank 0 killed: nobody is left to, and the next save clears them.
 TEST(Checkpoint, KillDuringSaveLeavesThePreviousCheckpointLoadable) {
-  const std::string root = make_temp_dir("ckpt-kill");
-  auto killed = run_train(2, root,
-                          concat({"--end-step", "6", "--die-rank", "1", "--die-save-step", "6",
-                                  "--die-after-bytes", "1000"},
-                                 save_at({3, 6})),
-                          /*expect_success=*/false);
-  ASSERT_NE(killed.exit_code, 0) << killed.output;
-  EXPECT_NE(killed.output.find("dying during the save of step 6"), std::string::npos)
-      << killed.output;
-  EXPECT_TRUE(fs::exists(root + "/.tmp-step-6")) << "the kill should hit mid-save";
-  EXPECT_FALSE(fs::exists(root + "/global_step_6"));
-  EXPECT_EQ(checkpoint::find_latest(root), root + "/global_step_3");
-  for (const auto& f : checkpoint::verify(root + "/global_step_3")) EXPECT_TRUE(f.ok) << f.problem;
+  for (const int die_rank : {1, 0}) {
+    SCOPED_TRACE("rank " + std::to_string(die_rank) + " killed");
+    const std::string root = make_temp_dir("ckpt-kill");
+    auto killed = run_train(2, root,
+                            concat({"--end-step", "6", "--die-rank", std::to_string(die_rank),
+                                    "--die-save-step", "6", "--die-after-bytes", "1000"},
+                                   save_at({3, 6})),
+                            /*expect_success=*/false);
+    ASSERT_NE(killed.exit_code, 0) << killed.output;
+    EXPECT_NE(killed.output.find("dying during the save of step 6"), std::string::npos)
+        << killed.output;
+    EXPECT_EQ(fs::exists(root + "/.tmp-step-6"), die_rank == 0) << killed.output;
+    EXPECT_FALSE(fs::exists(root + "/global_step_6"));
+    EXPECT_EQ(checkpoint::find_latest(root), root + "/global_step_3");
+    for (const auto& f : checkpoint::verify(root + "/global_step_3"))
+      EXPECT_TRUE(f.ok) << f.problem;
 
-  auto resumed = run_train(2, root, concat({"--resume", "--end-step", "6"}, save_at({6})));
-  EXPECT_EQ(resumed.start, 3);
-  EXPECT_EQ(resumed.loss.size(), 3u);
-  EXPECT_FALSE(fs::exists(root + "/.tmp-step-6")) << "the next save clears the leftover";
-  EXPECT_EQ(checkpoint::find_latest(root), root + "/global_step_6");
+    auto resumed = run_train(2, root, concat({"--resume", "--end-step", "6"}, save_at({6})));
+    EXPECT_EQ(resumed.start, 3);
+    EXPECT_EQ(resumed.loss.size(), 3u);
+    EXPECT_FALSE(fs::exists(root + "/.tmp-step-6")) << "the next save clears the leftover";
+    EXPECT_EQ(checkpoint::find_latest(root), root + "/global_step_6");
+  }
 }
 
 TEST(Checkpoint, DamagedTruncatedOrMissingFilesAreNamed) {
@@ -430,9 +437,8 @@ TEST(Checkpoint, ExportReadsBackWithAnIndependentReader) {
     auto exported = run_process({bin("shardrl"), "export", ckpt, out, "--dtype", dtype,
                                  "--max-shard-size", std::to_string(max_shard)});
     ASSERT_EQ(exported.exit_code, 0) << exported.output;
-    auto read =
-        run_process({SHARDRL_PYTHON,
-                     std::string(SHARDRL_SOURCE_DIR) + "/tests/python/read_safetensors.py", out});
+    auto read = run_process(
+        {SHARDRL_PYTHON, std::string(SHARDRL_SOURCE_DIR "/tests/python/read_safetensors.py"), out});
     ASSERT_EQ(read.exit_code, 0) << read.output;
     const json got = json::parse(read.output);
     ASSERT_EQ(got["tensors"].size(), trained.params.size());
