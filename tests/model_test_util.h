@@ -33,7 +33,7 @@ inline void expect_same_grads(torch::nn::Module& plain, torch::nn::Module& recom
 inline ProcessResult run_python_reference(const std::string& script,
                                           const std::vector<std::string>& args) {
   std::vector<std::string> argv = {SHARDRL_PYTHON,
-                                   std::string(SHARDRL_SOURCE_DIR) + "/tests/python/" + script};
+                                   std::string(SHARDRL_SOURCE_DIR "/tests/python/") + script};
   argv.insert(argv.end(), args.begin(), args.end());
   // No __pycache__ in the source tree.
   return run_process(argv, {{"OMP_NUM_THREADS", "1"}, {"PYTHONDONTWRITEBYTECODE", "1"}}, 300);

@@ -63,7 +63,7 @@ TEST(RewardClassifier, LearnsFashionMnistQuickly) {
 std::vector<std::string> demo_argv(const std::string& config,
                                    const std::vector<std::string>& overrides) {
   std::vector<std::string> argv = {bin("shardrl"), "train",
-                                   std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/" + config,
+                                   std::string(SHARDRL_SOURCE_DIR "/examples/configs/") + config,
                                    "actor_rollout_ref.model.text_encoder_path=" + minilm_dir()};
   argv.insert(argv.end(), overrides.begin(), overrides.end());
   return argv;
@@ -280,7 +280,7 @@ TEST(FmnistDemo, SequenceParallelRunMatchesOneRank) {
 // Settings a user gets wrong fail before any stage runs, naming the key.
 TEST(FmnistDemo, ConfigErrorsNameTheKey) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
-  const std::string config = std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/fmnist_nft.yaml";
+  const std::string config = std::string(SHARDRL_SOURCE_DIR "/examples/configs/fmnist_nft.yaml");
   struct Case {
     std::vector<std::string> overrides;
     std::string expected;

@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 std::string script() {
-  return std::string(SHARDRL_SOURCE_DIR) + "/tests/python/gguf_reference.py";
+  return std::string(SHARDRL_SOURCE_DIR "/tests/python/gguf_reference.py");
 }
 
 // Every process here, the reference script and the `shardrl generate` runs it starts included:

@@ -16,7 +16,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 std::string script() {
-  return std::string(SHARDRL_SOURCE_DIR) + "/tests/python/hf_clients.py";
+  return std::string(SHARDRL_SOURCE_DIR "/tests/python/hf_clients.py");
 }
 
 struct TrainedRun {
@@ -25,7 +25,7 @@ struct TrainedRun {
 };
 
 std::string example_config() {
-  return std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml";
+  return std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml");
 }
 
 // The GRPO arithmetic job with LoRA, shortened: a trainer checkpoint of a model whose adapter

@@ -65,7 +65,7 @@ TEST(HybridSharding, GrpoTaskWithThreeEnginesOnTwoByTwoMeshesEqualsOneShardGroup
     std::vector<std::string> argv = {
         bin("shardrl"),
         "train",
-        std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml",
+        std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
         "trainer.nproc_per_node=4",
         "trainer.default_local_dir=" + dir + "/" + name,
         "sft.cache_dir=" + dir + "/" + name + "/cache",  // each run trains its own SFT engine

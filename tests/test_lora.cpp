@@ -368,7 +368,7 @@ TEST(Lora, AdapterExportHasPeftNamesAndTheGatheredAdapter) {
   ASSERT_EQ(exported.exit_code, 0) << exported.output;
   for (const std::string& out : {from_ckpt, live}) {
     auto read = run_process({SHARDRL_PYTHON,
-                             std::string(SHARDRL_SOURCE_DIR) + "/tests/python/read_safetensors.py",
+                             std::string(SHARDRL_SOURCE_DIR "/tests/python/read_safetensors.py"),
                              out + "/adapter_model.safetensors"});
     ASSERT_EQ(read.exit_code, 0) << read.output;
     const auto got = nlohmann::json::parse(read.output)["tensors"];

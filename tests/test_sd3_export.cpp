@@ -129,7 +129,7 @@ TEST(SD3TrainerExport, FlowGrpoCheckpointOfShardrlTrainLoadsInDiffusersAndPeft) 
   const std::string dir = make_temp_dir("sd3-trainer-export");
   const auto trained = run_process(
       {bin("shardrl"), "train",
-       std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/fmnist_flow_grpo.yaml",
+       std::string(SHARDRL_SOURCE_DIR "/examples/configs/fmnist_flow_grpo.yaml"),
        "actor_rollout_ref.model.text_encoder_path=" + minilm_dir(), "data.image_size=14",
        "data.train_batch_size=2",
        "actor_rollout_ref.model.config={patch_size: 2, num_layers: 2, num_attention_heads: 2, "

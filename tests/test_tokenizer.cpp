@@ -27,7 +27,7 @@ namespace {
 using models::ByteLevelBpeTokenizer;
 
 std::string vocabulary_dir() {
-  return std::string(SHARDRL_SOURCE_DIR) + "/data/gpt2-bpe";
+  return std::string(SHARDRL_SOURCE_DIR "/data/gpt2-bpe");
 }
 
 using models::detail::utf8;
@@ -167,7 +167,7 @@ TEST(Tokenizer, BadInputNamesTheFileOrId) {
 // ---- SmolLM2's tokenizer.json on real text ----------------------------------------------------
 
 std::string reference_script() {
-  return std::string(SHARDRL_SOURCE_DIR) + "/tests/python/tokenizer_reference.py";
+  return std::string(SHARDRL_SOURCE_DIR "/tests/python/tokenizer_reference.py");
 }
 
 // Runs tokenizer_reference.py `command` on one {"tokenizer", "texts"} job per tokenizer; the

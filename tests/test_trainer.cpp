@@ -451,7 +451,7 @@ TEST(Trainer, LmGrpoRaisesTheArithmeticReward) {
   std::vector<std::string> argv = {
       bin("shardrl"),
       "train",
-      std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml",
+      std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
       "trainer.default_local_dir=" + dir,
       "trainer.total_training_steps=40",
       "trainer.save_freq=-1"};
@@ -481,7 +481,7 @@ void expect_lm_grpo_resumes_after_a_kill(const std::string& tag,
     std::vector<std::string> a = {
         bin("shardrl"),
         "train",
-        std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml",
+        std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
         "trainer.default_local_dir=" + dir + "/" + run,
         "sft.cache_dir=" + dir + "/cache",
         "trainer.total_training_steps=24",
@@ -527,7 +527,7 @@ TEST(Trainer, LmGrpoLoraRolloutReplicaKeepsUpWithTheActor) {
   const auto dir = make_temp_dir("trainer_grpo_lora_sync");
   auto result =
       run_process({bin("shardrl"), "train",
-                   std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml",
+                   std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
                    "trainer.default_local_dir=" + dir + "/run", "sft.cache_dir=" + dir + "/cache",
                    "trainer.total_training_steps=4", "actor_rollout_ref.model.lora_rank=8",
                    "actor_rollout_ref.actor.optim.lr=0.02"},
@@ -544,7 +544,7 @@ TEST(Trainer, LmGrpoLoraRolloutReplicaKeepsUpWithTheActor) {
 // LoRA+ needs adapters, and a positive ratio: errors name the key.
 TEST(Trainer, LoraPlusErrorsNameTheKey) {
   const std::string config =
-      std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/arithmetic_grpo.yaml";
+      std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml");
   const auto dir = make_temp_dir("trainer_loraplus_bad");
   for (const auto& [overrides, expected] :
        std::vector<std::pair<std::vector<std::string>, std::string>>{
@@ -591,7 +591,7 @@ TEST(Trainer, LmGrpoRunsOnAPretrainedChatModelDirectory) {
     std::vector<std::string> a = {
         bin("shardrl"),
         "train",
-        std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/smollm2_grpo.yaml",
+        std::string(SHARDRL_SOURCE_DIR "/examples/configs/smollm2_grpo.yaml"),
         "trainer.default_local_dir=" + dir + "/" + run,
         "actor_rollout_ref.model.path=" + model,
         "trainer.save_freq=1",

@@ -138,7 +138,7 @@ TEST(Ulysses, FourRanksDp2Sp2EqualsDp4) {
 // Through `shardrl train`, as a user runs it.
 std::vector<std::string> train_argv(const std::string& config, const std::vector<std::string>& o) {
   std::vector<std::string> argv = {bin("shardrl"), "train",
-                                   std::string(SHARDRL_SOURCE_DIR) + "/examples/configs/" + config};
+                                   std::string(SHARDRL_SOURCE_DIR "/examples/configs/") + config};
   argv.insert(argv.end(), o.begin(), o.end());
   return argv;
 }
