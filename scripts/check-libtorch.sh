@@ -5,8 +5,9 @@
 # libraries its libtorch_cpu needs even on a CPU (cudart, cupti), then builds in build-torch-VERSION
 # with SHARDRL_LIBTORCH pointing at it, as a user would. The tests' Python references keep the
 # venv's torch 2.11: they are separate processes.
-# Usage: scripts/check-libtorch.sh VERSION [CTEST_ARGS...]    e.g. 2.7.0, or 2.15.0 -R 'FSDP|Trainer'
+# Usage: scripts/check-libtorch.sh VERSION [CTEST_ARGS...]    e.g. 2.15.0 -R 'FSDP|Trainer'
 set -euo pipefail
+cd "$(dirname "$0")/.."
 version=${1:?usage: scripts/check-libtorch.sh VERSION [CTEST_ARGS...]}
 shift
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/shardrl"
