@@ -6,8 +6,10 @@
 
 #include <fstream>
 #include <iostream>
+#include <numeric>
 #include <set>
 
+#include "fsdp/grads.h"
 #include "fsdp_run.h"
 #include "model_test_util.h"
 #include "shardrl/optim.h"
@@ -497,6 +499,41 @@ TEST(FSDP, ClippingUsesTheUnshardedNorm) {
     EXPECT_NEAR(sharded.grad_norms[i], reference.grad_norms[i], 1e-5 * reference.grad_norms[i]);
   }
   expect_matches(sharded, reference, 1e-5);
+}
+
+// The grad norm takes one _foreach_norm per dtype; the squares must come back in shard order
+// (the clip's fp64 sum is then the same however the shards are grouped), each norm in its grad's
+// dtype, and shards without a grad skipped.
+TEST(FSDP, SquaredGradNormsKeepShardOrderAcrossDtypes) {
+  torch::manual_seed(7);
+  std::vector<fsdp::ShardedParameter> shards;
+  std::vector<double> expected;
+  for (auto [dtype, has_grad] :
+       std::vector<std::pair<torch::ScalarType, bool>>{{torch::kFloat, true},
+                                                       {torch::kBFloat16, true},
+                                                       {torch::kFloat, false},
+                                                       {torch::kFloat, true},
+                                                       {torch::kBFloat16, true}}) {
+    fsdp::ShardedParameter p;
+    p.shard = torch::zeros({5}, dtype).requires_grad_();
+    if (has_grad) {
+      p.shard.mutable_grad() = torch::randn({5}).to(dtype);
+      // The norm as computed in the grad's dtype, one tensor at a time.
+      const double norm = p.shard.grad().norm().item<double>();
+      expected.push_back(norm * norm);
+    }
+    shards.push_back(p);
+  }
+  const torch::Tensor squares = fsdp::squared_grad_norms(shards);
+  ASSERT_EQ(squares.scalar_type(), torch::kDouble);
+  ASSERT_EQ(squares.numel(), static_cast<int64_t>(expected.size()));
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(squares[static_cast<int64_t>(i)].item<double>(), expected[i]) << "shard " << i;
+  }
+  fsdp::scale_grads(shards, 0.5);
+  EXPECT_FALSE(shards[2].shard.grad().defined());
+  EXPECT_NEAR(fsdp::squared_grad_norms(shards).sum().item<double>(),
+              0.25 * std::accumulate(expected.begin(), expected.end(), 0.0), 1e-2);
 }
 
 TEST(FSDP, FrozenParamsStaySharedAndSendNoGradients) {

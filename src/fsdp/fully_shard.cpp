@@ -3,10 +3,12 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "fsdp/grads.h"
 #include "fsdp/trace.h"
 #include "fsdp/unit_state.h"
 
@@ -321,16 +323,16 @@ double FSDPModule::grad_norm() {
   // After a failed reduce-scatter the grads are incomplete: no norm, no step from them.
   for (UnitState* unit : scoped_units(state_)) unit->check_usable();
   torch::NoGradGuard no_grad;
-  torch::Tensor sum_sq =
-      torch::zeros({1}, torch::dtype(torch::kDouble).device(state_->mesh.device()));
-  // Per-tensor norms in the grads' dtype (as clip_grad_norm_), squared and summed in fp64: no
-  // fp64 copy of every grad.
+  // Collected over every unit and summed once, in shard order: the sum's rounding (and the step
+  // it clips) is then the same whether the units came into memory together or one by one.
+  std::vector<torch::Tensor> squared_norms;
   for_each_resident(ShardUse::kGrads, [&](std::vector<ShardedParameter>& shards) {
-    for (const auto& p : shards) {
-      if (p.shard.grad().defined())
-        sum_sq += at::linalg_vector_norm(p.shard.grad(), 2).to(torch::kDouble).square();
-    }
+    squared_norms.push_back(squared_grad_norms(shards).to(state_->mesh.device()));
   });
+  torch::Tensor sum_sq =
+      squared_norms.empty()
+          ? torch::zeros({1}, torch::dtype(torch::kDouble).device(state_->mesh.device()))
+          : at::cat(squared_norms).sum().reshape({1});
   // Shards are disjoint across the shard group and identical across replicas.
   state_->mesh.shard_group().all_reduce(sum_sq);
   return std::sqrt(sum_sq.item<double>());
@@ -341,14 +343,43 @@ double FSDPModule::clip_grad_norm_(double max_norm) {
   if (!std::isfinite(total)) return total;
   const double coef = clip_coefficient(total, max_norm);
   if (coef < 1.0) {
-    torch::NoGradGuard no_grad;
-    for_each_resident(ShardUse::kGrads, [&](std::vector<ShardedParameter>& shards) {
-      for (const auto& p : shards) {
-        if (p.shard.grad().defined()) p.shard.mutable_grad().mul_(coef);
-      }
-    });
+    for_each_resident(ShardUse::kGrads,
+                      [&](std::vector<ShardedParameter>& shards) { scale_grads(shards, coef); });
   }
   return total;
+}
+
+torch::Tensor squared_grad_norms(const std::vector<ShardedParameter>& shards) {
+  std::map<torch::ScalarType, std::vector<torch::Tensor>> grads;
+  std::map<torch::ScalarType, std::vector<int64_t>> positions;
+  int64_t count = 0;
+  for (const auto& p : shards) {
+    const torch::Tensor& grad = p.shard.grad();
+    if (!grad.defined()) continue;
+    grads[grad.scalar_type()].push_back(grad);
+    positions[grad.scalar_type()].push_back(count++);
+  }
+  if (grads.empty()) return torch::zeros({0}, torch::kDouble);
+  // Per-tensor norms in the grad's dtype, squared in fp64: no fp64 copy of any grad.
+  auto squares = [](const std::vector<torch::Tensor>& same_dtype) {
+    return at::stack(at::_foreach_norm(same_dtype, 2)).to(torch::kDouble).square();
+  };
+  if (grads.size() == 1) return squares(grads.begin()->second);
+  const torch::Device device = grads.begin()->second.front().device();
+  torch::Tensor in_order = torch::empty({count}, torch::dtype(torch::kDouble).device(device));
+  for (const auto& [dtype, same_dtype] : grads) {
+    in_order.index_copy_(0, torch::tensor(positions.at(dtype)).to(device), squares(same_dtype));
+  }
+  return in_order;
+}
+
+void scale_grads(const std::vector<ShardedParameter>& shards, double coef) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : shards) {
+    if (p.shard.grad().defined()) grads.push_back(p.shard.mutable_grad());
+  }
+  if (!grads.empty()) at::_foreach_mul_(grads, coef);
 }
 
 void FSDPModule::for_each_resident(ShardUse use,

@@ -7,6 +7,8 @@
 
 #include "shardrl/optim.h"
 
+#include "fsdp/grads.h"
+
 namespace shardrl::optim {
 
 std::vector<NamedParameter> from_sharded(const std::vector<fsdp::ShardedParameter>& params) {
@@ -141,12 +143,9 @@ StepResult clip_and_step(fsdp::FSDPModule& model, torch::optim::Optimizer& optim
   // Scaling and stepping in one pass: under offload each unit's state comes in once.
   std::unordered_set<const c10::TensorImpl*> stepped;
   model.for_each_resident(fsdp::ShardUse::kStep, [&](std::vector<fsdp::ShardedParameter>& shards) {
+    if (coef < 1.0) fsdp::scale_grads(shards, coef);
     std::vector<torch::Tensor> params;
     for (auto& p : shards) {
-      if (coef < 1.0 && p.shard.grad().defined()) {
-        torch::NoGradGuard no_grad;
-        p.shard.mutable_grad().mul_(coef);
-      }
       params.push_back(p.shard);
       stepped.insert(p.shard.unsafeGetTensorImpl());
     }
