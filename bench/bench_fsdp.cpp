@@ -9,6 +9,7 @@
 #include <ATen/DeviceAccelerator.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -20,6 +21,7 @@
 #include <fstream>
 #include <iostream>
 #include <numeric>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -42,6 +44,10 @@ struct Args {
   int steps = 5, warmup = 2, threads = 0;
   int64_t matmul_n = 1024;
   std::string mode = "fsdp", json_out;
+  // fsdp: a Kineto trace (chrome://tracing JSON, as torch.profiler's export_chrome_trace) of
+  // profile_steps more steps after the timed ones, written by rank 0.
+  std::string profile_out;
+  int profile_steps = 2;
   bool reshard_root = false;
   bool reshard_after_forward = true;
   bool host_shared_params = true;
@@ -201,6 +207,19 @@ torch::Tensor local_tokens(const Args& a, const dist::World& world) {
   return global_batch(a).narrow(0, world.rank() * local, local).contiguous();
 }
 
+// Kineto, as torch.profiler(activities=[CPU, CUDA]) starts it: host ops and device kernels.
+void start_profiler(const torch::Device& device) {
+  using torch::profiler::impl::ActivityType;
+  // With the allocator's events (profile_memory): where each side reaches its peak.
+  const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO,
+                                                     /*report_input_shapes=*/false,
+                                                     /*profile_memory=*/true);
+  std::set<ActivityType> activities{ActivityType::CPU};
+  if (device.is_cuda()) activities.insert(ActivityType::CUDA);
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+}
+
 // The FSDP options of the sharded modes, from the command line.
 fsdp::Options fsdp_options(const Args& a) {
   fsdp::Options options;
@@ -246,8 +265,12 @@ int run_fsdp(const Args& a) {
   uint64_t fb_bytes_min = UINT64_MAX, fb_bytes_max = 0;
   uint64_t lo_start = 0;
   const torch::Device device = mesh.device();
-  for (int step = 0; step < a.warmup + a.steps; ++step) {
-    const bool timed = step >= a.warmup;
+  json memory;
+  const bool profiling = !a.profile_out.empty() && rank == 0;
+  const int profiled_steps = a.profile_out.empty() ? 0 : a.profile_steps;
+  for (int step = 0; step < a.warmup + a.steps + profiled_steps; ++step) {
+    if (profiling && step == a.warmup + a.steps) start_profiler(device);
+    const bool timed = step >= a.warmup && step < a.warmup + a.steps;
     // Read before the barrier so every timed step contributes its two barriers to the count.
     if (timed && step == a.warmup && rank == 0) lo_start = loopback_tx_bytes();
     // The peak is over the timed steps, after warm-up has filled the allocator's cache, as the
@@ -271,6 +294,8 @@ int run_fsdp(const Args& a) {
     synchronize(device);
     group.barrier();
     const double elapsed = seconds_since(t0);
+    // The peak over the timed steps alone, before any profiled step.
+    if (step == a.warmup + a.steps - 1) memory = device_memory(device);
     if (!timed) continue;
     times.push_back(elapsed);
     waits.push_back(waited);
@@ -280,8 +305,11 @@ int run_fsdp(const Args& a) {
     fb_bytes_min = std::min(fb_bytes_min, fb_bytes);
     fb_bytes_max = std::max(fb_bytes_max, fb_bytes);
   }
+  if (profiling) {
+    synchronize(device);
+    torch::autograd::profiler::disableProfiler()->save(a.profile_out);
+  }
   const uint64_t lo_bytes = rank == 0 ? loopback_tx_bytes() - lo_start : 0;
-  const json memory = device_memory(device);
 
   // Byte counts of every rank, exchanged after the timed steps so they cost no step time.
   torch::Tensor sums = torch::tensor(
@@ -602,6 +630,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--json-out", a.json_out, "Write the result here (fsdp: rank 0 writes)");
   app.add_option("--prefetch", a.prefetch, "fsdp: units all-gathered ahead");
+  app.add_option("--profile-out", a.profile_out,
+                 "fsdp: rank 0 writes a Kineto trace (chrome JSON) of --profile-steps more steps");
+  app.add_option("--profile-steps", a.profile_steps)->check(CLI::PositiveNumber);
   app.add_option("--param-dtype", a.param_dtype, "fsdp: mixed_precision.param_dtype");
   app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", a.reshard_after_forward,
                "fsdp: free block params after forward (default) or keep them until backward");

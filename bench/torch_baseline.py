@@ -85,6 +85,9 @@ def main():
     ap.add_argument("--fused-adamw", action="store_true",
                     help="torch.optim.AdamW(fused=True), the kernel ShardRL's AdamW steps with "
                          "(default: PyTorch's own choice, foreach on CUDA, a loop on the CPU)")
+    ap.add_argument("--profile-out", default="",
+                    help="rank 0 writes a torch.profiler chrome trace of --profile-steps more steps")
+    ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: NCCL and cuda:LOCAL_RANK, as ShardRL's ranks pick when a GPU is visible")
     args = ap.parse_args()
@@ -143,9 +146,19 @@ def main():
             dist.barrier()
 
     times, losses = [], []
+    device_memory = None
     lo_start = 0
-    for step in range(args.warmup + args.steps):
-        timed = step >= args.warmup
+    profiled_steps = args.profile_steps if args.profile_out else 0
+    profiler = None
+    for step in range(args.warmup + args.steps + profiled_steps):
+        if step == args.warmup + args.steps and args.profile_out and rank == 0:
+            # With the allocator's events: where each side reaches its peak.
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities, profile_memory=True)
+            profiler.__enter__()
+        timed = args.warmup <= step < args.warmup + args.steps
         if timed and step == args.warmup and rank == 0:
             lo_start = loopback_tx_bytes()
         if step == args.warmup and device.type == "cuda":
@@ -167,6 +180,16 @@ def main():
         if timed:
             times.append(elapsed)
             losses.append(loss.item())
+        if step == args.warmup + args.steps - 1 and device.type == "cuda":
+            # The peak over the timed steps alone, before any profiled step.
+            device_memory = {
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            }
+    if profiler is not None:
+        synchronize()
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(args.profile_out)
     lo_bytes = loopback_tx_bytes() - lo_start if rank == 0 else 0
     if rank != 0:
         barrier()
@@ -193,10 +216,7 @@ def main():
         "fused_adamw": args.fused_adamw,
         "world_size": world,
         "device": str(device),
-        "device_memory": None if device.type != "cuda" else {
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
-        },
+        "device_memory": device_memory,
         "environment": {
             "threads": torch.get_num_threads(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", ""),
@@ -228,8 +248,8 @@ def main():
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2, sort_keys=True)
             f.write("\n")
-    peak = (f"  peak {torch.cuda.max_memory_allocated(device) / 2**20:.1f} MiB"
-            if device.type == "cuda" else "")
+    peak = (f"  peak {device_memory['peak_allocated_bytes'] / 2**20:.1f} MiB"
+            if device_memory else "")
     print(f"{args.mode:<5} {device} N={world} threads={torch.get_num_threads()} B={args.batch}  median step "
           f"{med:.4f} s  {result['tokens_per_s']:.0f} tok/s  lo {lo_per / 1e6:.3f} MB"
           f" (x{(lo_per / theory) if theory else 0:.4f} of the schedule){peak}", flush=True)

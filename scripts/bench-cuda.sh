@@ -11,7 +11,9 @@
 # FSDP2 runs twice: with torch.optim.AdamW's default (foreach on CUDA) and with fused=True, the
 # kernel ShardRL's AdamW steps with. ShardRL and FSDP2 run interleaved, BENCH_ROUNDS times; the
 # summary takes the median over rounds of each run's median step, and the largest peak. Results go
-# to BENCH_OUT (default runs/bench-cuda).
+# to BENCH_OUT (default runs/bench-cuda). BENCH_PROFILE=1: in the last round each run also profiles
+# 2 steps after its timed ones (host ops, kernels and allocator events; the timed steps and the
+# peak are read before) into trace_IMPL_MODEL_DTYPE.json, for chrome://tracing or Perfetto.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,15 +52,20 @@ for round in $(seq 1 "$ROUNDS"); do
       # shellcheck disable=SC2207
       args=($(model_args "$model") --steps "$STEPS" --warmup "$WARMUP" --param-dtype "$dtype")
       tag="${model}_${dtype}"
+      profiled=""
+      if [ "${BENCH_PROFILE:-0}" = 1 ] && [ "$round" = "$ROUNDS" ]; then profiled=1; fi
       echo "== round $round: $tag ShardRL"
       "${LAUNCH1[@]}" "$BIN/bench_fsdp" --mode fsdp "${args[@]}" \
-        --json-out "$OUT/shardrl_$tag.r$round.json"
+        --json-out "$OUT/shardrl_$tag.r$round.json" \
+        ${profiled:+--profile-out "$OUT/trace_shardrl_$tag.json"}
       echo "== round $round: $tag FSDP2"
       "${LAUNCH1[@]}" "$PYTHON" "$ROOT/bench/torch_baseline.py" --mode fsdp2 --device cuda \
-        "${args[@]}" --json-out "$OUT/fsdp2_$tag.r$round.json"
+        "${args[@]}" --json-out "$OUT/fsdp2_$tag.r$round.json" \
+        ${profiled:+--profile-out "$OUT/trace_fsdp2_$tag.json"}
       echo "== round $round: $tag FSDP2, AdamW(fused=True)"
       "${LAUNCH1[@]}" "$PYTHON" "$ROOT/bench/torch_baseline.py" --mode fsdp2 --device cuda \
-        --fused-adamw "${args[@]}" --json-out "$OUT/fsdp2fused_$tag.r$round.json"
+        --fused-adamw "${args[@]}" --json-out "$OUT/fsdp2fused_$tag.r$round.json" \
+        ${profiled:+--profile-out "$OUT/trace_fsdp2fused_$tag.json"}
     done
   done
 done
