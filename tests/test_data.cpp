@@ -14,13 +14,10 @@
 namespace shardrl::testing {
 namespace {
 
-const std::string kFashion = "/usr/share/datasets/fashion-mnist";
-
 TEST(Data, ReadsTheRealFashionMnistIdxFiles) {
-  SHARDRL_REQUIRE_DEPENDENCY(missing_file(kFashion + "/t10k-images-idx3-ubyte.gz",
-                                          "the Debian package dataset-fashion-mnist"));
-  auto images = data::read_idx(kFashion + "/t10k-images-idx3-ubyte.gz");
-  auto labels = data::read_idx(kFashion + "/t10k-labels-idx1-ubyte.gz");
+  SHARDRL_REQUIRE_DEPENDENCY(missing_fashion_mnist());
+  auto images = data::read_idx(kFashionMnistDir + "/t10k-images-idx3-ubyte.gz");
+  auto labels = data::read_idx(kFashionMnistDir + "/t10k-labels-idx1-ubyte.gz");
   EXPECT_EQ(images.sizes(), (std::vector<int64_t>{10000, 28, 28}));
   EXPECT_EQ(images.scalar_type(), torch::kUInt8);
   EXPECT_EQ(labels.sizes(), (std::vector<int64_t>{10000}));
@@ -33,8 +30,8 @@ TEST(Data, ReadsTheRealFashionMnistIdxFiles) {
   data::ImageDatasetOptions options;
   options.image_size = 14;
   options.limit = 100;
-  auto ds = data::load_image_dataset(kFashion + "/t10k-images-idx3-ubyte.gz",
-                                     kFashion + "/t10k-labels-idx1-ubyte.gz", options);
+  auto ds = data::load_image_dataset(kFashionMnistDir + "/t10k-images-idx3-ubyte.gz",
+                                     kFashionMnistDir + "/t10k-labels-idx1-ubyte.gz", options);
   EXPECT_EQ(ds.images.sizes(), (std::vector<int64_t>{100, 1, 14, 14}));
   EXPECT_GE(ds.images.min().item<float>(), -1.0f);
   EXPECT_LE(ds.images.max().item<float>(), 1.0f);

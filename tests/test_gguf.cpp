@@ -19,7 +19,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-std::string script() {
+std::string gguf_reference_script() {
   return std::string(SHARDRL_SOURCE_DIR "/tests/python/gguf_reference.py");
 }
 
@@ -61,8 +61,8 @@ void expect_import_refused(const std::string& gguf, const std::string& out_dir,
 TEST(Gguf, SyntheticFilesOfEveryTypeImportExactly) {
   SHARDRL_REQUIRE_DEPENDENCY(
       missing_python_modules({"gguf", "numpy", "torch", "safetensors", "transformers"}));
-  expect_checks_pass(run_process({SHARDRL_PYTHON, script(), "synthetic", bin("shardrl"),
-                                  make_temp_dir("gguf-synthetic")},
+  expect_checks_pass(run_process({SHARDRL_PYTHON, gguf_reference_script(), "synthetic",
+                                  bin("shardrl"), make_temp_dir("gguf-synthetic")},
                                  kEnv, 600),
                      43);
 }
@@ -73,7 +73,7 @@ TEST(Gguf, ImportNamesTheTensorOrFieldAtFault) {
   SHARDRL_REQUIRE_DEPENDENCY(
       missing_python_modules({"gguf", "numpy", "torch", "safetensors", "transformers"}));
   const std::string dir = make_temp_dir("gguf-broken");
-  const auto written = run_process({SHARDRL_PYTHON, script(), "broken", dir}, kEnv);
+  const auto written = run_process({SHARDRL_PYTHON, gguf_reference_script(), "broken", dir}, kEnv);
   ASSERT_EQ(written.exit_code, 0) << written.output;
   const auto good =
       run_process({bin("shardrl"), "import", dir + "/good.gguf", dir + "/good"}, kEnv);
@@ -124,7 +124,7 @@ TEST(Gguf, TruncatedFileIsAnErrorNamingIt) {
   SHARDRL_REQUIRE_DEPENDENCY(
       missing_python_modules({"gguf", "numpy", "torch", "safetensors", "transformers"}));
   const std::string dir = make_temp_dir("gguf-truncated");
-  const auto written = run_process({SHARDRL_PYTHON, script(), "broken", dir}, kEnv);
+  const auto written = run_process({SHARDRL_PYTHON, gguf_reference_script(), "broken", dir}, kEnv);
   ASSERT_EQ(written.exit_code, 0) << written.output;
   const json regions = json_line(written.output, "cuts");
   const int64_t size = regions.value("size", int64_t{0});
@@ -167,8 +167,8 @@ TEST(Gguf, SmolLM2ImportAnswersAsTransformersOnTheGguf) {
   EXPECT_EQ(chat.exit_code, 0) << chat.output;
   EXPECT_NE(chat.output.find("Paris"), std::string::npos) << chat.output;
 
-  const auto checked =
-      run_process({SHARDRL_PYTHON, script(), "smollm2", bin("shardrl"), gguf, dir}, kEnv, 600);
+  const auto checked = run_process(
+      {SHARDRL_PYTHON, gguf_reference_script(), "smollm2", bin("shardrl"), gguf, dir}, kEnv, 600);
   expect_checks_pass(checked, 14);
   std::cout << "SmolLM2: shardrl import " << imported.seconds << " s, generate --chat "
             << chat.seconds << " s, references " << checked.seconds << " s "

@@ -15,7 +15,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-std::string script() {
+std::string hf_clients_script() {
   return std::string(SHARDRL_SOURCE_DIR "/tests/python/hf_clients.py");
 }
 
@@ -95,8 +95,8 @@ void export_and_check(const TrainedRun& run, const std::string& family_model_typ
   EXPECT_TRUE(config.contains("hidden_size")) << config.dump();
 
   expect_checks_pass(
-      run_process({SHARDRL_PYTHON, script(), "exports", bin("shardrl"), base, merged, adapter,
-                   run.checkpoint, tokens, example_config(), run.model_overrides.dump()},
+      run_process({SHARDRL_PYTHON, hf_clients_script(), "exports", bin("shardrl"), base, merged,
+                   adapter, run.checkpoint, tokens, example_config(), run.model_overrides.dump()},
                   {{"HF_HUB_OFFLINE", "1"}}, 600),
       10);
 }
@@ -121,7 +121,7 @@ TEST(HfClients, Qwen2TrainerCheckpointExportsLoadInTransformersAndPeft) {
 TEST(HfClients, ShardrlLoadsTransformersSavePretrained) {
   SHARDRL_REQUIRE_DEPENDENCY(
       missing_python_modules({"torch", "safetensors", "transformers", "peft", "yaml"}));
-  expect_checks_pass(run_process({SHARDRL_PYTHON, script(), "pretrained", bin("shardrl"),
+  expect_checks_pass(run_process({SHARDRL_PYTHON, hf_clients_script(), "pretrained", bin("shardrl"),
                                   make_temp_dir("hf-pretrained")},
                                  {{"HF_HUB_OFFLINE", "1"}}, 600),
                      8);

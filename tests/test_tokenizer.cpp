@@ -487,7 +487,8 @@ TEST(Tokenizer, LoadTokenizerJsonNamesTheFileAndTheField) {
       {with("bos", "/post_processor"_json_pointer, bos), "post_processor"},
       {dir + "/missing.json", "cannot read"},
   };
-  for (const auto& [path, field] : bad) {
+  for (const auto& [file, field] : bad) {
+    const std::string& path = file;  // clang before 16 cannot capture a structured binding
     expect_invalid_argument_naming([&] { ByteLevelBpeTokenizer::load_tokenizer_json(path); },
                                    "'" + path + "'", field);
   }

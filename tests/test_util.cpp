@@ -298,6 +298,11 @@ std::string missing_file(const std::string& path, const std::string& provided_by
   return path + " (from " + provided_by + "; scripts/install-deps.sh installs it)";
 }
 
+std::string missing_fashion_mnist() {
+  return missing_file(kFashionMnistDir + "/train-images-idx3-ubyte.gz",
+                      "the Debian package dataset-fashion-mnist");
+}
+
 std::string missing_program(const std::string& name, const std::string& provided_by) {
   const auto found = run_process({"sh", "-c", "command -v " + name}, {}, 30);
   if (found.exit_code == 0) return "";

@@ -118,6 +118,9 @@ std::string missing_python_modules(const std::vector<std::string>& modules);
 std::string missing_file(const std::string& path, const std::string& provided_by);
 std::string missing_program(const std::string& name, const std::string& provided_by);
 std::string missing_smollm2_gguf();
+// Fashion-MNIST's IDX files (train and t10k), from the Debian package dataset-fashion-mnist.
+inline const std::string kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+std::string missing_fashion_mnist();
 // CI=true in the environment: a missing dependency is then a failure, not a skip.
 bool running_in_ci();
 

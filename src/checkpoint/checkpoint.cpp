@@ -146,10 +146,11 @@ StateOwners adamw_owners(torch::optim::Optimizer& optimizer,
     if (it == holder.end()) continue;
     auto* adamw = dynamic_cast<torch::optim::AdamW*>(it->second);
     if (!adamw) {
+      const torch::optim::Optimizer& stepper = *it->second;
       throw std::invalid_argument(fmt::format(
           "{}: '{}' is stepped by an optimizer of type {}; only torch::optim::AdamW state is "
           "supported",
-          what, p.name, c10::demangle(typeid(*it->second).name())));
+          what, p.name, c10::demangle(typeid(stepper).name())));
     }
     owners[p.shard.unsafeGetTensorImpl()] = adamw;
   }

@@ -4,15 +4,13 @@
 
 #include <limits>
 
+#include "checkpoint/io.h"
 #include "checkpoint/reader.h"
 
 namespace shardrl::checkpoint {
 namespace {
 
 using json = nlohmann::json;
-
-// Far beyond any model, and small enough that numel times an element size cannot overflow.
-constexpr int64_t kMaxElements = int64_t{1} << 48;
 
 class IndexChecker {
  public:
@@ -98,8 +96,8 @@ class IndexChecker {
     int64_t elements = 1;
     for (size_t d = 0; d < shape.size(); ++d) {
       const int64_t size =
-          integer(shape[d], fmt::format("{}.shape[{}]", where, d), 0, kMaxElements);
-      if (size != 0 && elements > kMaxElements / size) {
+          integer(shape[d], fmt::format("{}.shape[{}]", where, d), 0, kMaxTensorElements);
+      if (size != 0 && elements > kMaxTensorElements / size) {
         fail(where + ".shape", "a shape of at most 2^48 elements", shape);
       }
       elements *= size;

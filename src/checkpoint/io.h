@@ -7,6 +7,10 @@
 
 namespace shardrl::checkpoint {
 
+// The most elements the file parsers accept in one tensor's shape: far beyond any real tensor,
+// and small enough that elements times an element size cannot overflow int64.
+constexpr int64_t kMaxTensorElements = int64_t{1} << 48;
+
 // "<what> <path>: <strerror(errno)>".
 std::runtime_error io_error(const std::string& what, const std::string& path);
 uint32_t crc32_update(uint32_t crc, const void* data, int64_t n);

@@ -29,8 +29,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 
 // A header larger than this is a damaged file, not a real model.
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
-// Far beyond any tensor, and small enough that elements times an element size cannot overflow.
-constexpr int64_t kMaxElements = int64_t{1} << 48;
 
 const std::vector<std::pair<torch::ScalarType, const char*>>& dtype_names() {
   static const std::vector<std::pair<torch::ScalarType, const char*>> names = {
@@ -240,7 +238,7 @@ SafetensorsReader::SafetensorsReader(std::string path, BlockChecksums checksums)
         // Sizes are checked before any arithmetic on them, so none can overflow.
         int64_t elements = 1;
         for (int64_t d : info.shape) {
-          if (d < 0 || (d != 0 && elements > kMaxElements / d)) {
+          if (d < 0 || (d != 0 && elements > kMaxTensorElements / d)) {
             throw std::runtime_error(fmt::format(
                 "{}: tensor '{}' has shape {}: sizes must be >= 0, at most 2^48 elements", path_,
                 name, entry.at("shape").dump()));

@@ -717,26 +717,31 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::all_gather_segments(
     if (dst != src + from) std::memcpy(dst, src + from, bytes);  // FSDP gathers from in place
   });
   return s.enqueue([&s, op, segments, n] {
+    // A struct, not a pair to unpack: clang before 16 cannot capture a structured binding.
+    struct Span {
+      size_t begin, end;
+    };
     auto range = [n](int64_t k) {
       const size_t begin = k * kSlotBytes;
-      return std::make_pair(begin, std::min(n, begin + kSlotBytes));
+      return Span{begin, std::min(n, begin + kSlotBytes)};
     };
     s.run_rounds(
         op, static_cast<int64_t>((n + kSlotBytes - 1) / kSlotBytes),
         [&](int64_t k, char* slot) {
           // Read back from where this rank's shard was placed; its padding, which no reader
           // places either, stays unwritten.
-          const auto [begin, end] = range(k);
-          segments->place(s.rank, begin, end, [&](char* placed, size_t from, size_t bytes) {
-            std::memcpy(slot + (from - begin), placed, bytes);
-          });
+          const Span span = range(k);
+          segments->place(s.rank, span.begin, span.end,
+                          [&](char* placed, size_t from, size_t bytes) {
+                            std::memcpy(slot + (from - span.begin), placed, bytes);
+                          });
         },
         [&](int64_t k, const std::vector<const char*>& slots) {
-          const auto [begin, end] = range(k);
+          const Span span = range(k);
           for (int p = 0; p < s.size; ++p) {
             if (p == s.rank) continue;
-            segments->place(p, begin, end, [&](char* dst, size_t from, size_t bytes) {
-              std::memcpy(dst, slots[p] + (from - begin), bytes);
+            segments->place(p, span.begin, span.end, [&](char* dst, size_t from, size_t bytes) {
+              std::memcpy(dst, slots[p] + (from - span.begin), bytes);
             });
           }
         });
