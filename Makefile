@@ -2,7 +2,11 @@
 BUILD ?= build
 CUDA_BUILD ?= build-cuda
 JOBS ?= $(shell nproc)
-CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
+# clang when there is one: with its precompiled header instantiating LibTorch's templates once
+# (GCC redoes them in every translation unit) and unity batches, a cold build on 2 cores takes
+# 8.5 min instead of GCC's 16. Any C++20 compiler works: `make SHARDRL_CXX=g++ ...`.
+SHARDRL_CXX ?= $(shell command -v clang++ 2>/dev/null || echo c++)
+CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=$(SHARDRL_CXX)
 # What the CUDA build compiles here, where no GPU runs it: the library and the programs a user
 # runs, linked against torch_cuda and NCCL. `make test-cuda` on a GPU machine builds the rest.
 CUDA_CHECK_TARGETS ?= shardrl dist_worker
