@@ -1,6 +1,8 @@
 // Launcher tests: real child processes started through /bin/sh, output captured in temp files.
 #include "shardrl/launcher.h"
 
+#include "test_util.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -256,6 +258,51 @@ TEST(Launcher, PassesAnExplicitMasterPortThrough) {
 
   ASSERT_EQ(result.status, 0) << result.err;
   EXPECT_EQ(EnvByRank(result.out)["[rank 0]"]["MASTER_PORT"], "29512");
+}
+
+// The port the launcher picks stays reserved while the job runs: no other bind(0), such as another
+// launcher's pick, gets it, so two jobs started at once cannot meet at one store. In a network
+// namespace of its own with two ephemeral ports, where a released port would come back at once.
+TEST(Launcher, PickedMasterPortStaysReservedWhileTheJobRuns) {
+  using shardrl::testing::run_process;
+  SHARDRL_REQUIRE_DEPENDENCY(geteuid() == 0 && run_process({"unshare", "-n", "true"}).exit_code == 0
+                                 ? ""
+                                 : "root and unshare (util-linux) for a network namespace");
+  // Each rank binds port 0 forty times, with and without SO_REUSEADDR (a launcher's pick sets it);
+  // a bind can fail while the other rank holds the one free port.
+  const std::string probe =
+      "import os, socket\n"
+      "got = set()\n"
+      "for reuse in (0, 1) * 20:\n"
+      "    s = socket.socket()\n"
+      "    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, reuse)\n"
+      "    try:\n"
+      "        s.bind(('127.0.0.1', 0))\n"
+      "        got.add(s.getsockname()[1])\n"
+      "    except OSError:\n"
+      "        pass\n"
+      "    s.close()\n"
+      "print('MASTER_PORT', os.environ['MASTER_PORT'], 'BOUND', *sorted(got))\n";
+  const std::string job =
+      "ip link set lo up && sysctl -q -w net.ipv4.ip_local_port_range='40000 40001' && exec " +
+      shardrl::testing::bin("shardrl") + " launch -n 2 -- " + SHARDRL_PYTHON + " -c \"$0\"";
+  const auto result = run_process({"unshare", "-n", "sh", "-c", job, probe}, {}, 120);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  int ranks_seen = 0;
+  std::istringstream lines(result.output);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream words(line.substr(
+        line.find("MASTER_PORT") == std::string::npos ? line.size() : line.find("MASTER_PORT")));
+    std::string word, master_port;
+    if (!(words >> word >> master_port)) continue;
+    ++ranks_seen;
+    words >> word;  // BOUND
+    for (std::string port; words >> port;) {
+      EXPECT_NE(port, master_port) << "a bind(0) got the job's MASTER_PORT while it ran:\n"
+                                   << result.output;
+    }
+  }
+  EXPECT_EQ(ranks_seen, 2) << result.output;
 }
 
 TEST(Launcher, SplitsCoresAcrossRanksByDefault) {

@@ -185,9 +185,18 @@ void Validate(const LaunchOptions& options) {
   }
 }
 
-// The port is released again before rank 0 binds it, so another process could grab it in between;
-// torchrun accepts the same race, and rank 0's bind error names the port if it ever happens.
-int PickFreePort(const std::string& address) {
+// A free port on `address`, held by a bound socket the launcher keeps open, with SO_REUSEADDR and
+// not listening, until the job ends. While it is bound, Linux gives the port to no other bind(0)
+// (another launcher's pick) and to no outgoing connection's ephemeral port, yet rank 0's store,
+// which binds with SO_REUSEADDR too (c10d's TCPStore, in C++ or Python), may bind and listen on
+// it. torchrun closes its probe socket before the workers start; under parallel jobs another
+// process took the port in that gap and rank 1 joined the wrong job's store.
+struct ReservedPort {
+  int port = 0;
+  UniqueFd holder;
+};
+
+ReservedPort ReserveFreePort(const std::string& address) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -201,21 +210,28 @@ int PickFreePort(const std::string& address) {
   std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> addresses(found, &freeaddrinfo);
   int last_errno = EADDRNOTAVAIL;
   for (const addrinfo* candidate = found; candidate != nullptr; candidate = candidate->ai_next) {
+    // Close-on-exec: the ranks must not inherit it, or the port would outlive the launcher.
     UniqueFd sock(socket(candidate->ai_family, candidate->ai_socktype | SOCK_CLOEXEC,
                          candidate->ai_protocol));
+    const int reuse = 1;
     sockaddr_storage bound{};
     socklen_t bound_size = sizeof(bound);
-    if (!sock.valid() || bind(sock.get(), candidate->ai_addr, candidate->ai_addrlen) != 0 ||
+    if (!sock.valid() ||
+        setsockopt(sock.get(), SOL_SOCKET, SO_REUSEADDR, &reuse, sizeof(reuse)) != 0 ||
+        bind(sock.get(), candidate->ai_addr, candidate->ai_addrlen) != 0 ||
         getsockname(sock.get(), reinterpret_cast<sockaddr*>(&bound), &bound_size) != 0) {
       last_errno = errno;
       continue;
     }
+    int port = 0;
     if (bound.ss_family == AF_INET) {
-      return ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+      port = ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+    } else if (bound.ss_family == AF_INET6) {
+      port = ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port);
+    } else {
+      continue;
     }
-    if (bound.ss_family == AF_INET6) {
-      return ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port);
-    }
+    return ReservedPort{port, AboveStdio(std::move(sock))};
   }
   throw std::system_error(
       last_errno, std::generic_category(),
@@ -511,8 +527,11 @@ class Job {
     if (!dev_null.valid()) ThrowErrno("open(/dev/null)");
     dev_null = AboveStdio(std::move(dev_null));
 
-    int port =
-        options_.master_port != 0 ? options_.master_port : PickFreePort(options_.master_addr);
+    int port = options_.master_port;
+    if (port == 0) {
+      reserved_port_ = ReserveFreePort(options_.master_addr);
+      port = reserved_port_.port;
+    }
     std::optional<int> threads = ThreadsPerRank(options_);
     for (int index = 0; index < options_.nproc; ++index) {
       StartRank(index, PlanRank(options_, index, port, threads), dev_null.get());
@@ -686,6 +705,8 @@ class Job {
   const LaunchOptions& options_;
   SignalRelay relay_;
   std::vector<Rank> ranks_;
+  // The picked MASTER_PORT, held until the job (and this Job) ends.
+  ReservedPort reserved_port_;
   std::optional<int> first_failure_;
   int interrupted_by_ = 0;
   std::optional<Clock::time_point> term_at_;
