@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "compat.h"
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
 #include "shardrl/models/llama.h"
@@ -138,7 +139,7 @@ void synchronize(const torch::Device& device) {
 // torch.cuda.max_memory_allocated), and the peak it held from the driver (max_memory_reserved).
 json device_memory(const torch::Device& device) {
   if (device.is_cpu()) return nullptr;
-  const auto stats = at::accelerator::getDeviceStats(device.index());
+  const auto stats = compat::device_memory_stats(device.index());
   const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
   return {{"peak_allocated_bytes", stats.allocated_bytes[aggregate].peak},
           {"peak_reserved_bytes", stats.reserved_bytes[aggregate].peak}};
@@ -275,7 +276,7 @@ int run_fsdp(const Args& a) {
     if (timed && step == a.warmup && rank == 0) lo_start = loopback_tx_bytes();
     // The peak is over the timed steps, after warm-up has filled the allocator's cache, as the
     // PyTorch baseline measures it.
-    if (step == a.warmup && !device.is_cpu()) at::accelerator::resetPeakStats(device.index());
+    if (step == a.warmup && !device.is_cpu()) compat::reset_peak_device_memory(device.index());
     synchronize(device);
     group.barrier();
     const auto t0 = Clock::now();

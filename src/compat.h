@@ -5,10 +5,16 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/optim/optimizer.h>
 #include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 9
+#include <ATen/DeviceAccelerator.h>
+#elif defined(USE_C10D_NCCL)
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -17,6 +23,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -116,6 +123,31 @@ Key optimizer_state_key(const at::Tensor& param) {
   } else {
     return param.unsafeGetTensorImpl();
   }
+}
+
+// The device caching allocator's counters (torch.cuda.memory_stats) and the reset of their peaks
+// (torch.cuda.reset_peak_memory_stats). at::accelerator has both from LibTorch 2.9 on, for any
+// accelerator; before, CUDA's allocator does, which only the CUDA build links.
+inline c10::CachingDeviceAllocator::DeviceStats device_memory_stats(c10::DeviceIndex index) {
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 9
+  return at::accelerator::getDeviceStats(index);
+#elif defined(USE_C10D_NCCL)
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+#else
+  (void)index;
+  throw std::runtime_error("device memory statistics need LibTorch 2.9 or a CUDA build");
+#endif
+}
+
+inline void reset_peak_device_memory(c10::DeviceIndex index) {
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 9
+  at::accelerator::resetPeakStats(index);
+#elif defined(USE_C10D_NCCL)
+  c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+#else
+  (void)index;
+  throw std::runtime_error("device memory statistics need LibTorch 2.9 or a CUDA build");
+#endif
 }
 
 }  // namespace shardrl::compat

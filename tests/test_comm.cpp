@@ -81,7 +81,10 @@ TEST(Comm, HostImageWaitsForEveryPeerToReleaseTheLastGather) {
               std::string::npos)
         << r.dump();
   }
-  EXPECT_GE(ranks[1].value("cases", 0), 2 * 3 + 1 + 3 * 20) << ranks[1].dump();  // read all along
+  // Rank 1 re-reads the first gather's 3 segments every ~20 ms of its 600 ms hold; at least 5
+  // reads, so that a loaded machine (ctest -j, 2 cores), where one read takes 10 ms or more,
+  // still passes.
+  EXPECT_GE(ranks[1].value("cases", 0), 2 * 3 + 1 + 3 * 5) << ranks[1].dump();
   EXPECT_GT(ranks[0].value("issue_seconds_2", 0.0), 0.5) << ranks[0].dump();
   EXPECT_LT(ranks[1].value("issue_seconds_2", 1.0), 0.3) << ranks[1].dump();
 }
