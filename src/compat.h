@@ -10,7 +10,9 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/optim/optimizer.h>
 #include <torch/version.h>
-#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 9
+// at::accelerator's memory counters, device-generic, exist from LibTorch 2.9 on.
+#define SHARDRL_ACCELERATOR_MEMORY_STATS (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 9)
+#if SHARDRL_ACCELERATOR_MEMORY_STATS
 #include <ATen/DeviceAccelerator.h>
 #elif defined(USE_C10D_NCCL)
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -129,7 +131,7 @@ Key optimizer_state_key(const at::Tensor& param) {
 // (torch.cuda.reset_peak_memory_stats). at::accelerator has both from LibTorch 2.9 on, for any
 // accelerator; before, CUDA's allocator does, which only the CUDA build links.
 inline c10::CachingDeviceAllocator::DeviceStats device_memory_stats(c10::DeviceIndex index) {
-#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 9
+#if SHARDRL_ACCELERATOR_MEMORY_STATS
   return at::accelerator::getDeviceStats(index);
 #elif defined(USE_C10D_NCCL)
   return c10::cuda::CUDACachingAllocator::getDeviceStats(index);
@@ -140,7 +142,7 @@ inline c10::CachingDeviceAllocator::DeviceStats device_memory_stats(c10::DeviceI
 }
 
 inline void reset_peak_device_memory(c10::DeviceIndex index) {
-#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 9
+#if SHARDRL_ACCELERATOR_MEMORY_STATS
   at::accelerator::resetPeakStats(index);
 #elif defined(USE_C10D_NCCL)
   c10::cuda::CUDACachingAllocator::resetPeakStats(index);

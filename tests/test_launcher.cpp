@@ -291,8 +291,9 @@ TEST(Launcher, PickedMasterPortStaysReservedWhileTheJobRuns) {
   int ranks_seen = 0;
   std::istringstream lines(result.output);
   for (std::string line; std::getline(lines, line);) {
-    std::istringstream words(line.substr(
-        line.find("MASTER_PORT") == std::string::npos ? line.size() : line.find("MASTER_PORT")));
+    const auto at = line.find("MASTER_PORT");
+    if (at == std::string::npos) continue;
+    std::istringstream words(line.substr(at));
     std::string word, master_port;
     if (!(words >> word >> master_port)) continue;
     ++ranks_seen;
