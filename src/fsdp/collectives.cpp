@@ -107,6 +107,27 @@ GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
   const auto count = static_cast<int64_t>(trainable.size());
   const auto device = trainable.front()->shard().device();
   const auto options = torch::dtype(reduce_dtype).device(device);
+  if (group.size() == 1 && !one_buffer) {
+    // Nothing to reduce (FSDP2 still copies in and out here): each grad, in reduce_dtype and
+    // times `scale`, becomes its grad shard itself. Autograd hands it over exclusively, as it
+    // hands unsharded training the .grad that the optimizer and clipping then edit in place.
+    r.wire = reduce_dtype;
+    std::vector<float> had;
+    for (ParamSlot* slot : trainable) {
+      torch::Tensor grad = slot->take_grad();
+      had.push_back(grad.defined() ? 1 : 0);
+      if (grad.defined()) {
+        grad = grad.to(reduce_dtype).contiguous();
+        if (scale != 1.0) grad.mul_(scale);
+        // Only a scalar param's shard ([1]) is shaped otherwise; a view would refuse detach_().
+        if (grad.sizes() != slot->shard().sizes())
+          grad = grad.reshape(slot->shard().sizes()).clone();
+      }
+      r.own.push_back(grad);
+    }
+    r.own.push_back(torch::tensor(had).to(options));
+    return r;  // no collective: r.pending is complete
+  }
   // Params that compute in the wire's dtype have their grads in it: no_sync keeps a sum of its
   // own only in a wider reduce_dtype, which is then the wire. Deciding on the dtypes, not on
   // which grads this rank has, keeps every rank on the same path.
@@ -162,6 +183,7 @@ CreatedGrads reduce_scatter_copy_out(const GradReduceScatter& reduction) {
   for (size_t k = 0; k < reduction.params.size(); ++k) {
     const ParamSlot& slot = *reduction.params[k];
     const torch::Tensor reduced = reduction.reduced(k);
+    if (!reduced.defined()) continue;  // world size 1, no grad: nothing to add or create
     // A param no rank used adds zeros (exact) to an existing grad shard.
     if (slot.shard().grad().defined()) {
       slot.shard().mutable_grad().add_(reduced);

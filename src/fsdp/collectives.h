@@ -56,7 +56,8 @@ struct GradReduceScatter {
   // input, or the unsharded grads themselves.
   std::vector<torch::Tensor> sent;
   // Where the sums land, in reduce_dtype: `flat` ([width]: each param's shard at its column, then
-  // the flags), or, when undefined, a tensor of each param's own in `own` (then the flags).
+  // the flags), or, when undefined, a tensor of each param's own in `own` (then the flags; at a
+  // shard group of one, a param without a grad has an undefined tensor there).
   torch::Tensor flat;
   std::vector<int64_t> columns;
   int64_t flags_at = 0;
@@ -85,6 +86,8 @@ torch::ScalarType grad_wire_dtype(const dist::ProcessGroup& group,
 //   becomes the grad shard: no pack and no copy-out (FSDP2 packs, as ShardRL does below).
 // - Otherwise the grads are packed into one [group size, width] buffer in the wire's dtype, times
 //   `scale` where that is reduce_dtype.
+// - At a shard group of one, and unless `one_buffer`, there is no collective: each grad (in
+//   reduce_dtype, times `scale`) becomes its grad shard as it is, undefined where there was none.
 // `one_buffer`: the sums must land in `flat` (an HSDP replicate all-reduce follows).
 GradReduceScatter reduce_scatter_grads(dist::ProcessGroup& group,
                                        const std::vector<ParamSlot*>& trainable,

@@ -69,8 +69,18 @@ void UnitState::unshard() {
   check_usable();
   torch::NoGradGuard no_grad;
   torch::Tensor shard = residency ? residency->gather_input(view()) : flat_shard;
-  torch::Tensor input = all_gather_input(shard, options.mixed_precision.param_dtype);
   dist::ProcessGroup& group = mesh.shard_group();
+  if (group.size() == 1) {
+    // Nothing to gather (FSDP2 skips the collective here too): each param is filled from its
+    // shard, cast to the compute dtype in the same pass. No gather buffer, no second copy.
+    all_gather_copy_out(params, shard.reshape({1, -1}), 1);
+    gathering_in_place_ = true;  // nothing is left for wait_for_unshard to copy out
+    gather_pending_ = dist::Pending();
+    trace::record(trace::Event::kGatherIssued, *this, options.mixed_precision.param_dtype, 0);
+    stage = Stage::kUnsharding;
+    return;
+  }
+  torch::Tensor input = all_gather_input(shard, options.mixed_precision.param_dtype);
   const uint64_t sent_before = group.bytes_sent();
   try {
     if (group.has_segment_collectives()) {
