@@ -16,8 +16,11 @@
 #       gathered once a step, DDP's traffic; grads and optimizer state still 1/N)
 #   a3) / f2) ShardRL and FSDP2 with bf16 params and fp32 reduce (fewer steps: this CPU has no
 #       bf16 arithmetic, a step takes ~25x the fp32 one)
+#   a1) / f1) ShardRL FSDP and PyTorch FSDP2 at world size 1, batch B/2: nothing to shard over,
+#       so what each costs over plain training (b, and l: PyTorch 1 x 1 without FSDP). The GPU
+#       comparison (scripts/bench-cuda.sh) runs at this world size.
 #
-# a, a5, a4, b, b2, d, f, a2 and f3 run interleaved, BENCH_ROUNDS times; the summary takes the median over rounds of
+# a, a5, a4, b, b2, d, f, a2, f3, a1, f1 and l run interleaved, BENCH_ROUNDS times; the summary takes the median over rounds of
 # each run's median step. Timings need a quiet machine: every run shares the same 2 cores.
 #
 # Sizes and steps can be overridden for a quick smoke run, e.g.
@@ -110,6 +113,15 @@ for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round: f3) PyTorch FSDP2 2x1, reshard_after_forward=False"
   "${LAUNCH2[@]}" "${TORCH[@]}" --mode fsdp2 "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
     --threads 1 --no-reshard-after-forward --json-out "$OUT/f3_fsdp2_2x1_no_reshard.r$round.json"
+  echo "== round $round: a1) ShardRL FSDP 1x1, batch $HALF"
+  "$BIN/shardrl" launch -n 1 --threads 1 -- "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" \
+    "${TIMING[@]}" --batch "$HALF" --json-out "$OUT/a1_fsdp_1x1_half.r$round.json"
+  echo "== round $round: f1) PyTorch FSDP2 1x1, batch $HALF"
+  "$BIN/shardrl" launch -n 1 --threads 1 -- "${TORCH[@]}" --mode fsdp2 "${MODEL[@]}" \
+    "${TIMING[@]}" --batch "$HALF" --threads 1 --json-out "$OUT/f1_fsdp2_1x1_half.r$round.json"
+  echo "== round $round: l) PyTorch 1x1 without FSDP, batch $HALF"
+  env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "${TORCH[@]}" --mode local "${MODEL[@]}" \
+    "${TIMING[@]}" --batch "$HALF" --threads 1 --json-out "$OUT/l_torch_local_1x1_half.r$round.json"
 done
 echo "== a3) ShardRL FSDP 2x1, bf16 params, fp32 reduce"
 "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${BF16_TIMING[@]}" --batch "$BATCH" \
@@ -129,7 +141,8 @@ def load(name):
 runs = {k: [load(f"{n}.r{r}") for r in range(1, rounds + 1)]
         for k, n in [("a", "a_fsdp_2x1"), ("a5", "a5_fsdp_2x1_private"), ("a4", "a4_fsdp_2x1_gloo"), ("b", "b_local_1x1_half"), ("d", "d_ddp_2x1"),
                      ("f", "f_fsdp2_2x1"), ("a2", "a2_fsdp_2x1_no_reshard"),
-                     ("f3", "f3_fsdp2_2x1_no_reshard")]}
+                     ("f3", "f3_fsdp2_2x1_no_reshard"), ("a1", "a1_fsdp_1x1_half"),
+                     ("f1", "f1_fsdp2_1x1_half"), ("l", "l_torch_local_1x1_half")]}
 a3, f2 = load("a3_fsdp_2x1_bf16"), load("f2_fsdp2_2x1_bf16")
 t = {k: statistics.median(r["median_step_s"] for r in v) for k, v in runs.items()}
 # b2: per round the slower of the two concurrent processes (a step of run a waits for both ranks).
@@ -144,7 +157,8 @@ def sent(r):
 
 print(f"\n{'run':<4} {'setup':<28} {'median s (per round)':<28} {'MB/rank/step':>12}")
 names = {"a": "ShardRL FSDP 2x1", "a5": "ShardRL 2x1 private copies", "a4": "ShardRL 2x1 over Gloo", "b": "ShardRL local 1x1 B/2", "d": "PyTorch DDP 2x1",
-         "f": "PyTorch FSDP2 2x1", "a2": "ShardRL 2x1 no reshard", "f3": "FSDP2 2x1 no reshard"}
+         "f": "PyTorch FSDP2 2x1", "a2": "ShardRL 2x1 no reshard", "f3": "FSDP2 2x1 no reshard",
+         "a1": "ShardRL FSDP 1x1 B/2", "f1": "PyTorch FSDP2 1x1 B/2", "l": "PyTorch local 1x1 B/2"}
 for k, v in runs.items():
     per_round = ", ".join(f"{r['median_step_s']:.3f}" for r in v)
     s = sent(v[0])
@@ -168,6 +182,9 @@ ratios = {
     "shardrl_bf16_over_fsdp2_bf16": {"value": t["a3"] / t["f2"], "target": None},
     "no_reshard_shardrl_over_fsdp2_a2_over_f3": {"value": t["a2"] / t["f3"], "target": None},
     "no_reshard_shardrl_over_ddp_a2_over_d": {"value": t["a2"] / t["d"], "target": None},
+    "world_size_1_shardrl_over_fsdp2_a1_over_f1": {"value": t["a1"] / t["f1"], "target": None},
+    "world_size_1_shardrl_fsdp_over_local_a1_over_b": {"value": t["a1"] / t["b"], "target": None},
+    "world_size_1_fsdp2_over_torch_local_f1_over_l": {"value": t["f1"] / t["l"], "target": None},
 }
 print()
 for name, r in ratios.items():
