@@ -48,6 +48,10 @@ bench: build
 # The CUDA/NCCL build: compiles and links here (CUDA 13 toolkit at /usr/local/cuda, no GPU).
 build-cuda: deps
 	@cmake -S . -B $(CUDA_BUILD) $(CMAKE_FLAGS) -DSHARDRL_CUDA=ON >/dev/null
+	@# A changed compiler makes CMake drop the folder's cache and, with it, the -D values of that
+	@# very run: configure again rather than build a CPU-only binary under this name.
+	@grep -q '^SHARDRL_CUDA:BOOL=ON' $(CUDA_BUILD)/CMakeCache.txt || \
+	  cmake -S . -B $(CUDA_BUILD) $(CMAKE_FLAGS) -DSHARDRL_CUDA=ON >/dev/null
 	@cmake --build $(CUDA_BUILD) -j $(JOBS) --target $(CUDA_CHECK_TARGETS)
 
 # On a GPU machine: the whole CUDA build, then the tests that run on one GPU with NCCL.

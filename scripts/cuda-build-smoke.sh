@@ -8,6 +8,11 @@ set -euo pipefail
 build=${1:-build-cuda}
 bin="$build/bin/shardrl"
 [ -x "$bin" ] || { echo "cuda-build-smoke: $bin is missing (make build-cuda)" >&2; exit 1; }
+readelf -d "$bin" | grep -q 'NEEDED.*libtorch_cuda' || {
+  echo "cuda-build-smoke: $bin does not link libtorch_cuda: $build was configured without" \
+    "SHARDRL_CUDA=ON" >&2
+  exit 1
+}
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 run() {
