@@ -46,12 +46,12 @@ bench: build
 	@scripts/bench.sh $(BUILD)
 
 # The CUDA/NCCL build: compiles and links here (CUDA 13 toolkit at /usr/local/cuda, no GPU).
+CUDA_CONFIGURE = cmake -S . -B $(CUDA_BUILD) $(CMAKE_FLAGS) -DSHARDRL_CUDA=ON >/dev/null
 build-cuda: deps
-	@cmake -S . -B $(CUDA_BUILD) $(CMAKE_FLAGS) -DSHARDRL_CUDA=ON >/dev/null
+	@$(CUDA_CONFIGURE)
 	@# A changed compiler makes CMake drop the folder's cache and, with it, the -D values of that
 	@# very run: configure again rather than build a CPU-only binary under this name.
-	@grep -q '^SHARDRL_CUDA:BOOL=ON' $(CUDA_BUILD)/CMakeCache.txt || \
-	  cmake -S . -B $(CUDA_BUILD) $(CMAKE_FLAGS) -DSHARDRL_CUDA=ON >/dev/null
+	@grep -q '^SHARDRL_CUDA:BOOL=ON' $(CUDA_BUILD)/CMakeCache.txt || $(CUDA_CONFIGURE)
 	@cmake --build $(CUDA_BUILD) -j $(JOBS) --target $(CUDA_CHECK_TARGETS)
 
 # On a GPU machine: the whole CUDA build, then the tests that run on one GPU with NCCL.
