@@ -535,16 +535,24 @@ int run_lora(const Args& a) {
   return 0;
 }
 
+// local: one process trains an unsharded model on --batch rows. lockstep (under shardrl launch):
+// each rank trains a copy of its own on its rows of the global --batch, exchanging nothing, but
+// every step starts and ends at the same barriers as fsdp mode's, so a step lasts as long as the
+// slowest rank's, as in data parallel. It is data parallel with free communication on the same
+// cores: fsdp over lockstep is what communication costs, without the cores' uneven speeds.
 int run_local(const Args& a) {
+  std::shared_ptr<dist::World> world;
+  if (a.mode == "lockstep") world = dist::World::init_from_env();
   set_compute_threads(a.threads);
   const auto config = model_config(a);
   auto model = build_model(config);
   auto optimizer = optim::make_adamw(optim::from_module(*model), optim::AdamWConfig{});
-  auto tokens = global_batch(a);
+  auto tokens = world ? local_tokens(a, *world) : global_batch(a);
   auto params = model->parameters();
 
   std::vector<double> times, losses;
   for (int step = 0; step < a.warmup + a.steps; ++step) {
+    if (world) world->group().barrier();
     const auto t0 = Clock::now();
     // Dropping grads (set_to_none) as FSDP's zero_grad does, so neither side pays for zeroing.
     for (auto& p : params) p.mutable_grad() = torch::Tensor();
@@ -552,25 +560,27 @@ int run_local(const Args& a) {
     loss.backward();
     torch::nn::utils::clip_grad_norm_(params, kMaxNorm);
     optimizer->step();
+    if (world) world->group().barrier();
     const double elapsed = seconds_since(t0);
     if (step < a.warmup) continue;
     times.push_back(elapsed);
     losses.push_back(loss.item<double>());
   }
+  if (world && world->rank() != 0) return 0;
   json j = {{"benchmark", "bench_fsdp"},
-            {"mode", "local"},
-            {"world_size", 1},
+            {"mode", a.mode},
+            {"world_size", world ? world->size() : 1},
             {"environment", run_environment()},
             {"model", model_json(config)},
             {"batch_global", a.batch},
-            {"batch_per_rank", a.batch},
+            {"batch_per_rank", tokens.size(0)},
             {"warmup_steps", a.warmup},
             {"timed_steps", a.steps},
             {"loss_first", losses.empty() ? 0.0 : losses.front()},
             {"loss_last", losses.empty() ? 0.0 : losses.back()}};
   j.update(timing_json(times, a.batch * a.seq));
   write_json(a, j);
-  std::printf("local threads=%d B=%lld  median step %.4f s  %.0f tok/s  blas %s\n",
+  std::printf("%s threads=%d B=%lld  median step %.4f s  %.0f tok/s  blas %s\n", a.mode.c_str(),
               at::get_num_threads(), static_cast<long long>(a.batch),
               j["median_step_s"].get<double>(), j["tokens_per_s"].get<double>(),
               blas_library().c_str());
@@ -613,14 +623,15 @@ int main(int argc, char** argv) {
   CLI::App app{"ShardRL foundation benchmark: FSDP vs unsharded training step, BLAS probe"};
   Args a;
   app.add_option("--mode", a.mode,
-                 "fsdp or lora (under shardrl launch), local (one process) or matmul")
-      ->check(CLI::IsMember({"fsdp", "lora", "local", "matmul"}));
+                 "fsdp, lora or lockstep (under shardrl launch), local (one process) or matmul")
+      ->check(CLI::IsMember({"fsdp", "lora", "lockstep", "local", "matmul"}));
   app.add_option("--d-model", a.d_model)->check(CLI::PositiveNumber);
   app.add_option("--layers", a.layers)->check(CLI::PositiveNumber);
   app.add_option("--heads", a.heads)->check(CLI::PositiveNumber);
   app.add_option("--vocab", a.vocab)->check(CLI::PositiveNumber);
   app.add_option("--seq", a.seq, "Tokens per row")->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
-  app.add_option("--batch", a.batch, "Rows per step: global in fsdp mode, this process's in local")
+  app.add_option("--batch", a.batch,
+                 "Rows per step: global under shardrl launch, this process's in local")
       ->check(CLI::PositiveNumber);
   app.add_option("--steps", a.steps, "Timed steps (matmul: repetitions)")
       ->check(CLI::PositiveNumber);
@@ -649,7 +660,7 @@ int main(int argc, char** argv) {
   try {
     if (a.mode == "fsdp") return run_fsdp(a);
     if (a.mode == "lora") return run_lora(a);
-    if (a.mode == "local") return run_local(a);
+    if (a.mode == "local" || a.mode == "lockstep") return run_local(a);
     return run_matmul(a);
   } catch (const std::exception& e) {
     std::cerr << "bench_fsdp: " << e.what() << std::endl;

@@ -10,6 +10,10 @@
 #       between hosts
 #   b)  ShardRL, 1 process x 1 thread, batch B/2 (one rank's share, no communication)
 #   b2) two b processes at once: run a's compute with the cores shared as in a, no communication
+#   b3) b2 in lock-step (bench_fsdp --mode lockstep under shardrl launch): each rank trains a copy
+#       of its own on its B/2 rows, exchanging nothing, between the same per-step barriers as a, so
+#       a step waits for the slower core as a's does. Data parallel with free communication: a / b3
+#       is what communication costs, without what the cores' uneven speeds cost
 #   d)  PyTorch DDP, 2 x 1
 #   f)  PyTorch FSDP2, 2 x 1 (fully_shard per block, then the root)
 #   a2) / f3) ShardRL and FSDP2 with reshard_after_forward=false on the blocks (ZeRO-2: params
@@ -20,7 +24,7 @@
 #       so what each costs over plain training (b, and l: PyTorch 1 x 1 without FSDP). The GPU
 #       comparison (scripts/bench-cuda.sh) runs at this world size.
 #
-# a, a5, a4, b, b2, d, f, a2, f3, a1, f1 and l run interleaved, BENCH_ROUNDS times; the summary takes the median over rounds of
+# a, a5, a4, b, b2, b3, d, f, a2, f3, a1, f1 and l run interleaved, BENCH_ROUNDS times; the summary takes the median over rounds of
 # each run's median step. Timings need a quiet machine: every run shares the same 2 cores.
 #
 # Sizes and steps can be overridden for a quick smoke run, e.g.
@@ -101,6 +105,9 @@ for round in $(seq 1 "$ROUNDS"); do
       --json-out "$OUT/b2_local_1x1_half_concurrent_p$p.r$round.json" &
   done
   wait
+  echo "== round $round: b3) ShardRL local B/2 on each of 2 ranks in lock-step, nothing exchanged"
+  "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode lockstep "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
+    --json-out "$OUT/b3_lockstep_2x1.r$round.json"
   echo "== round $round: d) PyTorch DDP 2x1"
   "${LAUNCH2[@]}" "${TORCH[@]}" --mode ddp "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
     --threads 1 --json-out "$OUT/d_ddp_2x1.r$round.json"
@@ -139,7 +146,8 @@ def load(name):
         return json.load(f)
 
 runs = {k: [load(f"{n}.r{r}") for r in range(1, rounds + 1)]
-        for k, n in [("a", "a_fsdp_2x1"), ("a5", "a5_fsdp_2x1_private"), ("a4", "a4_fsdp_2x1_gloo"), ("b", "b_local_1x1_half"), ("d", "d_ddp_2x1"),
+        for k, n in [("a", "a_fsdp_2x1"), ("a5", "a5_fsdp_2x1_private"), ("a4", "a4_fsdp_2x1_gloo"), ("b", "b_local_1x1_half"),
+                     ("b3", "b3_lockstep_2x1"), ("d", "d_ddp_2x1"),
                      ("f", "f_fsdp2_2x1"), ("a2", "a2_fsdp_2x1_no_reshard"),
                      ("f3", "f3_fsdp2_2x1_no_reshard"), ("a1", "a1_fsdp_1x1_half"),
                      ("f1", "f1_fsdp2_1x1_half"), ("l", "l_torch_local_1x1_half")]}
@@ -156,7 +164,8 @@ def sent(r):
     return comm.get("bytes_sent_per_step", comm.get("loopback_tx_bytes_per_rank_per_step"))
 
 print(f"\n{'run':<4} {'setup':<28} {'median s (per round)':<28} {'MB/rank/step':>12}")
-names = {"a": "ShardRL FSDP 2x1", "a5": "ShardRL 2x1 private copies", "a4": "ShardRL 2x1 over Gloo", "b": "ShardRL local 1x1 B/2", "d": "PyTorch DDP 2x1",
+names = {"a": "ShardRL FSDP 2x1", "a5": "ShardRL 2x1 private copies", "a4": "ShardRL 2x1 over Gloo", "b": "ShardRL local 1x1 B/2",
+         "b3": "2 x local B/2 in lock-step", "d": "PyTorch DDP 2x1",
          "f": "PyTorch FSDP2 2x1", "a2": "ShardRL 2x1 no reshard", "f3": "FSDP2 2x1 no reshard",
          "a1": "ShardRL FSDP 1x1 B/2", "f1": "PyTorch FSDP2 1x1 B/2", "l": "PyTorch local 1x1 B/2"}
 for k, v in runs.items():
@@ -179,6 +188,8 @@ ratios = {
     "fsdp2_cost_of_sharding_f_over_b": {"value": t["f"] / t["b"], "target": None},
     "shared_cores_b2_over_b": {"value": t["b2"] / t["b"], "target": None},
     "communication_a_over_b2": {"value": t["a"] / t["b2"], "target": None},
+    "lock_step_b3_over_b": {"value": t["b3"] / t["b"], "target": None},
+    "communication_a_over_b3": {"value": t["a"] / t["b3"], "target": None},
     "shardrl_bf16_over_fsdp2_bf16": {"value": t["a3"] / t["f2"], "target": None},
     "no_reshard_shardrl_over_fsdp2_a2_over_f3": {"value": t["a2"] / t["f3"], "target": None},
     "no_reshard_shardrl_over_ddp_a2_over_d": {"value": t["a2"] / t["d"], "target": None},
