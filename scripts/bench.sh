@@ -24,8 +24,11 @@
 #       so what each costs over plain training (b, and l: PyTorch 1 x 1 without FSDP). The GPU
 #       comparison (scripts/bench-cuda.sh) runs at this world size.
 #
-# a, a5, a4, b, b2, b3, d, f, a2, f3, a1, f1 and l run interleaved, BENCH_ROUNDS times; the summary takes the median over rounds of
-# each run's median step. Timings need a quiet machine: every run shares the same 2 cores.
+# a, b, b3, a1, b2, a5, a4, d, f, a2, f3, f1 and l run interleaved in that order, BENCH_ROUNDS times,
+# the runs of the closest comparisons next to each other: this VM's speed drifts over minutes. The
+# summary takes the median over rounds of each run's median step; each ratio is the ratio of those
+# medians, and beside it the median over rounds of the same ratio within a round (paired). Timings
+# need a quiet machine: every run shares the same 2 cores.
 #
 # Sizes and steps can be overridden for a quick smoke run, e.g.
 #   BENCH_D_MODEL=64 BENCH_LAYERS=2 BENCH_VOCAB=256 BENCH_SEQ=32 BENCH_BATCH=4 BENCH_STEPS=2 \
@@ -87,27 +90,30 @@ for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round: a) ShardRL FSDP 2x1"
   "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
     --json-out "$OUT/a_fsdp_2x1.r$round.json"
-  echo "== round $round: a5) ShardRL FSDP 2x1, private unsharded params"
-  "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
-    --no-host-shared-params --json-out "$OUT/a5_fsdp_2x1_private.r$round.json"
-  echo "== round $round: a4) ShardRL FSDP 2x1 over Gloo's TCP loopback"
-  SHARDRL_SHM_DISABLE=1 "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${TIMING[@]}" \
-    --batch "$BATCH" --json-out "$OUT/a4_fsdp_2x1_gloo.r$round.json"
   echo "== round $round: b) ShardRL local 1x1, batch $HALF"
   env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$BIN/bench_fsdp" --mode local "${MODEL[@]}" \
     "${TIMING[@]}" --batch "$HALF" --threads 1 --json-out "$OUT/b_local_1x1_half.r$round.json"
+  echo "== round $round: b3) ShardRL local B/2 on each of 2 ranks in lock-step, nothing exchanged"
+  "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode lockstep "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
+    --json-out "$OUT/b3_lockstep_2x1.r$round.json"
+  echo "== round $round: a1) ShardRL FSDP 1x1, batch $HALF"
+  "$BIN/shardrl" launch -n 1 --threads 1 -- "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" \
+    "${TIMING[@]}" --batch "$HALF" --json-out "$OUT/a1_fsdp_1x1_half.r$round.json"
   echo "== round $round: b2) two ShardRL local 1x1 processes at once, batch $HALF each"
-  # Run a's compute without its communication: both cores busy, sharing caches and memory
-  # bandwidth as the two ranks do. a / b2 is what communication alone costs on this machine.
+  # a's compute without its communication: both cores busy, sharing caches and memory bandwidth
+  # as the two ranks do, but each process at its own pace (b3 makes them keep in step).
   for p in 0 1; do
     env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$BIN/bench_fsdp" --mode local "${MODEL[@]}" \
       "${TIMING[@]}" --batch "$HALF" --threads 1 \
       --json-out "$OUT/b2_local_1x1_half_concurrent_p$p.r$round.json" &
   done
   wait
-  echo "== round $round: b3) ShardRL local B/2 on each of 2 ranks in lock-step, nothing exchanged"
-  "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode lockstep "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
-    --json-out "$OUT/b3_lockstep_2x1.r$round.json"
+  echo "== round $round: a5) ShardRL FSDP 2x1, private unsharded params"
+  "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
+    --no-host-shared-params --json-out "$OUT/a5_fsdp_2x1_private.r$round.json"
+  echo "== round $round: a4) ShardRL FSDP 2x1 over Gloo's TCP loopback"
+  SHARDRL_SHM_DISABLE=1 "${LAUNCH2[@]}" "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" "${TIMING[@]}" \
+    --batch "$BATCH" --json-out "$OUT/a4_fsdp_2x1_gloo.r$round.json"
   echo "== round $round: d) PyTorch DDP 2x1"
   "${LAUNCH2[@]}" "${TORCH[@]}" --mode ddp "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
     --threads 1 --json-out "$OUT/d_ddp_2x1.r$round.json"
@@ -120,9 +126,6 @@ for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round: f3) PyTorch FSDP2 2x1, reshard_after_forward=False"
   "${LAUNCH2[@]}" "${TORCH[@]}" --mode fsdp2 "${MODEL[@]}" "${TIMING[@]}" --batch "$BATCH" \
     --threads 1 --no-reshard-after-forward --json-out "$OUT/f3_fsdp2_2x1_no_reshard.r$round.json"
-  echo "== round $round: a1) ShardRL FSDP 1x1, batch $HALF"
-  "$BIN/shardrl" launch -n 1 --threads 1 -- "$BIN/bench_fsdp" --mode fsdp "${MODEL[@]}" \
-    "${TIMING[@]}" --batch "$HALF" --json-out "$OUT/a1_fsdp_1x1_half.r$round.json"
   echo "== round $round: f1) PyTorch FSDP2 1x1, batch $HALF"
   "$BIN/shardrl" launch -n 1 --threads 1 -- "${TORCH[@]}" --mode fsdp2 "${MODEL[@]}" \
     "${TIMING[@]}" --batch "$HALF" --threads 1 --json-out "$OUT/f1_fsdp2_1x1_half.r$round.json"
@@ -179,30 +182,42 @@ for k, name, r in [("a3", "ShardRL FSDP bf16 2x1", a3), ("f2", "PyTorch FSDP2 bf
     s = sent(r)
     print(f"{k:<4} {name:<28} {t[k]:.4f}{'':<22} {'' if s is None else f'{s / 1e6:.2f}':>12}")
 
+# Per round too, where both sides ran every round: a round's runs ran minutes apart at most.
+per_round = {k: [r["median_step_s"] for r in v] for k, v in runs.items()}
+per_round["b2"] = b2
+
+def ratio(x, y, target=None):
+    r = {"value": t[x] / t[y], "target": target}
+    if x in per_round and y in per_round:
+        r["per_round"] = [p / q for p, q in zip(per_round[x], per_round[y])]
+        r["paired_median"] = statistics.median(r["per_round"])
+    return r
+
 ratios = {
-    "shardrl_over_fsdp2": {"value": t["a"] / t["f"], "target": "<= 0.70"},
-    "shardrl_over_ddp": {"value": t["a"] / t["d"], "target": "<= 1.0"},
-    "cost_of_sharding_a_over_b": {"value": t["a"] / t["b"], "target": "<= 1.05"},
-    "shm_over_gloo_loopback_a_over_a4": {"value": t["a"] / t["a4"], "target": None},
-    "host_shared_over_private_a_over_a5": {"value": t["a"] / t["a5"], "target": None},
-    "fsdp2_cost_of_sharding_f_over_b": {"value": t["f"] / t["b"], "target": None},
-    "shared_cores_b2_over_b": {"value": t["b2"] / t["b"], "target": None},
-    "communication_a_over_b2": {"value": t["a"] / t["b2"], "target": None},
-    "lock_step_b3_over_b": {"value": t["b3"] / t["b"], "target": None},
-    "communication_a_over_b3": {"value": t["a"] / t["b3"], "target": None},
-    "shardrl_bf16_over_fsdp2_bf16": {"value": t["a3"] / t["f2"], "target": None},
-    "no_reshard_shardrl_over_fsdp2_a2_over_f3": {"value": t["a2"] / t["f3"], "target": None},
-    "no_reshard_shardrl_over_ddp_a2_over_d": {"value": t["a2"] / t["d"], "target": None},
-    "world_size_1_shardrl_over_fsdp2_a1_over_f1": {"value": t["a1"] / t["f1"], "target": None},
-    "world_size_1_shardrl_fsdp_over_local_a1_over_b": {"value": t["a1"] / t["b"], "target": None},
-    "world_size_1_fsdp2_over_torch_local_f1_over_l": {"value": t["f1"] / t["l"], "target": None},
+    "shardrl_over_fsdp2": ratio("a", "f", "<= 0.70"),
+    "shardrl_over_ddp": ratio("a", "d", "<= 1.0"),
+    "cost_of_sharding_a_over_b": ratio("a", "b", "<= 1.05"),
+    "shm_over_gloo_loopback_a_over_a4": ratio("a", "a4"),
+    "host_shared_over_private_a_over_a5": ratio("a", "a5"),
+    "fsdp2_cost_of_sharding_f_over_b": ratio("f", "b"),
+    "shared_cores_b2_over_b": ratio("b2", "b"),
+    "communication_a_over_b2": ratio("a", "b2"),
+    "lock_step_b3_over_b": ratio("b3", "b"),
+    "communication_a_over_b3": ratio("a", "b3"),
+    "shardrl_bf16_over_fsdp2_bf16": ratio("a3", "f2"),
+    "no_reshard_shardrl_over_fsdp2_a2_over_f3": ratio("a2", "f3"),
+    "no_reshard_shardrl_over_ddp_a2_over_d": ratio("a2", "d"),
+    "world_size_1_shardrl_over_fsdp2_a1_over_f1": ratio("a1", "f1"),
+    "world_size_1_shardrl_fsdp_over_local_a1_over_b": ratio("a1", "b"),
+    "world_size_1_fsdp2_over_torch_local_f1_over_l": ratio("f1", "l"),
 }
-print()
+print(f"\n{'ratio':<48} {'medians':>7}  {'paired':>7}  {'target':<8}")
 for name, r in ratios.items():
     target = r["target"]
     r["pass"] = None if target is None else r["value"] <= float(target[2:])
     verdict = "" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
-    print(f"{name:<40} {r['value']:>7.4f}  {target or '':<8} {verdict}")
+    paired = f"{r['paired_median']:>7.4f}" if "paired_median" in r else f"{'':>7}"
+    print(f"{name:<48} {r['value']:>7.4f}  {paired}  {target or '':<8} {verdict}")
 
 with open(os.path.join(out, "collectives.json")) as f:
     coll = json.load(f)
