@@ -35,6 +35,9 @@ const Renamed kRenamed[] = {
     {"actor_rollout_ref.rollout.shift", "actor_rollout_ref.rollout.pipeline.shift"},
     {"actor_rollout_ref.rollout.groups_per_gpu", "data.train_batch_size"},
     {"actor_rollout_ref.actor.ppo_mini_batches", "actor_rollout_ref.actor.ppo_mini_batch_size"},
+    // ShardRL's own name before it took verl's.
+    {"actor_rollout_ref.model.enable_activation_checkpointing",
+     "actor_rollout_ref.model.enable_gradient_checkpointing"},
     // verl-omni's older flow_grpo names.
     {"train.clip_range", "actor_rollout_ref.actor.diffusion_loss.clip_ratio"},
     {"train.beta", "actor_rollout_ref.actor.kl_loss_coef"},

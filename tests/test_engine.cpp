@@ -7,6 +7,7 @@
 
 #include "model_test_util.h"
 #include "shardrl/engine.h"
+#include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/models/weights.h"
@@ -209,6 +210,57 @@ TEST(EngineRegistry, UnknownModelTypeNamesTheKeyAndTheRegisteredOnes) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("video_model/fsdp"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("diffusion_model/fsdp"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Transformer, ActivationCheckpointingKeepsLossAndGradients) {
+  models::TransformerConfig c;
+  torch::manual_seed(5);
+  models::Transformer plain(c);
+  torch::manual_seed(5);
+  models::Transformer recomputed(c);
+  recomputed->set_activation_checkpointing(true);
+  const auto tokens = torch::randint(c.vocab_size, {3, 12}, torch::kLong);
+  auto loss = models::next_token_loss(plain(tokens), tokens);
+  auto loss_ckpt = models::next_token_loss(recomputed(tokens), tokens);
+  EXPECT_EQ(loss.item<double>(), loss_ckpt.item<double>());
+  loss.backward();
+  loss_ckpt.backward();
+  expect_same_grads(*plain, *recomputed);
+}
+
+// verl's actor_rollout_ref.model.enable_gradient_checkpointing reaches every block of both
+// language model families (the GPT's once went unread).
+TEST(EngineRegistry, LanguageModelsTakeEnableGradientCheckpointing) {
+  for (const bool enabled : {true, false}) {
+    engine::EngineConfig gpt;
+    gpt.model = {{"family", "gpt"},
+                 {"config",
+                  {{"vocab_size", 97},
+                   {"max_seq_len", 16},
+                   {"d_model", 32},
+                   {"n_heads", 4},
+                   {"n_layers", 2}}},
+                 {"enable_gradient_checkpointing", enabled}};
+    auto engine = engine::EngineRegistry::create(gpt, dist::World::init_from_env());
+    auto& blocks = engine->model<models::Transformer>()->blocks();
+    ASSERT_EQ(blocks.size(), 2u);
+    for (auto& block : blocks) EXPECT_EQ(block->checkpoint_activations, enabled);
+
+    engine::EngineConfig llama;
+    llama.model = {{"family", "llama"},
+                   {"config",
+                    {{"vocab_size", 61},
+                     {"hidden_size", 32},
+                     {"intermediate_size", 48},
+                     {"num_hidden_layers", 2},
+                     {"num_attention_heads", 4},
+                     {"num_key_value_heads", 2}}},
+                   {"enable_gradient_checkpointing", enabled}};
+    engine = engine::EngineRegistry::create(llama, dist::World::init_from_env());
+    auto& layers = engine->model<models::LlamaForCausalLM>()->model->layers;
+    ASSERT_EQ(layers.size(), 2u);
+    for (auto& layer : layers) EXPECT_EQ(layer->checkpoint_activations, enabled);
   }
 }
 

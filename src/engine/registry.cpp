@@ -110,7 +110,7 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
                            const fsdp::Options& options) {
   const auto family = field<std::string>(j, "family", "llama");
   const json config = j.value("config", json::object());
-  const bool checkpointing = field<bool>(j, "enable_activation_checkpointing", false);
+  const bool checkpointing = field<bool>(j, "enable_gradient_checkpointing", false);
   const auto path = pretrained_path(j);
   if (family == "gpt") {
     const auto c = models::TransformerConfig::from_json(config);
@@ -121,6 +121,7 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
     }
     const auto plan = adapter_plan(j, {"q_proj", "v_proj"});
     add_adapters(*model, plan);
+    model->set_activation_checkpointing(checkpointing);
     models::shard_transformer(model, mesh, options);
     load_sharded(path, model.fsdp());
     return finish(model, model.fsdp(), family, c.to_json(), plan, /*sequence_parallel=*/false);

@@ -1,6 +1,7 @@
 #include "shardrl/models/transformer.h"
 
 #include "json_fields.h"
+#include "shardrl/models/activation_checkpoint.h"
 
 #include <cmath>
 
@@ -72,6 +73,12 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& x) {
 }
 
 torch::Tensor BlockImpl::forward(torch::Tensor x) {
+  if (!checkpoint_activations) return compute(x);
+  return checkpointed([this](const std::vector<torch::Tensor>& in) { return compute(in[0]); }, {x});
+}
+
+torch::Tensor BlockImpl::compute(const torch::Tensor& x_in) {
+  torch::Tensor x = x_in;
   x = x + attention(ln1_(x));
   return x + fc2_(torch::gelu(fc1_(ln2_(x))));
 }
@@ -97,6 +104,10 @@ torch::Tensor TransformerImpl::forward(torch::Tensor tokens) {
   auto x = tok_emb_(tokens) + pos_emb_(positions);
   for (auto& block : blocks_) x = block(x);
   return head_(ln_f_(x));
+}
+
+void TransformerImpl::set_activation_checkpointing(bool enabled) {
+  for (auto& block : blocks_) block->checkpoint_activations = enabled;
 }
 
 void shard_transformer(Transformer& model, const dist::DeviceMesh& mesh,

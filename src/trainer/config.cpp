@@ -149,6 +149,8 @@ constexpr RenamedKey kRenamedKeys[] = {
      "prompts per step, all ranks together"},
     {"actor_rollout_ref.actor.ppo_mini_batches", "actor_rollout_ref.actor.ppo_mini_batch_size",
      "prompts per optimizer step, not a count of steps"},
+    {"actor_rollout_ref.model.enable_activation_checkpointing",
+     "actor_rollout_ref.model.enable_gradient_checkpointing", ""},
     {"train.clip_range", "actor_rollout_ref.actor.diffusion_loss.clip_ratio", ""},
     {"train.beta", "actor_rollout_ref.actor.kl_loss_coef", kWithKlLoss},
     {"sample.num_steps", "actor_rollout_ref.rollout.pipeline.num_inference_steps", ""},

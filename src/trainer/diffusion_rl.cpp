@@ -773,7 +773,6 @@ json diffusion_rl_defaults() {
   model["model_type"] = "diffusion_model";
   model["text_encoder_path"] = "";
   model["transformer_subfolder"] = "transformer";
-  model["enable_gradient_checkpointing"] = false;
   model["policy_state_adapters"] = nullptr;
   model["config"] = {
       {"patch_size", 2}, {"num_layers", 2}, {"num_attention_heads", 4}, {"attention_head_dim", 16}};

@@ -39,7 +39,7 @@ json engine_defaults() {
                 {"lora_alpha", 16.0},
                 {"lora_dropout", 0.0},
                 {"target_modules", nullptr},
-                {"enable_activation_checkpointing", false}};
+                {"enable_gradient_checkpointing", false}};
   // verl's ref takes the actor's sequence parallelism unless it sets its own.
   json actor = role, ref = role;
   actor["ulysses_sequence_parallel_size"] = 1;

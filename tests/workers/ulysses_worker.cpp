@@ -56,7 +56,7 @@ engine::EngineConfig llama_config(const Args& a) {
                {"max_position_embeddings", 64},
                {"tie_word_embeddings", !a.untied}}},
              {"lora_rank", a.lora_rank},
-             {"enable_activation_checkpointing", a.checkpointing}};
+             {"enable_gradient_checkpointing", a.checkpointing}};
   c.optim.lr = 1e-2;
   c.optim.weight_decay = 0.0;
   return c;

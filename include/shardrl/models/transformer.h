@@ -29,7 +29,12 @@ class BlockImpl : public torch::nn::Module {
   explicit BlockImpl(const TransformerConfig& config);
   torch::Tensor forward(torch::Tensor x);
 
+  // Recompute this block's activations in backward instead of keeping them (see
+  // activation_checkpoint.h).
+  bool checkpoint_activations = false;
+
  private:
+  torch::Tensor compute(const torch::Tensor& x);
   torch::Tensor attention(const torch::Tensor& x);
   int64_t n_heads_;
   LayerNorm ln1_{nullptr}, ln2_{nullptr};
@@ -45,6 +50,8 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor tokens);
   std::vector<fsdp::Unit<BlockImpl>>& blocks() { return blocks_; }
   const TransformerConfig& config() const { return config_; }
+  // Activation checkpointing per block (see activation_checkpoint.h).
+  void set_activation_checkpointing(bool enabled);
 
  private:
   TransformerConfig config_;
