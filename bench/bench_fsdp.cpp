@@ -163,13 +163,29 @@ models::TransformerConfig model_config(const Args& a) {
   return c;
 }
 
-// Parameters the root unit owns: everything outside the blocks.
+// Parameters of the units outside the blocks (models::shard_transformer): the token embedding,
+// the head, and the root (position embedding, final norm).
+int64_t embedding_param_count(const models::TransformerConfig& c) {
+  return c.vocab_size * c.d_model;
+}
+int64_t head_param_count(const models::TransformerConfig& c) {
+  return c.vocab_size * c.d_model;
+}
 int64_t root_param_count(const models::TransformerConfig& c) {
-  return 2 * c.vocab_size * c.d_model + c.max_seq_len * c.d_model + 2 * c.d_model;
+  return c.max_seq_len * c.d_model + 2 * c.d_model;
+}
+// The params gathered once a step: the root's and the head's, which keep them from forward to
+// backward; the token embedding and the blocks are resharded after forward.
+int64_t kept_param_count(const models::TransformerConfig& c) {
+  return root_param_count(c) + head_param_count(c);
+}
+bool kept_through_backward(const std::string& name) {
+  return name.rfind("blocks.", 0) != 0 && name.rfind("tok_emb.", 0) != 0;
 }
 
 json model_json(const models::TransformerConfig& c) {
-  const int64_t root = root_param_count(c);
+  const int64_t outside_blocks =
+      embedding_param_count(c) + head_param_count(c) + root_param_count(c);
   return {{"d_model", c.d_model},
           {"n_layers", c.n_layers},
           {"n_heads", c.n_heads},
@@ -177,8 +193,10 @@ json model_json(const models::TransformerConfig& c) {
           {"seq_len", c.max_seq_len},
           {"mlp_ratio", c.mlp_ratio},
           {"param_count", c.parameter_count()},
-          {"root_param_count", root},
-          {"block_param_count", c.parameter_count() - root}};
+          {"embedding_param_count", embedding_param_count(c)},
+          {"head_param_count", head_param_count(c)},
+          {"root_param_count", root_param_count(c)},
+          {"block_param_count", c.parameter_count() - outside_blocks}};
 }
 
 // Same model weights on every rank (sharding slices the local copy) and the same global batch.
@@ -247,16 +265,16 @@ int run_fsdp(const Args& a) {
   auto fsdp_model = model.fsdp();
   const auto shards = fsdp_model.sharded_parameters();
   // The theoretical figures use the config's formulas; they must describe the model that runs.
-  int64_t sharded_total = 0, sharded_root = 0;
+  int64_t sharded_total = 0, sharded_kept = 0;
   for (const auto& p : shards) {
     const int64_t n = c10::multiply_integers(p.global_shape);
     sharded_total += n;
-    if (p.name.rfind("blocks.", 0) != 0) sharded_root += n;
+    if (kept_through_backward(p.name)) sharded_kept += n;
   }
-  TORCH_CHECK(sharded_total == config.parameter_count() && sharded_root == root_param_count(config),
-              "parameter count formulas disagree with the model: ", sharded_total, " (root ",
-              sharded_root, ") vs ", config.parameter_count(), " (root ", root_param_count(config),
-              ")");
+  TORCH_CHECK(sharded_total == config.parameter_count() && sharded_kept == kept_param_count(config),
+              "parameter count formulas disagree with the model: ", sharded_total,
+              " (root and head ", sharded_kept, ") vs ", config.parameter_count(),
+              " (root and head ", kept_param_count(config), ")");
   auto optimizer = optim::make_adamw(optim::from_sharded(shards), optim::AdamWConfig{});
   auto& group = world->group();
 
@@ -329,17 +347,19 @@ int run_fsdp(const Args& a) {
   const double clip_per_rank_step = sums[1].item<double>() / per;
   const double lo_per_rank_step = static_cast<double>(lo_bytes) / per;
   const double scale = 4.0 * (N - 1) / N;  // fp32 bytes, (N-1)/N of them leave each rank
-  const int64_t P = config.parameter_count(), P_root = root_param_count(config);
+  const int64_t P = config.parameter_count(), P_kept = kept_param_count(config);
   const double theory_3p = 3.0 * P * scale;
-  const int root_gathers = a.reshard_root ? 2 : 1;
-  // Backward gathers a block again after forward resharded it, unless the host's ranks share an
-  // image of the unsharded params and read the forward's rows there (--reshard-root's reshard
-  // between forward and backward lets go of them).
+  // The root and the head keep their params from forward to backward; --reshard-root's reshard
+  // between the two lets go of them.
+  const int kept_gathers = a.reshard_root ? 2 : 1;
+  // Backward gathers a block (or the token embedding) again after forward resharded it, unless the
+  // host's ranks share an image of the unsharded params and read the forward's rows there
+  // (--reshard-root's reshard between forward and backward lets go of them).
   const bool backward_reads_image =
       a.host_shared_params && mesh.shard_group().has_segment_collectives() && !a.reshard_root;
   const int block_gathers = a.reshard_after_forward && !backward_reads_image ? 2 : 1;
   const double theory_schedule =
-      (root_gathers * P_root + block_gathers * static_cast<double>(P - P_root) + P) * scale;
+      (kept_gathers * P_kept + block_gathers * static_cast<double>(P - P_kept) + P) * scale;
   // What the transport must count for this exact layout: shards are padded to ceil(rows / N) rows
   // and each reduce-scatter carries one "had a grad" flag per parameter. The gathers carry the
   // compute dtype, and so does the reduce-scatter where the transport sums bf16 in fp32 (shared
@@ -349,10 +369,10 @@ int run_fsdp(const Args& a) {
   const double reduce_bytes = mesh.shard_group().sums_low_precision_in_fp32() ? gather_bytes : 4.0;
   double exact = 0;
   for (const auto& p : shards) {
-    const bool in_root = p.name.rfind("blocks.", 0) != 0;
     const double shard = static_cast<double>(p.shard.numel());
-    exact += ((in_root ? root_gathers : block_gathers) * shard * gather_bytes +
-              (shard + 1) * reduce_bytes);
+    exact +=
+        ((kept_through_backward(p.name) ? kept_gathers : block_gathers) * shard * gather_bytes +
+         (shard + 1) * reduce_bytes);
   }
   exact *= N - 1;
   auto ratio = [](double x, double y) { return y > 0 ? json(x / y) : json(nullptr); };

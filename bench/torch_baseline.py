@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch baselines for bench_fsdp: the same transformer, optimizer and step in Python.
 
-  --mode fsdp2   PyTorch FSDP2 (fully_shard on each block, then the root; MixedPrecisionPolicy
+  --mode fsdp2   PyTorch FSDP2 (fully_shard on the token embedding, each block and the head,
+                 then the root, as torchtitan; MixedPrecisionPolicy
                  with --param-dtype and fp32 reduce), the yardstick ShardRL's FSDP is measured by
   --mode ddp     DistributedDataParallel (replicated state, one all-reduce of the grads)
   --mode local   one process, no process group
@@ -122,10 +123,17 @@ def main():
     if args.mode == "fsdp2" and distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
+        unit_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        # torchtitan's recipe, as shardrl::models::shard_transformer: the token embedding, each
+        # block and the head are units of their own; the root keeps pos_emb and ln_f. The head
+        # runs last in forward and first in backward, so torchtitan keeps it unsharded in between
+        # rather than gather it again at once.
+        fully_shard(model.tok_emb, mp_policy=unit_policy,
+                    reshard_after_forward=args.reshard_after_forward)
         for block in model.blocks:
-            fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=dtype,
-                                                              reduce_dtype=torch.float32),
+            fully_shard(block, mp_policy=unit_policy,
                         reshard_after_forward=args.reshard_after_forward)
+        fully_shard(model.head, mp_policy=unit_policy, reshard_after_forward=False)
         # fp32 logits from the root, as bench_fsdp's output_dtype.
         fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                           output_dtype=torch.float32))
@@ -199,11 +207,13 @@ def main():
     per = world * max(args.steps, 1)
     lo_per = lo_bytes / per if distributed else 0.0
     if args.mode == "fsdp2":
-        # All-gather in forward (the root's params once: FSDP2 keeps the root unsharded until
-        # backward), again in backward, one reduce-scatter: (N-1)/N of each leaves a rank.
-        root = P - sum(p.numel() for p in model.blocks.parameters())
+        # All-gather in forward, again in backward for the units resharded after forward (the
+        # blocks and tok_emb, with reshard_after_forward; never the root or the head, kept until
+        # backward), one reduce-scatter: (N-1)/N of each leaves a rank.
+        resharded = sum(p.numel() for m in (model.blocks, model.tok_emb) for p in m.parameters())
+        regathered = resharded if args.reshard_after_forward else 0
         wire = 2 if args.param_dtype == "bf16" else 4
-        theory = ((root + 2.0 * (P - root)) * wire + P * 4.0) * (world - 1) / world
+        theory = ((P + regathered) * wire + P * 4.0) * (world - 1) / world
     else:
         # Ring all-reduce of every fp32 gradient: 2 (N-1)/N of the bytes leave each rank.
         theory = 2.0 * P * 4 * (world - 1) / world

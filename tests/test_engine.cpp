@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "model_test_util.h"
 #include "shardrl/engine.h"
@@ -26,19 +27,22 @@ std::vector<std::string> metric_lines(const std::string& path) {
 
 // What each FSDP unit's reduce-scatter carries per rank, in elements, worked out from the model's
 // param shapes alone (as engine_worker --trace writes them), not from FSDP's layout code. Unit 0 is
-// the root; the model shards by the module list `blocks`, whose block k is unit k + 1. A trainable
+// the root; `unit_prefixes` names the params of every other unit in module order (the trace's
+// unit k + 1 holds the params under unit_prefixes[k]), and the root holds the rest. A trainable
 // param's grad is split by rows, ceil(rows / world) per rank (the last rank's part padded), and
 // each rank's part carries one "had a grad" flag per trainable param after the grads. A unit
 // without trainable params (a frozen base under LoRA) reduces nothing and is absent.
 std::map<int, int64_t> reduce_scatter_widths(const nlohmann::json& params,
-                                             const std::string& blocks, int world) {
+                                             const std::vector<std::string>& unit_prefixes,
+                                             int world) {
   std::map<int, int64_t> widths;
-  const std::string prefix = blocks + ".";
   for (const auto& p : params) {
     if (!p["requires_grad"].get<bool>()) continue;
     const std::string name = p["name"];
     int unit = 0;
-    if (name.rfind(prefix, 0) == 0) unit = std::stoi(name.substr(prefix.size())) + 1;
+    for (size_t k = 0; k < unit_prefixes.size(); ++k) {
+      if (name.rfind(unit_prefixes[k], 0) == 0) unit = static_cast<int>(k) + 1;
+    }
     const auto shape = p["shape"].get<std::vector<int64_t>>();
     const int64_t rows = shape.empty() ? 1 : shape[0];
     int64_t row_numel = 1;
@@ -98,11 +102,12 @@ std::vector<uint64_t> expect_one_reduce_scatter_per_unit(const nlohmann::json& s
 }
 
 // One engine_worker run at 2 ranks with --trace: every rank's steps have one reduce-scatter per
-// unit with trainable params, of the bytes the shapes give. Returns rank 0's bytes per step.
-std::vector<uint64_t> expect_engine_syncs_once_per_step(const std::vector<std::string>& args,
-                                                        const std::string& blocks, int units,
-                                                        int64_t steps, int64_t micro_batches,
-                                                        bool lora) {
+// unit with trainable params, of the bytes the shapes give. With LoRA only the units whose prefix
+// starts with `lora_units` (the blocks, which hold every adapter) reduce. Returns rank 0's bytes
+// per step.
+std::vector<uint64_t> expect_engine_syncs_once_per_step(
+    const std::vector<std::string>& args, const std::vector<std::string>& unit_prefixes,
+    const std::string& lora_units, int64_t steps, int64_t micro_batches, bool lora) {
   constexpr int kWorld = 2;
   const auto dir = make_temp_dir("engine_sync");
   std::vector<std::string> worker_args = {"--out", dir, "--trace", "--steps",
@@ -112,9 +117,17 @@ std::vector<uint64_t> expect_engine_syncs_once_per_step(const std::vector<std::s
   EXPECT_EQ(result.exit_code, 0) << result.output;
   if (result.exit_code != 0) return {};
   const auto params = nlohmann::json::parse(std::ifstream(dir + "/params.json"));
-  const auto widths = reduce_scatter_widths(params, blocks, kWorld);
-  // LoRA targets only layers inside the blocks: the root is frozen and reduces nothing.
-  EXPECT_EQ(widths.size(), static_cast<size_t>(lora ? units - 1 : units));
+  const int units = static_cast<int>(unit_prefixes.size()) + 1;
+  const auto widths = reduce_scatter_widths(params, unit_prefixes, kWorld);
+  std::set<int> reducing;
+  for (int unit = 0; unit < units; ++unit) {
+    if (!lora || (unit > 0 && unit_prefixes[unit - 1].rfind(lora_units, 0) == 0)) {
+      reducing.insert(unit);
+    }
+  }
+  std::set<int> widths_units;
+  for (const auto& [unit, width] : widths) widths_units.insert(unit);
+  EXPECT_EQ(widths_units, reducing);
   std::vector<uint64_t> rank0;
   for (int rank = 0; rank < kWorld; ++rank) {
     SCOPED_TRACE("rank " + std::to_string(rank));
@@ -132,7 +145,8 @@ std::vector<uint64_t> expect_engine_syncs_once_per_step(const std::vector<std::s
 // unit's grads once per optimizer step: 3 micro-batches per rank move as many reduce-scatter
 // bytes as one. With LoRA only the adapters' grads travel.
 TEST(Engine, GradientSyncIsOneReduceScatterPerUnitPerStep) {
-  constexpr int kUnits = 3;  // the root and 2 blocks
+  // The GPT's units but the root, in module order: the token embedding, 2 blocks, the head.
+  const std::vector<std::string> units = {"tok_emb.", "blocks.0.", "blocks.1.", "head."};
   for (const bool lora : {false, true}) {
     SCOPED_TRACE(lora ? "LoRA" : "full fine-tuning");
     std::map<int64_t, std::vector<uint64_t>> bytes;
@@ -143,7 +157,7 @@ TEST(Engine, GradientSyncIsOneReduceScatterPerUnitPerStep) {
                                        std::to_string(6 / micro_batches)};
       if (lora) args.push_back("--lora");
       bytes[micro_batches] =
-          expect_engine_syncs_once_per_step(args, "blocks", kUnits, 2, micro_batches, lora);
+          expect_engine_syncs_once_per_step(args, units, "blocks.", 2, micro_batches, lora);
     }
     EXPECT_EQ(bytes[3], bytes[1]);
     ASSERT_EQ(bytes[3].size(), 2u);
@@ -157,7 +171,7 @@ TEST(Engine, GradientSyncIsOneReduceScatterPerUnitPerStep) {
 // micro-batch of them does. With LoRA only the adapters travel (NFT's frozen "old" copy does not);
 // with full fine-tuning every param.
 TEST(Engine, DiffusionUpdatesReduceEachUnitOncePerStep) {
-  constexpr int kUnits = 3;  // the root and 2 transformer blocks
+  const std::vector<std::string> units = {"transformer_blocks.0.", "transformer_blocks.1."};
   // engine_worker's rows per rank: 12 for Flow-GRPO, 18 for NFT, 3 DPO pairs.
   const std::vector<std::pair<std::string, int64_t>> types = {
       {"diffusion_model", 4}, {"diffusion_nft_model", 6}, {"diffusion_dpo_model", 1}};
@@ -172,7 +186,7 @@ TEST(Engine, DiffusionUpdatesReduceEachUnitOncePerStep) {
             "--model-type",  model_type,
             "--lora-rank",   std::to_string(lora_rank),
             "--micro-batch", micro_batches == 1 ? "0" : std::to_string(micro_batch)};
-        bytes[micro_batches] = expect_engine_syncs_once_per_step(args, "transformer_blocks", kUnits,
+        bytes[micro_batches] = expect_engine_syncs_once_per_step(args, units, "transformer_blocks.",
                                                                  micro_batches == 1 ? 1 : 2,
                                                                  micro_batches, lora_rank > 0);
       }

@@ -116,8 +116,9 @@ Scenario base_scenario() {
 // alone, not FSDP's layout code: a param's rows split into ceil(rows / 2) per rank, and each
 // collective sends this rank's part to the one peer.
 struct TwoRankTraffic {
-  // All-gathers of a forward and backward in fp32: the root's params once (it stays gathered
-  // until after backward), each block's twice (forward, and again for backward after resharding).
+  // All-gathers of a forward and backward in fp32: the root's and the head's params once (they
+  // stay gathered until backward), each block's and the token embedding's twice (forward, and
+  // again for backward after resharding).
   double gather_fp32 = 0;
   // The same where the ranks share a host image of the unsharded params (shared memory, the
   // default): backward reads the rows forward gathered there, so every param is gathered once.
@@ -127,6 +128,9 @@ struct TwoRankTraffic {
   double reduce = 0;
 };
 
+// The units of models::shard_transformer: the root, the token embedding, each block, the head.
+int unit_count(const Scenario& s) { return s.layers + 3; }
+
 TwoRankTraffic two_rank_traffic(const Scenario& s) {
   TwoRankTraffic t;
   auto model = build_model(s);
@@ -134,8 +138,9 @@ TwoRankTraffic two_rank_traffic(const Scenario& s) {
     const auto& p = item.value();
     const int64_t rows = p.dim() == 0 ? 1 : p.size(0), row_numel = p.numel() / rows;
     const double shard = static_cast<double>((rows + 1) / 2 * row_numel);
-    const bool in_block = item.key().rfind("blocks.", 0) == 0;
-    t.gather_fp32 += (in_block ? 2 : 1) * shard * 4;
+    const bool resharded =
+        item.key().rfind("blocks.", 0) == 0 || item.key().rfind("tok_emb.", 0) == 0;
+    t.gather_fp32 += (resharded ? 2 : 1) * shard * 4;
     t.gather_fp32_shared += shard * 4;
     if (p.requires_grad()) t.reduce += (shard + 1) * 4;
   }
@@ -210,8 +215,9 @@ TEST(FSDP, PrefetchDepthDoesNotChangeResults) {
 TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
   Scenario s = base_scenario();
   s.steps = 1;
-  s.layers = 3;  // blocks are units 1..3 (the root is 0): two neighbouring pairs each way
-  const int blocks = static_cast<int>(s.layers);
+  // Units in module order: the root 0, the token embedding 1, blocks 2..4, the head 5.
+  s.layers = 3;
+  const int last = unit_count(s) - 1;
   for (const int prefetch : {0, 1}) {
     SCOPED_TRACE("prefetch " + std::to_string(prefetch));
     // Private copies: backward gathers again (the host-shared image's reuse: below).
@@ -235,7 +241,7 @@ TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
           EXPECT_GT(issued, end) << phase << " of unit " << k << ": " << events.dump();
         }
       };
-      // The root's forward encloses the blocks': with prefetch, block 1's gather is issued
+      // The root's forward encloses the other units': with prefetch, unit 1's gather is issued
       // before the root's compute starts.
       const size_t first_block = position(events, "gather_issued", 1);
       const size_t root_begins = position(events, "forward_begin", 0);
@@ -244,31 +250,32 @@ TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
       } else {
         EXPECT_GT(first_block, root_begins) << events.dump();
       }
-      for (int k = 1; k < blocks; ++k) check(k, k + 1, "forward", 0);
-      for (int k = blocks; k > 1; --k) check(k, k - 1, "backward", 1);
+      for (int k = 1; k < last; ++k) check(k, k + 1, "forward", 0);
+      for (int k = last; k > 1; --k) check(k, k - 1, "backward", 1);
     }
   }
-  // With the host-shared image, each block is gathered once, in forward; its backward reads the
-  // same rows again, taken up (by prefetch) before the backward of the block after it begins.
+  // With the host-shared image, each unit resharded after forward (the token embedding and the
+  // blocks) is gathered once, in forward; its backward reads the same rows again, taken up (by
+  // prefetch) before the backward of the unit after it begins. The head, first in backward, was
+  // never resharded: nothing to take up again.
   auto shared = train_sharded(2, s, {"--trace"});
   ASSERT_EQ(shared.traces.size(), 2u);
   for (const auto& trace : shared.traces) {
     ASSERT_EQ(trace.size(), 1u);
     const auto& events = trace[0];
-    for (int k = 1; k <= blocks; ++k) {
+    for (int k = 1; k <= last; ++k) {
       int issued = 0, reused = 0;
       for (const auto& e : events) {
         if (e["unit"] != k) continue;
         issued += e["event"] == "gather_issued";
         reused += e["event"] == "gather_reused";
       }
-      EXPECT_EQ(issued, 1) << "block " << k << ": " << events.dump();
-      EXPECT_EQ(reused, 1) << "block " << k << ": " << events.dump();
+      EXPECT_EQ(issued, 1) << "unit " << k << ": " << events.dump();
+      EXPECT_EQ(reused, k == last ? 0 : 1) << "unit " << k << ": " << events.dump();
+      if (k == last) continue;
       EXPECT_LT(position(events, "gather_reused", k), position(events, "backward_begin", k));
-      if (k < blocks) {
-        EXPECT_LT(position(events, "gather_reused", k), position(events, "backward_begin", k + 1))
-            << events.dump();
-      }
+      EXPECT_LT(position(events, "gather_reused", k), position(events, "backward_begin", k + 1))
+          << events.dump();
     }
   }
 }
@@ -305,9 +312,9 @@ TEST(FSDP, Bf16GathersComputesAndReducesInBf16AtHalfTheBytes) {
             EXPECT_TRUE(e["gathered"].get<bool>()) << e.dump();
           }
         }
-        // The root and the blocks, each forward and backward once.
-        EXPECT_EQ(computes["forward_begin"], s.layers + 1) << "step " << step;
-        EXPECT_EQ(computes["backward_begin"], s.layers + 1) << "step " << step;
+        // Every unit, each forward and backward once.
+        EXPECT_EQ(computes["forward_begin"], unit_count(s)) << "step " << step;
+        EXPECT_EQ(computes["backward_begin"], unit_count(s)) << "step " << step;
         EXPECT_EQ(gathered, traffic.gather_fp32_shared * element_bytes / 4) << "step " << step;
         EXPECT_EQ(reduced, traffic.reduce * element_bytes / 4) << "step " << step;
       }
@@ -338,7 +345,7 @@ void expect_same_training(const shardrl::testing::Run& a, const shardrl::testing
 // the default with shared memory): each rank writes only its rows and reads its peers' where they
 // are. That trains to the same bits, with the same bytes counted, as private copies filled by the
 // segmented all-gather and as Gloo's packed all-gather, in fp32 and bf16, resharding after forward
-// or not; and every unit (the root and each block) really maps an image.
+// or not; and every unit really maps an image.
 TEST(FSDP, HostSharedParamsTrainAsPrivateCopiesDo) {
   Scenario s = base_scenario();
   s.steps = 2;
@@ -364,7 +371,7 @@ TEST(FSDP, HostSharedParamsTrainAsPrivateCopiesDo) {
       own_args.push_back("--private-unsharded");
       auto own = train_sharded(2, s, own_args);
       expect_same_training(shared, own);
-      EXPECT_EQ(images(shared), std::vector<int>(2, s.layers + 1));
+      EXPECT_EQ(images(shared), std::vector<int>(2, unit_count(s)));
       EXPECT_EQ(images(own), std::vector<int>(2, 0));
       const double element = dtype == "bf16" ? 2 : 4;
       // Backward reads the image's rows again, or the params were never resharded: one gather.
@@ -380,7 +387,7 @@ TEST(FSDP, HostSharedParamsTrainAsPrivateCopiesDo) {
   // HSDP on 2 x 2: each shard group shares images of its own.
   auto hybrid = train_sharded(4, s, {"--fsdp-size", "2"});
   expect_same_training(hybrid, train_sharded(4, s, {"--fsdp-size", "2", "--private-unsharded"}));
-  EXPECT_EQ(images(hybrid), std::vector<int>(4, s.layers + 1));
+  EXPECT_EQ(images(hybrid), std::vector<int>(4, unit_count(s)));
 }
 
 // A /dev/shm that holds the transport's segment but not the images (a tmpfs of the segment's

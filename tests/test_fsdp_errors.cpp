@@ -128,7 +128,8 @@ TEST(FSDPErrors, FailedGathersInFlightLeaveNoUnitGathered) {
 }
 
 TEST(FSDPErrors, FailedReduceScatterLeavesAModelThatRefusesToRun) {
-  // Params kept gathered after forward: the backward's first collective is a reduce-scatter.
+  // Params kept gathered after forward: the backward's first collective is a reduce-scatter, the
+  // head's (first in backward).
   auto out = lose_peer({"--exit-before", "backward", "--keep-unsharded"});
   ASSERT_TRUE(out.contains("errors"));
   const auto& errors = out["errors"];
@@ -136,7 +137,7 @@ TEST(FSDPErrors, FailedReduceScatterLeavesAModelThatRefusesToRun) {
   EXPECT_EQ(errors[0]["call"], "backward");
   expect_collective_error(errors[0]);
   // clip_grad_norm_ (the grads are incomplete), forward again, unshard(), full_parameters().
-  expect_refusals(errors, 1, "the reduce-scatter of unit 'blocks");
+  expect_refusals(errors, 1, "the reduce-scatter of unit 'head' failed");
   EXPECT_EQ(out["unsharded_param_bytes"].get<int64_t>(), 0);
 }
 

@@ -2,6 +2,7 @@
 
 #include "json_fields.h"
 #include "shardrl/models/activation_checkpoint.h"
+#include "shardrl/models/wrap_policy.h"
 
 #include <cmath>
 
@@ -84,7 +85,7 @@ torch::Tensor BlockImpl::compute(const torch::Tensor& x_in) {
 }
 
 TransformerImpl::TransformerImpl(const TransformerConfig& c) : config_(c) {
-  tok_emb_ = register_module("tok_emb", Embedding(c.vocab_size, c.d_model));
+  tok_emb_ = register_module("tok_emb", fsdp::Unit<EmbeddingImpl>(c.vocab_size, c.d_model));
   pos_emb_ = register_module("pos_emb", Embedding(c.max_seq_len, c.d_model));
   auto list = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layers; ++i) {
@@ -92,8 +93,9 @@ TransformerImpl::TransformerImpl(const TransformerConfig& c) : config_(c) {
     list->push_back(blocks_.back().ptr());
   }
   ln_f_ = register_module("ln_f", LayerNorm(c.d_model));
-  head_ = register_module("head",
-                          Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+  head_ = register_module(
+      "head",
+      fsdp::Unit<LinearImpl>(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
 }
 
 torch::Tensor TransformerImpl::forward(torch::Tensor tokens) {
@@ -112,8 +114,7 @@ void TransformerImpl::set_activation_checkpointing(bool enabled) {
 
 void shard_transformer(Transformer& model, const dist::DeviceMesh& mesh,
                        const fsdp::Options& options) {
-  for (auto& block : model->blocks()) fsdp::fully_shard(block, mesh, options);
-  fsdp::fully_shard(model, mesh, options);
+  shard_by_block(model, model->blocks(), mesh, options, model->tok_emb_, model->head_);
 }
 
 torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& tokens) {

@@ -54,16 +54,21 @@ class TransformerImpl : public torch::nn::Module {
   void set_activation_checkpointing(bool enabled);
 
  private:
+  friend void shard_transformer(fsdp::Unit<TransformerImpl>& model, const dist::DeviceMesh& mesh,
+                                const fsdp::Options& options);
   TransformerConfig config_;
-  Embedding tok_emb_{nullptr}, pos_emb_{nullptr};
+  fsdp::Unit<EmbeddingImpl> tok_emb_{nullptr};
+  Embedding pos_emb_{nullptr};
   std::vector<fsdp::Unit<BlockImpl>> blocks_;
   LayerNorm ln_f_{nullptr};
-  Linear head_{nullptr};
+  fsdp::Unit<LinearImpl> head_{nullptr};
 };
 
 using Transformer = fsdp::Unit<TransformerImpl>;
 
-// Shards every block as a unit, then the root (embeddings, final norm, head).
+// Shards as FSDP2's usual recipe (models::shard_by_block): every block, the token embedding and
+// the head are units of their own, and the root keeps the position embedding and the final norm.
+// The head's gradient is reduced while the blocks' backward runs, not after it.
 void shard_transformer(Transformer& model, const dist::DeviceMesh& mesh,
                        const fsdp::Options& options);
 

@@ -1,6 +1,7 @@
 // A wrap policy by block type, after FSDP2's usual recipe (torchtitan's apply_fsdp): every block
 // of the model's block type becomes its own unit, then the embeddings and the head, then the root
-// takes whatever params are left (norms, small embedders).
+// takes whatever params are left (norms, small embedders). The head's grads are then reduced
+// while the blocks' backward runs, not after it.
 //
 // In the C++ frontend the unit boundary is a type (fsdp::Unit<Block>), so the model hands over
 // the holders; the policy checks that no module of the block type below the root is missing
@@ -45,8 +46,11 @@ void check_blocks_cover_type(torch::nn::Module& root, const std::unordered_set<c
 }
 }  // namespace detail
 
-// Shards the blocks, then each non-empty extra unit (embeddings, head: an fsdp::Unit holder each;
-// an empty holder, e.g. the head of a model with tied embeddings, is skipped), then the root.
+// Shards the blocks, then each non-empty extra unit in forward order (embeddings, head: an
+// fsdp::Unit holder each; an empty holder, e.g. the head of a model with tied embeddings, is
+// skipped), then the root. The last extra given (the head) runs last in forward and first in
+// backward: it keeps its params from one to the other, as torchtitan's default reshard policy
+// does, where resharding would gather them again at once.
 template <class Root, class Block, class... Extra>
 void shard_by_block(fsdp::Unit<Root>& root, std::vector<fsdp::Unit<Block>>& blocks,
                     const dist::DeviceMesh& mesh, const WrapPolicy& policy, Extra&... extras) {
@@ -57,8 +61,12 @@ void shard_by_block(fsdp::Unit<Root>& root, std::vector<fsdp::Unit<Block>>& bloc
     if (policy.activation_checkpointing) block->checkpoint_activations = true;
     fsdp::fully_shard(block, mesh, policy.options);
   }
+  fsdp::Options last_options = policy.options;
+  last_options.reshard_after_forward = false;
+  [[maybe_unused]] size_t index = 0;
   [[maybe_unused]] const auto shard_extra = [&](auto& unit) {
-    if (!unit.is_empty()) fsdp::fully_shard(unit, mesh, policy.options);
+    const bool last = ++index == sizeof...(extras);
+    if (!unit.is_empty()) fsdp::fully_shard(unit, mesh, last ? last_options : policy.options);
   };
   (shard_extra(extras), ...);
   fsdp::fully_shard(root, mesh, policy.options);
