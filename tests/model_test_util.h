@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "shardrl/models/transformer.h"
 #include "shardrl/models/weights.h"
 #include "test_util.h"
 #include "workers/param_files.h"
@@ -19,10 +20,19 @@ inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
   return ((a - b).norm() / b.norm().clamp_min(1e-12)).item<double>();
 }
 
-// Activation checkpointing must not change the gradients: every param of `recomputed` has the
-// grad of the same-named param of `plain`.
-inline void expect_same_grads(torch::nn::Module& plain, torch::nn::Module& recomputed) {
-  auto want = models::state_dict(plain), got = models::state_dict(recomputed);
+// Activation checkpointing must change neither the loss nor the gradients: `plain` and
+// `recomputed` hold the same weights, `recomputed` with checkpointing on; their next-token losses
+// on `tokens` are equal, and every param of `recomputed` gets the grad of the same-named param of
+// `plain`.
+template <class LanguageModel>
+void expect_checkpointing_changes_nothing(LanguageModel& plain, LanguageModel& recomputed,
+                                          const torch::Tensor& tokens) {
+  auto loss = models::next_token_loss(plain(tokens), tokens);
+  auto loss_ckpt = models::next_token_loss(recomputed(tokens), tokens);
+  EXPECT_EQ(loss.template item<double>(), loss_ckpt.template item<double>());
+  loss.backward();
+  loss_ckpt.backward();
+  auto want = models::state_dict(*plain), got = models::state_dict(*recomputed);
   for (const auto& [name, p] : want) {
     ASSERT_TRUE(got.at(name).grad().defined()) << name;
     EXPECT_TRUE(torch::allclose(got.at(name).grad(), p.grad(), 1e-5, 1e-7)) << name;

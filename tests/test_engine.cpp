@@ -13,6 +13,7 @@
 #include "shardrl/models/transformer.h"
 #include "shardrl/models/weights.h"
 #include "test_util.h"
+#include "workers/llama_scenario.h"
 #include "workers/param_files.h"
 
 namespace shardrl::testing {
@@ -234,13 +235,8 @@ TEST(Transformer, ActivationCheckpointingKeepsLossAndGradients) {
   torch::manual_seed(5);
   models::Transformer recomputed(c);
   recomputed->set_activation_checkpointing(true);
-  const auto tokens = torch::randint(c.vocab_size, {3, 12}, torch::kLong);
-  auto loss = models::next_token_loss(plain(tokens), tokens);
-  auto loss_ckpt = models::next_token_loss(recomputed(tokens), tokens);
-  EXPECT_EQ(loss.item<double>(), loss_ckpt.item<double>());
-  loss.backward();
-  loss_ckpt.backward();
-  expect_same_grads(*plain, *recomputed);
+  expect_checkpointing_changes_nothing(plain, recomputed,
+                                       torch::randint(c.vocab_size, {3, 12}, torch::kLong));
 }
 
 // verl's actor_rollout_ref.model.enable_gradient_checkpointing reaches every block of both
@@ -263,13 +259,7 @@ TEST(EngineRegistry, LanguageModelsTakeEnableGradientCheckpointing) {
 
     engine::EngineConfig llama;
     llama.model = {{"family", "llama"},
-                   {"config",
-                    {{"vocab_size", 61},
-                     {"hidden_size", 32},
-                     {"intermediate_size", 48},
-                     {"num_hidden_layers", 2},
-                     {"num_attention_heads", 4},
-                     {"num_key_value_heads", 2}}},
+                   {"config", llama_test_config().to_json()},
                    {"enable_gradient_checkpointing", enabled}};
     engine = engine::EngineRegistry::create(llama, dist::World::init_from_env());
     auto& layers = engine->model<models::LlamaForCausalLM>()->model->layers;
