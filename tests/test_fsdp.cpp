@@ -129,7 +129,9 @@ struct TwoRankTraffic {
 };
 
 // The units of models::shard_transformer: the root, the token embedding, each block, the head.
-int unit_count(const Scenario& s) { return s.layers + 3; }
+int unit_count(const Scenario& s) {
+  return s.layers + 3;
+}
 
 TwoRankTraffic two_rank_traffic(const Scenario& s) {
   TwoRankTraffic t;
