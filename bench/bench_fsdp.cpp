@@ -174,13 +174,17 @@ int64_t head_param_count(const models::TransformerConfig& c) {
 int64_t root_param_count(const models::TransformerConfig& c) {
   return c.max_seq_len * c.d_model + 2 * c.d_model;
 }
-// The params gathered once a step: the root's and the head's, which keep them from forward to
-// backward; the token embedding and the blocks are resharded after forward.
+// The root's and the head's params, which stay gathered from forward to backward; the token
+// embedding and the blocks are resharded after forward.
 int64_t kept_param_count(const models::TransformerConfig& c) {
   return root_param_count(c) + head_param_count(c);
 }
 bool kept_through_backward(const std::string& name) {
   return name.rfind("blocks.", 0) != 0 && name.rfind("tok_emb.", 0) != 0;
+}
+// The token embedding is gathered for forward only: its backward reads no params.
+bool gathered_for_forward_only(const std::string& name) {
+  return name.rfind("tok_emb.", 0) == 0;
 }
 
 json model_json(const models::TransformerConfig& c) {
@@ -352,14 +356,17 @@ int run_fsdp(const Args& a) {
   // The root and the head keep their params from forward to backward; --reshard-root's reshard
   // between the two lets go of them.
   const int kept_gathers = a.reshard_root ? 2 : 1;
-  // Backward gathers a block (or the token embedding) again after forward resharded it, unless the
-  // host's ranks share an image of the unsharded params and read the forward's rows there
-  // (--reshard-root's reshard between forward and backward lets go of them).
+  // Backward gathers a block again after forward resharded it, unless the host's ranks share an
+  // image of the unsharded params and read the forward's rows there (--reshard-root's reshard
+  // between forward and backward lets go of them). The token embedding's backward reads no
+  // params: it is gathered once, in forward (FSDP2 gathers it again).
   const bool backward_reads_image =
       a.host_shared_params && mesh.shard_group().has_segment_collectives() && !a.reshard_root;
   const int block_gathers = a.reshard_after_forward && !backward_reads_image ? 2 : 1;
+  const auto E = static_cast<double>(embedding_param_count(config));
   const double theory_schedule =
-      (kept_gathers * P_kept + block_gathers * static_cast<double>(P - P_kept) + P) * scale;
+      (kept_gathers * P_kept + E + block_gathers * (static_cast<double>(P - P_kept) - E) + P) *
+      scale;
   // What the transport must count for this exact layout: shards are padded to ceil(rows / N) rows
   // and each reduce-scatter carries one "had a grad" flag per parameter. The gathers carry the
   // compute dtype, and so does the reduce-scatter where the transport sums bf16 in fp32 (shared
@@ -370,9 +377,10 @@ int run_fsdp(const Args& a) {
   double exact = 0;
   for (const auto& p : shards) {
     const double shard = static_cast<double>(p.shard.numel());
-    exact +=
-        ((kept_through_backward(p.name) ? kept_gathers : block_gathers) * shard * gather_bytes +
-         (shard + 1) * reduce_bytes);
+    const int gathers = gathered_for_forward_only(p.name) ? 1
+                        : kept_through_backward(p.name)   ? kept_gathers
+                                                          : block_gathers;
+    exact += gathers * shard * gather_bytes + (shard + 1) * reduce_bytes;
   }
   exact *= N - 1;
   auto ratio = [](double x, double y) { return y > 0 ? json(x / y) : json(nullptr); };

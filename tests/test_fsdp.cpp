@@ -117,8 +117,8 @@ Scenario base_scenario() {
 // collective sends this rank's part to the one peer.
 struct TwoRankTraffic {
   // All-gathers of a forward and backward in fp32: the root's and the head's params once (they
-  // stay gathered until backward), each block's and the token embedding's twice (forward, and
-  // again for backward after resharding).
+  // stay gathered until backward), the token embedding's once (its backward reads no params),
+  // each block's twice (forward, and again for backward after resharding).
   double gather_fp32 = 0;
   // The same where the ranks share a host image of the unsharded params (shared memory, the
   // default): backward reads the rows forward gathered there, so every param is gathered once.
@@ -140,9 +140,8 @@ TwoRankTraffic two_rank_traffic(const Scenario& s) {
     const auto& p = item.value();
     const int64_t rows = p.dim() == 0 ? 1 : p.size(0), row_numel = p.numel() / rows;
     const double shard = static_cast<double>((rows + 1) / 2 * row_numel);
-    const bool resharded =
-        item.key().rfind("blocks.", 0) == 0 || item.key().rfind("tok_emb.", 0) == 0;
-    t.gather_fp32 += (resharded ? 2 : 1) * shard * 4;
+    const bool gathered_again = item.key().rfind("blocks.", 0) == 0;
+    t.gather_fp32 += (gathered_again ? 2 : 1) * shard * 4;
     t.gather_fp32_shared += shard * 4;
     if (p.requires_grad()) t.reduce += (shard + 1) * 4;
   }
@@ -157,6 +156,23 @@ size_t position(const nlohmann::json& events, const std::string& event, int unit
   }
   ADD_FAILURE() << "no " << event << " #" << nth << " of unit " << unit << " in " << events.dump();
   return events.size();
+}
+
+// The token embedding (unit 1) is gathered for its forward only: it is resharded right after
+// it (whatever reshard_after_forward says), and its backward runs on no gathered params, since an
+// embedding's weight gradient never reads the weight.
+void expect_embedding_backward_gathers_nothing(const nlohmann::json& events) {
+  int gathers = 0, reuses = 0;
+  for (const auto& e : events) {
+    if (e["unit"] != 1) continue;
+    gathers += e["event"] == "gather_issued";
+    reuses += e["event"] == "gather_reused";
+  }
+  EXPECT_EQ(gathers, 1) << events.dump();
+  EXPECT_EQ(reuses, 0) << events.dump();
+  const auto& backward = events[position(events, "backward_begin", 1)];
+  EXPECT_FALSE(backward["gathered"].get<bool>()) << backward.dump();
+  EXPECT_LT(position(events, "gather_issued", 1), position(events, "forward_end", 1));
 }
 
 class ParityTest : public ::testing::TestWithParam<int> {};
@@ -203,6 +219,30 @@ TEST(FSDP, KeepingParamsUnshardedAfterForwardMatches) {
   expect_matches(train_sharded(2, s, {"--keep-unsharded"}), train_reference(s), 1e-5);
 }
 
+// reshard_after_forward=false keeps every unit gathered from forward to backward, which then
+// gathers nothing again; but the token embedding, whose backward reads no params, lets go of them
+// right after its forward, and still trains as the unsharded reference does.
+TEST(FSDP, KeepingParamsUnshardedReleasesTheEmbeddingAfterForward) {
+  Scenario s = base_scenario();
+  s.steps = 2;
+  auto run = train_sharded(2, s, {"--keep-unsharded", "--private-unsharded", "--trace"});
+  expect_matches(run, train_reference(s), 1e-5);
+  ASSERT_EQ(run.traces.size(), 2u);
+  for (const auto& trace : run.traces) {
+    ASSERT_EQ(trace.size(), static_cast<size_t>(s.steps));
+    for (const auto& events : trace) {
+      expect_embedding_backward_gathers_nothing(events);
+      for (int k = 2; k < unit_count(s); ++k) {
+        const auto& backward = events[position(events, "backward_begin", k)];
+        EXPECT_TRUE(backward["gathered"].get<bool>()) << backward.dump();
+        int gathers = 0;
+        for (const auto& e : events) gathers += e["unit"] == k && e["event"] == "gather_issued";
+        EXPECT_EQ(gathers, 1) << "unit " << k << ": " << events.dump();
+      }
+    }
+  }
+}
+
 TEST(FSDP, PrefetchDepthDoesNotChangeResults) {
   const Scenario s = base_scenario();
   const auto reference = train_reference(s);
@@ -214,6 +254,7 @@ TEST(FSDP, PrefetchDepthDoesNotChangeResults) {
 // The schedule itself, from the trace: with prefetch, unit k+1's all-gather is issued before
 // unit k's compute starts and waited for after it ends (it overlaps that compute), in forward and
 // in backward (where k-1 follows k); without prefetch, it is issued only after unit k is done.
+// The token embedding is gathered for its forward alone: its backward reads no params.
 TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
   Scenario s = base_scenario();
   s.steps = 1;
@@ -253,13 +294,14 @@ TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
         EXPECT_GT(first_block, root_begins) << events.dump();
       }
       for (int k = 1; k < last; ++k) check(k, k + 1, "forward", 0);
-      for (int k = last; k > 1; --k) check(k, k - 1, "backward", 1);
+      for (int k = last; k > 2; --k) check(k, k - 1, "backward", 1);
+      expect_embedding_backward_gathers_nothing(events);
     }
   }
-  // With the host-shared image, each unit resharded after forward (the token embedding and the
-  // blocks) is gathered once, in forward; its backward reads the same rows again, taken up (by
-  // prefetch) before the backward of the unit after it begins. The head, first in backward, was
-  // never resharded: nothing to take up again.
+  // With the host-shared image, each block is gathered once, in forward; its backward reads the
+  // same rows again, taken up (by prefetch) before the backward of the unit after it begins. The
+  // head, first in backward, was never resharded, and the token embedding's backward reads no
+  // params: nothing to take up again.
   auto shared = train_sharded(2, s, {"--trace"});
   ASSERT_EQ(shared.traces.size(), 2u);
   for (const auto& trace : shared.traces) {
@@ -272,20 +314,23 @@ TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
         issued += e["event"] == "gather_issued";
         reused += e["event"] == "gather_reused";
       }
+      const bool taken_up_again = k != 1 && k != last;
       EXPECT_EQ(issued, 1) << "unit " << k << ": " << events.dump();
-      EXPECT_EQ(reused, k == last ? 0 : 1) << "unit " << k << ": " << events.dump();
-      if (k == last) continue;
+      EXPECT_EQ(reused, taken_up_again ? 1 : 0) << "unit " << k << ": " << events.dump();
+      if (!taken_up_again) continue;
       EXPECT_LT(position(events, "gather_reused", k), position(events, "backward_begin", k));
       EXPECT_LT(position(events, "gather_reused", k), position(events, "backward_begin", k + 1))
           << events.dump();
     }
+    expect_embedding_backward_gathers_nothing(events);
   }
 }
 
 // bf16 mixed precision really runs in bf16: every unit's params are gathered, and in bf16, when
-// its forward and backward compute. The all-gathers carry bf16, and so does the reduce-scatter
-// (its sums are fp32: Bf16GradsSumInFp32OnEveryTransport): exactly half the fp32 run's bytes as
-// the process group counted them.
+// its forward and backward compute (but the token embedding's backward, which reads none). The
+// all-gathers carry bf16, and so does the reduce-scatter (its sums are fp32:
+// Bf16GradsSumInFp32OnEveryTransport): exactly half the fp32 run's bytes as the process group
+// counted them.
 TEST(FSDP, Bf16GathersComputesAndReducesInBf16AtHalfTheBytes) {
   Scenario s = base_scenario();
   s.steps = 2;
@@ -311,7 +356,8 @@ TEST(FSDP, Bf16GathersComputesAndReducesInBf16AtHalfTheBytes) {
           } else if (event == "forward_begin" || event == "backward_begin") {
             ++computes[event];
             EXPECT_EQ(e["dtype"], name) << e.dump();
-            EXPECT_TRUE(e["gathered"].get<bool>()) << e.dump();
+            const bool embedding_backward = event == "backward_begin" && e["unit"] == 1;
+            EXPECT_EQ(e["gathered"].get<bool>(), !embedding_backward) << e.dump();
           }
         }
         // Every unit, each forward and backward once.

@@ -3,7 +3,8 @@
 // Every parameter is split on dim 0 across the shard group (padded to equal shards); a rank keeps
 // only its fp32 shard. A unit (usually one transformer block) all-gathers its parameters with one
 // collective right before its forward, frees them after it (reshard_after_forward), gathers them
-// again before its backward and reduce-scatters its gradients with one collective after it.
+// again before its backward (unless that backward reads none: backward_reads_params, below) and
+// reduce-scatters its gradients with one collective after it.
 //
 // The C++ frontend has no forward hooks, so the unit boundary is a type: declare a block as
 // `fsdp::Unit<BlockImpl>` instead of `BlockImpl`'s holder and call it as usual (`x = block(x)`).
@@ -177,8 +178,10 @@ class FSDPModule {
 };
 
 namespace detail {
+// `backward_reads_params`: fsdp::backward_reads_params of the module's type.
 std::shared_ptr<UnitState> shard_module(const std::shared_ptr<torch::nn::Module>& module,
-                                        const dist::DeviceMesh& mesh, const Options& options);
+                                        const dist::DeviceMesh& mesh, const Options& options,
+                                        bool backward_reads_params);
 // Gathers params, moves the inputs to the mesh's device, casts and wraps them; returns them in
 // the same order.
 std::vector<torch::Tensor> pre_forward(UnitState& unit, std::vector<torch::Tensor> inputs);
@@ -303,12 +306,23 @@ torch::Tensor new_parameter(c10::IntArrayRef shape,
 // param that fully_shard has freed).
 bool has_no_values(const torch::Tensor& param);
 
+// Whether the backward of a module of this type reads the module's own parameters. It does by
+// default, and a unit is all-gathered again for its backward, as FSDP2 does. A module whose params
+// are only looked up by index specialises this to false: an embedding's weight gradient scatters
+// the output's gradient into the rows looked up, and never reads the weight. A unit of such a
+// module gathers nothing for its backward and is resharded after forward even where
+// reshard_after_forward is false (keeping it would only hold memory). It is a promise of the
+// module type: its backward must not reach its params' values (their storage is freed; reading
+// it throws), so a module with adapters or a weight tied into another computation must not make it.
+template <class ModuleImpl>
+struct backward_reads_params : std::true_type {};
+
 // Shards the parameters of `unit` that no already-sharded unit below it owns. Shard children
 // first, then the root, as with FSDP2.
 template <class M>
 void fully_shard(Unit<M>& unit, const dist::DeviceMesh& mesh, const Options& options = {}) {
   TORCH_CHECK(!unit.state_, "fully_shard: this module is already sharded");
-  unit.state_ = detail::shard_module(unit.ptr(), mesh, options);
+  unit.state_ = detail::shard_module(unit.ptr(), mesh, options, backward_reads_params<M>::value);
 }
 
 }  // namespace shardrl::fsdp

@@ -184,7 +184,8 @@ torch::Tensor new_parameter(c10::IntArrayRef shape,
 namespace detail {
 
 std::shared_ptr<UnitState> shard_module(const std::shared_ptr<torch::nn::Module>& module,
-                                        const dist::DeviceMesh& mesh, const Options& options) {
+                                        const dist::DeviceMesh& mesh, const Options& options,
+                                        bool backward_reads_params) {
   TORCH_CHECK(options.prefetch >= 0, "fully_shard: prefetch must be >= 0");
   // Parameters of units sharded earlier (the children) stay theirs.
   std::unordered_set<const c10::TensorImpl*> owned;
@@ -200,6 +201,7 @@ std::shared_ptr<UnitState> shard_module(const std::shared_ptr<torch::nn::Module>
     mine.emplace_back(item.key(), item.value());
   }
   auto unit = std::make_shared<UnitState>(module, mesh, options);
+  unit->backward_reads_params = backward_reads_params;
   unit->shard_parameters(mine);
   // Buffers live where the unit computes (parameters get there through their shards).
   torch::NoGradGuard no_grad;
@@ -263,8 +265,10 @@ std::vector<torch::Tensor> post_forward(UnitState& unit, std::vector<torch::Tens
     if (!needs_backward) {
       for (auto* u : unit.root->units) u->reshard();
     }
-  } else if (!needs_backward || unit.options.reshard_after_forward) {
-    unit.reshard(/*for_backward=*/needs_backward);
+  } else if (!needs_backward || !unit.backward_reads_params) {
+    unit.reshard();
+  } else if (unit.options.reshard_after_forward) {
+    unit.reshard(/*for_backward=*/true);
   }
   return outputs;
 }

@@ -240,7 +240,7 @@ void UnitState::reduce_grads() {
 void UnitState::pre_backward() {
   check_usable();
   root->on_backward_started();
-  wait_for_unshard();
+  if (backward_reads_params) wait_for_unshard();
   root->prefetch_before_in_backward(this);
   trace::record(trace::Event::kBackwardBegin, *this);
 }
@@ -282,8 +282,9 @@ void RootContext::prefetch_before_in_backward(UnitState* unit) {
   auto it = std::find(forward_order.rbegin(), forward_order.rend(), unit);
   for (int k = 0; k < root_->options.prefetch && it != forward_order.rend();) {
     if (++it == forward_order.rend()) break;
-    // A unit whose outputs needed no grad (frozen embeddings under LoRA) has no backward.
-    if (!(*it)->backward_expected) continue;
+    // A unit whose outputs needed no grad (frozen embeddings under LoRA) has no backward, and
+    // one whose backward reads no params (a trainable embedding) needs no gather for it.
+    if (!(*it)->backward_expected || !(*it)->backward_reads_params) continue;
     (*it)->unshard();
     ++k;
   }

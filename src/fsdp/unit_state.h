@@ -57,6 +57,9 @@ class UnitState {
   bool is_root = false;
   bool post_backward_done = false;
   bool backward_expected = false;  // its last forward's outputs needed grad: a backward will come
+  // fsdp::backward_reads_params of the module's type. false: resharded after every forward, and
+  // its backward (the grads of an embedding lookup) runs on the sharded params, gathering nothing.
+  bool backward_reads_params = true;
   std::shared_ptr<ShardResidency> residency;  // null: every shard is always resident
   bool held_unsharded = false;  // FSDPModule::unshard(): reshard() keeps the params until released
 

@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include "shardrl/fsdp.h"
+
 namespace shardrl::models {
 
 class LinearImpl : public torch::nn::Module {
@@ -44,6 +46,16 @@ class EmbeddingImpl : public torch::nn::Module {
   torch::Tensor weight;  // [num_embeddings, embedding_dim]
 };
 TORCH_MODULE(Embedding);
+
+}  // namespace shardrl::models
+
+// An embedding's backward scatters the output's gradient into the weight's rows and never reads
+// the weight: its FSDP unit gathers nothing for backward (the weight is used by nothing else here;
+// a tied head shares it with the root's unit instead).
+template <>
+struct shardrl::fsdp::backward_reads_params<shardrl::models::EmbeddingImpl> : std::false_type {};
+
+namespace shardrl::models {
 
 class LayerNormImpl : public torch::nn::Module {
  public:
