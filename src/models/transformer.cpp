@@ -78,10 +78,9 @@ torch::Tensor BlockImpl::forward(torch::Tensor x) {
   return checkpointed([this](const std::vector<torch::Tensor>& in) { return compute(in[0]); }, {x});
 }
 
-torch::Tensor BlockImpl::compute(const torch::Tensor& x_in) {
-  torch::Tensor x = x_in;
-  x = x + attention(ln1_(x));
-  return x + fc2_(torch::gelu(fc1_(ln2_(x))));
+torch::Tensor BlockImpl::compute(const torch::Tensor& x) {
+  const auto h = x + attention(ln1_(x));
+  return h + fc2_(torch::gelu(fc1_(ln2_(h))));
 }
 
 TransformerImpl::TransformerImpl(const TransformerConfig& c) : config_(c) {
