@@ -1,7 +1,7 @@
 #!/bin/bash
 # perf samples of a (FSDP 2x1), b (1x1, batch 4) and b3 (two b in lock-step), 4 interleaved rounds,
 # 12 timed steps after 1, at the model and settings of scripts/bench.sh. Writes perf data, JSON and
-# logs into the current folder; then, there, `python3 bench/results/2026-11-28-colocation/summarize.py` (and symbols.py).
+# logs into the current folder; then, there, python3 summarize.py and symbols.py of this folder.
 set -eu
 B=${B:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)/build/bin}
 export GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296
