@@ -22,19 +22,19 @@ def main():
             per = samples(f"{mode}.{r}.data")
             pids = sorted(per, key=lambda p: -sum(per[p].values()))
             mains, others = pids[:ranks], pids[ranks:]
-            main = sum(sum(per[p].values()) for p in mains) / ranks
+            on_cpu = sum(sum(per[p].values()) for p in mains) / ranks
             sgemm = sum(per[p]["mkl_blas_def_sgemm_kernel_0_zen"] for p in mains) / ranks
             other = sum(sum(per[p].values()) for p in others) / ranks
             step = json.load(open(f"{mode}.{r}.json"))["median_step_s"]
-            rows[mode].append((main, sgemm, other, step))
-            print(f"{mode:3} round {r}: main {main:7.0f}  sgemm {sgemm:7.0f}  other threads {other:5.0f}  median step {step:.3f} s")
+            rows[mode].append((on_cpu, sgemm, other, step))
+            print(f"{mode:3} round {r}: main {on_cpu:7.0f}  sgemm {sgemm:7.0f}  other threads {other:5.0f}  median step {step:.3f} s")
     print()
     med = {m: [statistics.median(x[i] for x in v) for i in range(4)] for m, v in rows.items()}
-    for m, (main, sgemm, other, step) in med.items():
-        print(f"median {m:3}: main {main:7.0f}  sgemm {sgemm:7.0f}  other {other:5.0f}  step {step:.3f} s")
+    for m, (on_cpu, sgemm, other, step) in med.items():
+        print(f"median {m:3}: main {on_cpu:7.0f}  sgemm {sgemm:7.0f}  other {other:5.0f}  step {step:.3f} s")
     a, b, b3 = med["a"], med["b"], med["b3"]
     print(f"a/b {a[3]/b[3]:.3f}  b3/b {b3[3]/b[3]:.3f}  a/b3 {a[3]/b3[3]:.3f}")
-    print(f"main-thread samples a/b3 {a[0]/b3[0]:.3f}  sgemm a/b3 {a[1]/b3[1]:.3f}  b3/b {b3[1]/b[1]:.3f}")
+    print(f"main-thread samples a/b3 {a[0]/b3[0]:.3f}  sgemm a/b3 {a[1]/b3[1]:.3f}  sgemm b3/b {b3[1]/b[1]:.3f}")
     for i, name in ((3, "step"), (0, "main samples")):
         print(f"paired per round ({name}): a/b",
               [round(x[i]/y[i], 3) for x, y in zip(rows['a'], rows['b'])], "a/b3",
