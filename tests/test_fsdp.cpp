@@ -158,18 +158,19 @@ size_t position(const nlohmann::json& events, const std::string& event, int unit
   return events.size();
 }
 
+// How many `event`s of `unit` one step's trace has.
+int count_events(const nlohmann::json& events, const std::string& event, int unit) {
+  int n = 0;
+  for (const auto& e : events) n += e["event"] == event && e["unit"] == unit;
+  return n;
+}
+
 // The token embedding (unit 1) is gathered for its forward only: it is resharded right after
 // it (whatever reshard_after_forward says), and its backward runs on no gathered params, since an
 // embedding's weight gradient never reads the weight.
 void expect_embedding_backward_gathers_nothing(const nlohmann::json& events) {
-  int gathers = 0, reuses = 0;
-  for (const auto& e : events) {
-    if (e["unit"] != 1) continue;
-    gathers += e["event"] == "gather_issued";
-    reuses += e["event"] == "gather_reused";
-  }
-  EXPECT_EQ(gathers, 1) << events.dump();
-  EXPECT_EQ(reuses, 0) << events.dump();
+  EXPECT_EQ(count_events(events, "gather_issued", 1), 1) << events.dump();
+  EXPECT_EQ(count_events(events, "gather_reused", 1), 0) << events.dump();
   const auto& backward = events[position(events, "backward_begin", 1)];
   EXPECT_FALSE(backward["gathered"].get<bool>()) << backward.dump();
   EXPECT_LT(position(events, "gather_issued", 1), position(events, "forward_end", 1));
@@ -235,9 +236,8 @@ TEST(FSDP, KeepingParamsUnshardedReleasesTheEmbeddingAfterForward) {
       for (int k = 2; k < unit_count(s); ++k) {
         const auto& backward = events[position(events, "backward_begin", k)];
         EXPECT_TRUE(backward["gathered"].get<bool>()) << backward.dump();
-        int gathers = 0;
-        for (const auto& e : events) gathers += e["unit"] == k && e["event"] == "gather_issued";
-        EXPECT_EQ(gathers, 1) << "unit " << k << ": " << events.dump();
+        EXPECT_EQ(count_events(events, "gather_issued", k), 1)
+            << "unit " << k << ": " << events.dump();
       }
     }
   }
@@ -308,15 +308,11 @@ TEST(FSDP, PrefetchOverlapsTheNextGatherWithCompute) {
     ASSERT_EQ(trace.size(), 1u);
     const auto& events = trace[0];
     for (int k = 1; k <= last; ++k) {
-      int issued = 0, reused = 0;
-      for (const auto& e : events) {
-        if (e["unit"] != k) continue;
-        issued += e["event"] == "gather_issued";
-        reused += e["event"] == "gather_reused";
-      }
       const bool taken_up_again = k != 1 && k != last;
-      EXPECT_EQ(issued, 1) << "unit " << k << ": " << events.dump();
-      EXPECT_EQ(reused, taken_up_again ? 1 : 0) << "unit " << k << ": " << events.dump();
+      EXPECT_EQ(count_events(events, "gather_issued", k), 1)
+          << "unit " << k << ": " << events.dump();
+      EXPECT_EQ(count_events(events, "gather_reused", k), taken_up_again ? 1 : 0)
+          << "unit " << k << ": " << events.dump();
       if (!taken_up_again) continue;
       EXPECT_LT(position(events, "gather_reused", k), position(events, "backward_begin", k));
       EXPECT_LT(position(events, "gather_reused", k), position(events, "backward_begin", k + 1))
