@@ -23,6 +23,7 @@
 #include <iostream>
 
 #include "shardrl/models/llama.h"
+#include "shardrl/models/packed_linear.h"
 #include "shardrl/models/sampling.h"
 
 using namespace shardrl;
@@ -80,7 +81,7 @@ int main(int argc, char** argv) {
   double pack_seconds = 0;
   if (rollout_dtype == "float16") {
     const auto start = std::chrono::steady_clock::now();
-    model->pack_for_inference(torch::kHalf);
+    models::pack_for_inference(*model, torch::kHalf);
     pack_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   models::SamplingOptions options;

@@ -11,6 +11,7 @@
 #include "model_test_util.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/llama.h"
+#include "shardrl/models/packed_linear.h"
 #include "shardrl/models/sampling.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/optim.h"
@@ -197,7 +198,7 @@ TEST(Llama, PackedFp16WeightsGiveTheFp16RoundedModelsLogits) {
     const auto head_weight = qwen ? rounded->model->embed_tokens->weight : rounded->lm_head->weight;
     const torch::Tensor expected = torch::nn::functional::linear(
         rounded->model(tokens, nullptr, torch::Tensor()), fp16(head_weight));
-    model->pack_for_inference(torch::kHalf);
+    models::pack_for_inference(*model, torch::kHalf);
     const auto packed = model(tokens);
     const double scale = expected.abs().max().item<double>();
     EXPECT_LE((packed - expected).abs().max().item<double>(), 1e-5 * scale) << "qwen " << qwen;
@@ -208,15 +209,15 @@ TEST(Llama, PackedFp16WeightsGiveTheFp16RoundedModelsLogits) {
     auto first = model(tokens.narrow(1, 0, 5), &cache);
     auto rest = model(tokens.narrow(1, 5, 2), &cache);
     EXPECT_LE((torch::cat({first, rest}, 1) - expected).abs().max().item<double>(), 1e-5 * scale);
-    model->pack_for_inference(torch::kFloat);
+    models::pack_for_inference(*model, torch::kFloat);
     EXPECT_TRUE(torch::equal(model(tokens), fp32));
   }
   const auto c = tiny_config();
   auto model = random_model(c);
-  model->pack_for_inference(torch::kHalf);
+  models::pack_for_inference(*model, torch::kHalf);
   auto tokens = tokens_for(c, 1, 3);
   EXPECT_NE(expect_error([&] { model(tokens); }).find("without grad only"), std::string::npos);
-  EXPECT_NE(expect_error([&] { model->pack_for_inference(torch::kBFloat16); }).find("BFloat16"),
+  EXPECT_NE(expect_error([&] { models::pack_for_inference(*model, torch::kBFloat16); }).find("BFloat16"),
             std::string::npos);
 }
 

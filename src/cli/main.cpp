@@ -13,6 +13,7 @@
 #include "shardrl/launcher.h"
 #include "shardrl/models/chat.h"
 #include "shardrl/models/export.h"
+#include "shardrl/models/gguf_import.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/sampling.h"

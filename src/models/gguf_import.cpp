@@ -9,6 +9,7 @@
 
 #include "checkpoint/io.h"
 #include "shardrl/checkpoint.h"
+#include "shardrl/models/gguf_import.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/tokenizer.h"
 

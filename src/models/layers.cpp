@@ -2,7 +2,6 @@
 
 #include <cmath>
 
-#include "models/packed_linear.h"
 #include "shardrl/fsdp.h"
 
 namespace shardrl::models {
@@ -23,20 +22,10 @@ LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_in) : options(opt
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
-  if (packed_.isNone()) return F::linear(input, weight, bias);
+  if (!inference_kernel_) return F::linear(input, weight, bias);
   TORCH_CHECK(!torch::GradMode::is_enabled(),
               "Linear: packed for inference (pack_for_inference), so it runs without grad only");
-  return packed::linear(input, packed_);
-}
-
-void LinearImpl::pack_for_inference(torch::ScalarType dtype) {
-  if (dtype == torch::kFloat) {
-    packed_ = c10::IValue();
-    return;
-  }
-  TORCH_CHECK(dtype == torch::kHalf, "Linear::pack_for_inference: float16 or float32, got ",
-              c10::toString(dtype));
-  packed_ = packed::pack_fp16(weight, bias);
+  return inference_kernel_(input);
 }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {

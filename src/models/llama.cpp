@@ -12,7 +12,6 @@
 #include <set>
 
 #include "models/json_fields.h"
-#include "models/packed_linear.h"
 #include "shardrl/models/activation_checkpoint.h"
 #include "shardrl/ulysses.h"
 
@@ -245,51 +244,6 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   return o_proj(out.transpose(1, 2).reshape({B, T, heads_ * head_dim_}));
 }
 
-std::pair<torch::Tensor, torch::Tensor> KVCache::append(size_t layer, const torch::Tensor& k,
-                                                        const torch::Tensor& v) {
-  if (keys.size() <= layer) {
-    keys.resize(layer + 1);
-    values.resize(layer + 1);
-  }
-  auto& ck = keys[layer];
-  auto& cv = values[layer];
-  const int64_t past = ck.defined() ? ck.size(2) : 0, total = past + k.size(2);
-  if (capacity == 0) {
-    ck = past > 0 ? torch::cat({ck, k.detach()}, 2) : k.detach();
-    cv = past > 0 ? torch::cat({cv, v.detach()}, 2) : v.detach();
-    return {ck, cv};
-  }
-  TORCH_CHECK(total <= capacity, "KVCache: ", total, " positions exceed its capacity ", capacity);
-  if (key_buffers.size() <= layer) {
-    key_buffers.resize(layer + 1);
-    value_buffers.resize(layer + 1);
-  }
-  auto& kb = key_buffers[layer];
-  auto& vb = value_buffers[layer];
-  if (!kb.defined()) {
-    kb = torch::empty({k.size(0), k.size(1), capacity, k.size(3)}, k.options());
-    vb = torch::empty({v.size(0), v.size(1), capacity, v.size(3)}, v.options());
-  }
-  kb.narrow(2, past, k.size(2)).copy_(k.detach());
-  vb.narrow(2, past, v.size(2)).copy_(v.detach());
-  ck = kb.narrow(2, 0, total);
-  cv = vb.narrow(2, 0, total);
-  return {ck, cv};
-}
-
-void KVCache::batch_select_indices(const torch::Tensor& indices) {
-  for (auto* buffers : {&key_buffers, &value_buffers}) {
-    for (auto& t : *buffers) t = t.index_select(0, indices);
-  }
-  for (size_t layer = 0; layer < keys.size(); ++layer) {
-    const int64_t length = keys[layer].size(2);
-    keys[layer] = capacity > 0 ? key_buffers[layer].narrow(2, 0, length)
-                               : keys[layer].index_select(0, indices);
-    values[layer] = capacity > 0 ? value_buffers[layer].narrow(2, 0, length)
-                                 : values[layer].index_select(0, indices);
-  }
-}
-
 LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c) {
   auto linear = [&](const char* name, int64_t in, int64_t out) {
     return register_module(name, lora::LoraLinear(torch::nn::LinearOptions(in, out).bias(false)));
@@ -406,21 +360,11 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
 
 torch::Tensor LlamaForCausalLMImpl::head(const torch::Tensor& hidden) {
   if (lm_head) return lm_head(hidden);
-  if (packed_tied_head_.isNone()) return F::linear(hidden, model->embed_tokens->weight);
+  if (!tied_head_kernel_) return F::linear(hidden, model->embed_tokens->weight);
   TORCH_CHECK(!torch::GradMode::is_enabled(),
               "LlamaForCausalLM: packed for inference (pack_for_inference), so it runs without "
               "grad only");
-  return packed::linear(hidden, packed_tied_head_);
-}
-
-void LlamaForCausalLMImpl::pack_for_inference(torch::ScalarType dtype) {
-  for (auto& module : modules()) {
-    if (auto* linear = dynamic_cast<LinearImpl*>(module.get())) linear->pack_for_inference(dtype);
-  }
-  packed_tied_head_ = c10::IValue();
-  if (!lm_head && dtype != torch::kFloat) {
-    packed_tied_head_ = packed::pack_fp16(model->embed_tokens->weight, torch::Tensor());
-  }
+  return tied_head_kernel_(hidden);
 }
 
 namespace {

@@ -30,6 +30,7 @@
 #include "shardrl/algos/arithmetic.h"
 #include "shardrl/models/chat.h"
 #include "shardrl/models/llama.h"
+#include "shardrl/models/packed_linear.h"
 #include "shardrl/models/sampling.h"
 #include "shardrl/models/tokenizer.h"
 #include "tasks.h"
@@ -470,7 +471,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   bool base_synced = false;
   auto sync_rollout_weights = [&] {
     sync_rollout_replica(*actor, *rollout_model, "", /*trainable_only=*/base_synced);
-    if (rollout_in_fp16 && !base_synced) rollout_model->pack_for_inference(torch::kHalf);
+    if (rollout_in_fp16 && !base_synced) models::pack_for_inference(*rollout_model, torch::kHalf);
     base_synced = lora;
   };
   const bool lead = world->rank() == 0;

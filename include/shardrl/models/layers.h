@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+
 #include "shardrl/fsdp.h"
 
 namespace shardrl::models {
@@ -19,21 +21,21 @@ class LinearImpl : public torch::nn::Module {
       : LinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
   torch::Tensor forward(const torch::Tensor& input);
 
-  // For an inference replica on CPU (a rollout model): kHalf packs the weight and bias once into
-  // fbgemm's fp16 GEMM layout (torch.ao's dynamic fp16 quantization: fp16 weights, fp32
-  // activations and output), which forward() then uses, at half the bytes of fp32 and with no
-  // packing per call; kFloat drops the packed copy. The copy does not follow later changes of
-  // `weight`: pack again after each weight sync. A forward with grad enabled on a packed layer is
-  // an error (no autograd reaches the packed weight).
-  void pack_for_inference(torch::ScalarType dtype);
-  bool packed_for_inference() const { return !packed_.isNone(); }
+  // A forward-only kernel that replaces F::linear on an inference replica (a rollout model):
+  // the rollout installs one that holds the weight packed for a faster GEMM
+  // (pack_for_inference). It does not follow later changes of `weight`: install it again after
+  // each weight sync; an empty one restores F::linear. A forward with grad enabled while one is
+  // installed is an error (no autograd reaches it).
+  using InferenceKernel = std::function<torch::Tensor(const torch::Tensor&)>;
+  void set_inference_kernel(InferenceKernel kernel) { inference_kernel_ = std::move(kernel); }
+  bool packed_for_inference() const { return static_cast<bool>(inference_kernel_); }
 
   torch::nn::LinearOptions options;
   torch::Tensor weight;  // [out, in]
   torch::Tensor bias;    // [out], undefined without bias
 
  private:
-  c10::IValue packed_;  // None unless packed
+  InferenceKernel inference_kernel_;
 };
 TORCH_MODULE(Linear);
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "shardrl/fsdp.h"
+#include "shardrl/models/kv_cache.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/weights.h"
 #include "shardrl/models/wrap_policy.h"
@@ -57,30 +58,6 @@ class RMSNormImpl : public torch::nn::Module {
   double eps_;
 };
 TORCH_MODULE(RMSNorm);
-
-// Keys and values of every layer seen so far; one per sequence batch being sampled.
-struct KVCache {
-  KVCache() = default;
-  // Room for `capacity` positions, allocated at the first forward and written in place (HF's
-  // StaticCache): without it each token's keys and values are concatenated to the cache, which
-  // copies all of it at every token.
-  explicit KVCache(int64_t capacity) : capacity(capacity) {}
-
-  std::vector<torch::Tensor> keys, values;  // per layer: [B, kv_heads, past, head_dim]
-  int64_t capacity = 0;                     // 0: grows by concatenation
-  // With a capacity: per layer [B, kv_heads, capacity, head_dim]; keys and values view them.
-  std::vector<torch::Tensor> key_buffers, value_buffers;
-
-  int64_t length() const { return keys.empty() || !keys[0].defined() ? 0 : keys[0].size(2); }
-  // Appends this step's keys and values [B, kv_heads, T, head_dim] to `layer`; returns the
-  // layer's keys and values so far.
-  std::pair<torch::Tensor, torch::Tensor> append(size_t layer, const torch::Tensor& k,
-                                                 const torch::Tensor& v);
-  // Keeps the rows `indices` (int64 [B']; a row may repeat) in that order, as HF's
-  // batch_select_indices: a prompt prefilled once serves its n samples, and finished rows leave
-  // the batch.
-  void batch_select_indices(const torch::Tensor& indices);
-};
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
@@ -178,11 +155,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // Ulysses sequence parallelism over `group` (DeviceMesh::sequence_parallel_group; null turns it
   // off). The group's size must split the heads (ulysses::check_heads).
   void set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group);
-  // For an unsharded inference replica on CPU (a rollout model, forward without grad only):
-  // kHalf packs every projection and the head, tied or not, into fbgemm's fp16-weight GEMM
-  // (LinearImpl::pack_for_inference: fp16 weights, fp32 activations); kFloat unpacks. The packed
-  // copies do not follow the weights: pack again after every weight sync.
-  void pack_for_inference(torch::ScalarType dtype);
+  // With tied embeddings, a forward-only kernel the head runs instead of linear(hidden,
+  // embed_tokens.weight) on an inference replica (LinearImpl::set_inference_kernel; installed by
+  // pack_for_inference); empty: the embeddings as they are.
+  void set_tied_head_inference_kernel(LinearImpl::InferenceKernel kernel) {
+    tied_head_kernel_ = std::move(kernel);
+  }
 
   LlamaModel model{nullptr};
   fsdp::Unit<LinearImpl> lm_head{nullptr};  // null when tie_word_embeddings
@@ -190,7 +168,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
  private:
   torch::Tensor head(const torch::Tensor& hidden);  // lm_head, or the tied embeddings
   LlamaConfig config_;
-  c10::IValue packed_tied_head_;  // the tied embeddings packed as the head (pack_for_inference)
+  LinearImpl::InferenceKernel tied_head_kernel_;
 };
 using LlamaForCausalLM = fsdp::Unit<LlamaForCausalLMImpl>;
 
@@ -213,16 +191,6 @@ void load_llama_weights(LlamaForCausalLMImpl& model, const std::string& path);
 // A Hugging Face model directory (config.json and model.safetensors or the sharded index, e.g.
 // transformers' save_pretrained or `shardrl export`) as an unsharded model, for inference.
 LlamaForCausalLM load_llama(const std::string& dir);
-
-// Converts a llama.cpp GGUF file of a LLaMA-architecture model into a Hugging Face folder that
-// load_llama() and transformers read: safetensors in `dtype` with transformers' tensor names and
-// rotary row layout (GGUF permutes q/k rows for llama.cpp), config.json, generation_config.json,
-// tokenizer.json and tokenizer_config.json (with the file's chat template). Reads F32, F16, BF16,
-// Q8_0, Q4_0 and Q4_1 tensors and GPT-2-style byte-level BPE tokenizers. A tensor missing, left
-// over or of a shape the metadata disagrees with is an error naming it and the file. Returns the
-// files written.
-std::vector<std::string> import_gguf(const std::string& gguf_path, const std::string& out_dir,
-                                     torch::ScalarType dtype = torch::kFloat);
 
 // Writes `dir`/model.safetensors (the base weights of `params`, adapter tensors left out, in
 // `dtype`) and `dir`/config.json: a directory transformers' from_pretrained reads.
