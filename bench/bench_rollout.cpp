@@ -23,8 +23,8 @@
 #include <iostream>
 
 #include "shardrl/models/llama.h"
-#include "shardrl/models/packed_linear.h"
-#include "shardrl/models/sampling.h"
+#include "shardrl/rollout/packed_linear.h"
+#include "shardrl/rollout/sampling.h"
 
 using namespace shardrl;
 using nlohmann::json;

@@ -24,7 +24,7 @@
 #include "shardrl/algos.h"
 #include "shardrl/engine.h"
 #include "shardrl/models/llama.h"
-#include "shardrl/models/sampling.h"
+#include "shardrl/rollout/sampling.h"
 #include "shardrl/models/sd3.h"
 
 using namespace shardrl;

@@ -12,10 +12,10 @@
 #include <random>
 
 #include "model_test_util.h"
-#include "models/utf8.h"
+#include "text/utf8.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/text_encoder.h"
-#include "shardrl/models/wordpiece.h"
+#include "shardrl/text/wordpiece_tokenizer.h"
 #include "test_util.h"
 #include "text_corpus.h"
 

@@ -16,8 +16,8 @@
 #include <stdexcept>
 #include <utility>
 
-#include "models/utf8.h"
-#include "shardrl/models/tokenizer.h"
+#include "text/utf8.h"
+#include "shardrl/text/bpe_tokenizer.h"
 #include "test_util.h"
 #include "text_corpus.h"
 

@@ -11,13 +11,13 @@
 #include "shardrl/checkpoint.h"
 #include "shardrl/fsdp.h"
 #include "shardrl/launcher.h"
-#include "shardrl/models/chat.h"
-#include "shardrl/models/export.h"
-#include "shardrl/models/gguf_import.h"
+#include "shardrl/text/chat_template.h"
+#include "shardrl/convert/export_model.h"
+#include "shardrl/convert/gguf_import.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
-#include "shardrl/models/sampling.h"
-#include "shardrl/models/tokenizer.h"
+#include "shardrl/rollout/sampling.h"
+#include "shardrl/text/bpe_tokenizer.h"
 #include "shardrl/trainer.h"
 
 namespace {

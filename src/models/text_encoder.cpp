@@ -8,7 +8,7 @@
 
 #include "checkpoint/io.h"
 #include "models/json_fields.h"
-#include "models/utf8.h"
+#include "text/utf8.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/layers.h"
 #include "shardrl/models/weights.h"

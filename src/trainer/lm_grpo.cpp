@@ -28,11 +28,11 @@
 
 #include "shardrl/algos.h"
 #include "shardrl/algos/arithmetic.h"
-#include "shardrl/models/chat.h"
+#include "shardrl/text/chat_template.h"
 #include "shardrl/models/llama.h"
-#include "shardrl/models/packed_linear.h"
-#include "shardrl/models/sampling.h"
-#include "shardrl/models/tokenizer.h"
+#include "shardrl/rollout/packed_linear.h"
+#include "shardrl/rollout/sampling.h"
+#include "shardrl/text/bpe_tokenizer.h"
 #include "tasks.h"
 
 namespace shardrl::trainer {

@@ -25,7 +25,7 @@
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/engine.h"
 #include "shardrl/models/llama.h"
-#include "shardrl/models/sampling.h"
+#include "shardrl/rollout/sampling.h"
 #include "shardrl/models/sd3.h"
 #include "workers/param_files.h"
 #include "workers/sd3_scenario.h"

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "shardrl/models/wordpiece.h"
+#include "shardrl/text/wordpiece_tokenizer.h"
 
 namespace shardrl::models {
 

@@ -1,4 +1,4 @@
-#include "shardrl/models/tokenizer.h"
+#include "shardrl/text/bpe_tokenizer.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -13,8 +13,8 @@
 #include <unordered_map>
 
 #include "checkpoint/io.h"
-#include "models/unicode_classes.h"
-#include "models/utf8.h"
+#include "text/generated/unicode_classes.h"
+#include "text/utf8.h"
 
 namespace shardrl::models {
 namespace {

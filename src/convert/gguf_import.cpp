@@ -9,9 +9,9 @@
 
 #include "checkpoint/io.h"
 #include "shardrl/checkpoint.h"
-#include "shardrl/models/gguf_import.h"
+#include "shardrl/convert/gguf_import.h"
 #include "shardrl/models/llama.h"
-#include "shardrl/models/tokenizer.h"
+#include "shardrl/text/bpe_tokenizer.h"
 
 namespace shardrl::models {
 namespace {

@@ -1,4 +1,4 @@
-#include "shardrl/models/chat.h"
+#include "shardrl/text/chat_template.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "shardrl/models/packed_linear.h"
+#include "shardrl/rollout/packed_linear.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>

@@ -1,4 +1,4 @@
-#include "shardrl/models/wordpiece.h"
+#include "shardrl/text/wordpiece_tokenizer.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -10,8 +10,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "models/bert_unicode.h"
-#include "models/utf8.h"
+#include "text/generated/bert_unicode.h"
+#include "text/utf8.h"
 
 namespace shardrl::models {
 namespace {

@@ -1,4 +1,4 @@
-#include "shardrl/models/sampling.h"
+#include "shardrl/rollout/sampling.h"
 
 #include <fmt/format.h>
 

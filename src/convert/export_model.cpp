@@ -1,4 +1,4 @@
-#include "shardrl/models/export.h"
+#include "shardrl/convert/export_model.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
