@@ -81,10 +81,10 @@ int main(int argc, char** argv) {
   double pack_seconds = 0;
   if (rollout_dtype == "float16") {
     const auto start = std::chrono::steady_clock::now();
-    models::pack_for_inference(*model, torch::kHalf);
+    rollout::pack_for_inference(*model, torch::kHalf);
     pack_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
-  models::SamplingOptions options;
+  rollout::SamplingOptions options;
   options.max_new_tokens = new_tokens;
   options.temperature = temperature;
   options.eos_token_id = eos_id;
@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
   for (int64_t r = 0; r <= repeats; ++r) {
     options.generator = at::make_generator<at::CPUGeneratorImpl>(r);
     const auto start = std::chrono::steady_clock::now();
-    const auto rollout = models::sample(model, prompts, options, mask);
+    const auto rollout = rollout::sample(model, prompts, options, mask);
     const double s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (eos_id < 0 && rollout.responses.size(1) != new_tokens) {

@@ -24,8 +24,8 @@
 #include "shardrl/algos.h"
 #include "shardrl/engine.h"
 #include "shardrl/models/llama.h"
-#include "shardrl/rollout/sampling.h"
 #include "shardrl/models/sd3.h"
+#include "shardrl/rollout/sampling.h"
 
 using namespace shardrl;
 using namespace shardrl::bench;
@@ -167,8 +167,8 @@ int main(int argc, char** argv) {
              {"response_mask", torch::ones({1, responses})}};
     loss = [&a](engine::Engine& e, const engine::MicroBatch& mb) {
       const auto& d = mb.data;
-      auto log_probs = models::response_log_probs(e.model<models::LlamaForCausalLM>(),
-                                                  d.at("sequences"), a.prompt, 1.0);
+      auto log_probs = rollout::response_log_probs(e.model<models::LlamaForCausalLM>(),
+                                                   d.at("sequences"), a.prompt, 1.0);
       auto out = algos::compute_policy_loss(d.at("old_log_probs"), log_probs, d.at("advantages"),
                                             d.at("response_mask"), algos::PolicyLossConfig{});
       return engine::LossOutput{out.pg_loss / mb.count, {}, {}};

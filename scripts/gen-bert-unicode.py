@@ -90,7 +90,7 @@ def main():
         "",
         '#include "text/generated/unicode_classes.h"',
         "",
-        "namespace shardrl::models::bert_unicode {",
+        "namespace shardrl::text::bert_unicode {",
         "namespace {",
         "",
         "using unicode::CodePointRange;",
@@ -129,7 +129,7 @@ def main():
         "const Mapping* decomposition(char32_t c) { return find_mapping(kDecompositions, c); }",
         "const Mapping* lowercase(char32_t c) { return find_mapping(kLowercase, c); }",
         "",
-        "}  // namespace shardrl::models::bert_unicode",
+        "}  // namespace shardrl::text::bert_unicode",
     ]
     print("\n".join(out))
 

@@ -27,7 +27,7 @@ const lines = [
       `(Unicode ${process.versions.unicode}); do not edit.`,
   '#include "text/generated/unicode_classes.h"',
   '',
-  'namespace shardrl::models::unicode {',
+  'namespace shardrl::text::unicode {',
   'namespace {',
 ];
 const classes = [['kLetters', /^\p{L}$/u], ['kNumbers', /^\p{N}$/u], ['kSpaces', /^\s$/u]];
@@ -41,5 +41,5 @@ lines.push('}  // namespace', '');
 lines.push('bool is_letter(char32_t c) { return in_ranges(kLetters, c); }');
 lines.push('bool is_number(char32_t c) { return in_ranges(kNumbers, c); }');
 lines.push('bool is_space(char32_t c) { return in_ranges(kSpaces, c); }', '');
-lines.push('}  // namespace shardrl::models::unicode');
+lines.push('}  // namespace shardrl::text::unicode');
 console.log(lines.join('\n'));

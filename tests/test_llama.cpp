@@ -11,10 +11,10 @@
 #include "model_test_util.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/llama.h"
-#include "shardrl/rollout/packed_linear.h"
-#include "shardrl/rollout/sampling.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/optim.h"
+#include "shardrl/rollout/packed_linear.h"
+#include "shardrl/rollout/sampling.h"
 #include "workers/llama_scenario.h"
 
 namespace shardrl::testing {
@@ -146,9 +146,9 @@ TEST(Llama, KvCacheGivesTheFullForwardsLogits) {
   EXPECT_EQ(cache.length(), 10);
   EXPECT_LE((torch::cat(parts, 1) - full).abs().max().item<double>(), 1e-5);
 
-  models::SamplingOptions greedy;
+  rollout::SamplingOptions greedy;
   greedy.max_new_tokens = 5;
-  auto out = models::generate(model, tokens.narrow(1, 0, 4), greedy);
+  auto out = rollout::generate(model, tokens.narrow(1, 0, 4), greedy);
   ASSERT_EQ(out.sizes(), (std::vector<int64_t>{3, 9}));
   // Greedy with the cache equals re-running the whole prefix each time.
   for (int64_t t = 4; t < 9; ++t) {
@@ -198,7 +198,7 @@ TEST(Llama, PackedFp16WeightsGiveTheFp16RoundedModelsLogits) {
     const auto head_weight = qwen ? rounded->model->embed_tokens->weight : rounded->lm_head->weight;
     const torch::Tensor expected = torch::nn::functional::linear(
         rounded->model(tokens, nullptr, torch::Tensor()), fp16(head_weight));
-    models::pack_for_inference(*model, torch::kHalf);
+    rollout::pack_for_inference(*model, torch::kHalf);
     const auto packed = model(tokens);
     const double scale = expected.abs().max().item<double>();
     EXPECT_LE((packed - expected).abs().max().item<double>(), 1e-5 * scale) << "qwen " << qwen;
@@ -209,21 +209,22 @@ TEST(Llama, PackedFp16WeightsGiveTheFp16RoundedModelsLogits) {
     auto first = model(tokens.narrow(1, 0, 5), &cache);
     auto rest = model(tokens.narrow(1, 5, 2), &cache);
     EXPECT_LE((torch::cat({first, rest}, 1) - expected).abs().max().item<double>(), 1e-5 * scale);
-    models::pack_for_inference(*model, torch::kFloat);
+    rollout::pack_for_inference(*model, torch::kFloat);
     EXPECT_TRUE(torch::equal(model(tokens), fp32));
   }
   const auto c = tiny_config();
   auto model = random_model(c);
-  models::pack_for_inference(*model, torch::kHalf);
+  rollout::pack_for_inference(*model, torch::kHalf);
   auto tokens = tokens_for(c, 1, 3);
   EXPECT_NE(expect_error([&] { model(tokens); }).find("without grad only"), std::string::npos);
-  EXPECT_NE(expect_error([&] { models::pack_for_inference(*model, torch::kBFloat16); }).find("BFloat16"),
-            std::string::npos);
+  EXPECT_NE(
+      expect_error([&] { rollout::pack_for_inference(*model, torch::kBFloat16); }).find("BFloat16"),
+      std::string::npos);
 }
 
 // Sampling: tokens for rows that stop early, under a sampling distribution that is not peaked.
-models::SamplingOptions sampling_options(uint64_t seed) {
-  models::SamplingOptions o;
+rollout::SamplingOptions sampling_options(uint64_t seed) {
+  rollout::SamplingOptions o;
   o.max_new_tokens = 8;
   o.temperature = 0.7;
   o.top_p = 0.9;
@@ -238,9 +239,9 @@ TEST(Llama, SampledLogProbsEqualTeacherForcedRecompute) {
   auto options = sampling_options(5);
   // An eos that some rows emit: the second row's first sampled token.
   options.eos_token_id =
-      models::sample(model, prompts, sampling_options(5)).responses[1][0].item<int64_t>();
+      rollout::sample(model, prompts, sampling_options(5)).responses[1][0].item<int64_t>();
   options.pad_token_id = 0;
-  auto rollout = models::sample(model, prompts, options);
+  auto rollout = rollout::sample(model, prompts, options);
   const int64_t L = rollout.responses.size(1);
   ASSERT_GT(L, 1);
   EXPECT_TRUE(torch::equal(rollout.sequences, torch::cat({prompts, rollout.responses}, 1)));
@@ -262,7 +263,7 @@ TEST(Llama, SampledLogProbsEqualTeacherForcedRecompute) {
   EXPECT_GE(ended, 1);
 
   auto recomputed =
-      models::response_log_probs(model, rollout.sequences, prompts.size(1), options.temperature);
+      rollout::response_log_probs(model, rollout.sequences, prompts.size(1), options.temperature);
   ASSERT_EQ(recomputed.sizes(), rollout.log_probs.sizes());
   auto diff = ((recomputed - rollout.log_probs) * rollout.response_mask).abs().max();
   EXPECT_LE(diff.item<double>(), 1e-5);
@@ -274,27 +275,27 @@ TEST(Llama, TinyTopPIsGreedyAndSeededSamplingRepeats) {
   const auto c = tiny_config();
   auto model = random_model(c);
   auto prompts = tokens_for(c, 4, 3);
-  models::SamplingOptions greedy;
+  rollout::SamplingOptions greedy;
   greedy.max_new_tokens = 8;
   auto nucleus = sampling_options(1);
   nucleus.temperature = 1.0;
   nucleus.top_p = 1e-6;
-  EXPECT_TRUE(torch::equal(models::generate(model, prompts, nucleus),
-                           models::generate(model, prompts, greedy)));
+  EXPECT_TRUE(torch::equal(rollout::generate(model, prompts, nucleus),
+                           rollout::generate(model, prompts, greedy)));
 
-  auto first = models::sample(model, prompts, sampling_options(9));
-  auto again = models::sample(model, prompts, sampling_options(9));
-  auto other = models::sample(model, prompts, sampling_options(10));
+  auto first = rollout::sample(model, prompts, sampling_options(9));
+  auto again = rollout::sample(model, prompts, sampling_options(9));
+  auto other = rollout::sample(model, prompts, sampling_options(10));
   EXPECT_TRUE(torch::equal(first.sequences, again.sequences));
   EXPECT_TRUE(torch::equal(first.log_probs, again.log_probs));
   EXPECT_FALSE(torch::equal(first.sequences, other.sequences));
-  EXPECT_FALSE(torch::equal(first.sequences, models::generate(model, prompts, greedy)));
+  EXPECT_FALSE(torch::equal(first.sequences, rollout::generate(model, prompts, greedy)));
 
   auto bad = sampling_options(1);
   bad.top_p = 0;
-  expect_invalid_argument_naming([&] { models::sample(model, prompts, bad); },
+  expect_invalid_argument_naming([&] { rollout::sample(model, prompts, bad); },
                                  "SamplingOptions.top_p", "0");
-  expect_invalid_argument_naming([&] { models::response_log_probs(model, prompts, 3, 1.0); },
+  expect_invalid_argument_naming([&] { rollout::response_log_probs(model, prompts, 3, 1.0); },
                                  "prompt_length", "3");
 }
 
@@ -322,28 +323,28 @@ TEST(Llama, LeftPaddedRowsContinueAsTheyWouldAlone) {
     EXPECT_LE((got - expected).abs().max().item<double>(), 1e-5) << "row " << r;
   }
 
-  models::SamplingOptions greedy;
+  rollout::SamplingOptions greedy;
   greedy.max_new_tokens = 6;
-  auto rollout = models::sample(model, prompts, greedy, mask);
+  auto rollout = rollout::sample(model, prompts, greedy, mask);
   EXPECT_TRUE(torch::equal(rollout.attention_mask.narrow(1, 0, P), mask));
   for (int64_t r = 0; r < 3; ++r) {
-    auto expected = models::generate(model, alone[r], greedy).narrow(1, lengths[r], 6);
+    auto expected = rollout::generate(model, alone[r], greedy).narrow(1, lengths[r], 6);
     EXPECT_TRUE(torch::equal(rollout.responses[r], expected[0]))
         << "row " << r << ": " << rollout.responses[r] << " alone: " << expected[0];
   }
 
-  auto sampled = models::sample(model, prompts, sampling_options(3), mask);
+  auto sampled = rollout::sample(model, prompts, sampling_options(3), mask);
   auto recomputed =
-      models::response_log_probs(model, sampled.sequences, P, 0.7, sampled.attention_mask);
+      rollout::response_log_probs(model, sampled.sequences, P, 0.7, sampled.attention_mask);
   EXPECT_LE(((recomputed - sampled.log_probs) * sampled.response_mask).abs().max().item<double>(),
             1e-5);
   for (int64_t r = 0; r < 3; ++r) {
     auto row = torch::cat({alone[r][0], sampled.responses[r]}).unsqueeze(0);
-    auto expected = models::response_log_probs(model, row, lengths[r], 0.7)[0];
+    auto expected = rollout::response_log_probs(model, row, lengths[r], 0.7)[0];
     EXPECT_LE((recomputed[r] - expected).abs().max().item<double>(), 1e-5) << "row " << r;
   }
   expect_invalid_argument_naming(
-      [&] { models::sample(model, prompts, greedy, mask.narrow(1, 0, 5)); }, "prompt_mask");
+      [&] { rollout::sample(model, prompts, greedy, mask.narrow(1, 0, 5)); }, "prompt_mask");
 }
 
 // num_return_sequences (GRPO's rollout.n): each prompt is prefilled once and its rows continue
@@ -360,11 +361,11 @@ TEST(Llama, EachPromptSampledNTimesEqualsItsRowsRepeated) {
   auto options = sampling_options(4);
   options.max_new_tokens = 10;
   options.num_return_sequences = n;
-  auto grouped = models::sample(model, prompts, options, mask);
+  auto grouped = rollout::sample(model, prompts, options, mask);
   options.num_return_sequences = 1;
   options.generator = at::make_generator<at::CPUGeneratorImpl>(4);
-  auto repeated =
-      models::sample(model, prompts.repeat_interleave(n, 0), options, mask.repeat_interleave(n, 0));
+  auto repeated = rollout::sample(model, prompts.repeat_interleave(n, 0), options,
+                                  mask.repeat_interleave(n, 0));
   EXPECT_TRUE(torch::equal(grouped.sequences, repeated.sequences));
   EXPECT_TRUE(torch::equal(grouped.attention_mask, repeated.attention_mask));
   EXPECT_LE((grouped.log_probs - repeated.log_probs).abs().max().item<double>(), 1e-5);
@@ -375,9 +376,9 @@ TEST(Llama, EachPromptSampledNTimesEqualsItsRowsRepeated) {
   // eos and padded after it. The eos is the token most rows emit before their last step.
   auto rows = tokens_for(c, 12, P).remainder(c.vocab_size);
   rows.narrow(0, 0, 2).copy_(prompts);
-  models::SamplingOptions greedy;
+  rollout::SamplingOptions greedy;
   greedy.max_new_tokens = 10;
-  auto free_running = models::sample(model, rows, greedy);
+  auto free_running = rollout::sample(model, rows, greedy);
   std::map<int64_t, int> rows_emitting;
   for (int64_t r = 0; r < rows.size(0); ++r) {
     std::set<int64_t> seen;
@@ -389,7 +390,7 @@ TEST(Llama, EachPromptSampledNTimesEqualsItsRowsRepeated) {
         return a.second < b.second;
       })->first;
   greedy.pad_token_id = 0;
-  auto stopped = models::sample(model, rows, greedy);
+  auto stopped = rollout::sample(model, rows, greedy);
   int ended_early = 0;
   for (int64_t r = 0; r < rows.size(0); ++r) {
     bool done = false;
@@ -404,7 +405,7 @@ TEST(Llama, EachPromptSampledNTimesEqualsItsRowsRepeated) {
   EXPECT_GE(ended_early, 2);  // enough to take rows out of the batch (an eighth of it)
   auto bad = sampling_options(1);
   bad.num_return_sequences = 0;
-  expect_invalid_argument_naming([&] { models::sample(model, prompts, bad); },
+  expect_invalid_argument_naming([&] { rollout::sample(model, prompts, bad); },
                                  "num_return_sequences");
 }
 

@@ -12,11 +12,11 @@
 #include <random>
 
 #include "model_test_util.h"
-#include "text/utf8.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/text_encoder.h"
 #include "shardrl/text/wordpiece_tokenizer.h"
 #include "test_util.h"
+#include "text/utf8.h"
 #include "text_corpus.h"
 
 namespace shardrl::testing {
@@ -24,7 +24,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using models::TextEncoder;
-using models::WordPieceTokenizer;
+using text::WordPieceTokenizer;
 
 // Text for each rule of the pipeline: accents and other marks (NFD, then nonspacing marks
 // dropped, marks reordered by combining class first), CJK (split per ideograph) and Hangul (NFD
@@ -79,7 +79,7 @@ std::vector<std::string> rule_texts() {
     for (int k = 0; k < 200; ++k) {
       const auto& r = ranges[gen() % ranges.size()];
       const char32_t c = r.first + static_cast<char32_t>(gen() % (r.second - r.first + 1));
-      text += models::detail::utf8(c);
+      text += text::detail::utf8(c);
     }
     texts.push_back(text);
   }

@@ -16,21 +16,21 @@
 #include <stdexcept>
 #include <utility>
 
-#include "text/utf8.h"
 #include "shardrl/text/bpe_tokenizer.h"
 #include "test_util.h"
+#include "text/utf8.h"
 #include "text_corpus.h"
 
 namespace shardrl::testing {
 namespace {
 
-using models::ByteLevelBpeTokenizer;
+using text::ByteLevelBpeTokenizer;
 
 std::string vocabulary_dir() {
   return std::string(SHARDRL_SOURCE_DIR "/data/gpt2-bpe");
 }
 
-using models::detail::utf8;
+using text::detail::utf8;
 
 // Text that exercises every branch of the pre-tokenisation regex.
 std::vector<std::string> sample_texts() {

@@ -349,7 +349,7 @@ std::vector<std::string> write_hf(const std::string& out_dir,
 // checkpoint's extra["config"] (which the trainer's checkpoints carry: Hugging Face's config for
 // llama / qwen2) with `torch_dtype` set to the exported dtype; a checkpoint without one is an
 // error, since nothing could load the export. options.layout and options.extra_tensors make other
-// libraries' folders (models::export_model says which a model family needs). Returns the files
+// libraries' folders (convert::export_model says which a model family needs). Returns the files
 // written.
 std::vector<std::string> export_hf(const std::string& ckpt_dir, const std::string& out_dir,
                                    const ExportOptions& options = {});

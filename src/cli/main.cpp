@@ -9,15 +9,15 @@
 #include <sstream>
 
 #include "shardrl/checkpoint.h"
-#include "shardrl/fsdp.h"
-#include "shardrl/launcher.h"
-#include "shardrl/text/chat_template.h"
 #include "shardrl/convert/export_model.h"
 #include "shardrl/convert/gguf_import.h"
+#include "shardrl/fsdp.h"
+#include "shardrl/launcher.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/rollout/sampling.h"
 #include "shardrl/text/bpe_tokenizer.h"
+#include "shardrl/text/chat_template.h"
 #include "shardrl/trainer.h"
 
 namespace {
@@ -111,8 +111,10 @@ nlohmann::json read_json_file(const std::filesystem::path& path) {
 // safetensors ("logits"), for comparison with another implementation.
 int generate(const GenerateOptions& o) {
   namespace models = shardrl::models;
+  namespace text = shardrl::text;
+  namespace rollout = shardrl::rollout;
   const std::filesystem::path dir(o.model_dir);
-  std::optional<models::ByteLevelBpeTokenizer> tokenizer;
+  std::optional<text::ByteLevelBpeTokenizer> tokenizer;
   std::vector<int64_t> ids;
   if (o.token_ids.empty() && o.prompt.empty() && o.chat.empty()) {
     throw std::invalid_argument("generate: give the prompt as --token-ids, --prompt or --chat");
@@ -120,17 +122,16 @@ int generate(const GenerateOptions& o) {
   if (!o.token_ids.empty()) {
     ids = parse_token_ids(o.token_ids);
   } else {
-    tokenizer =
-        models::ByteLevelBpeTokenizer::load_tokenizer_json((dir / "tokenizer.json").string());
-    std::string text = o.prompt;
+    tokenizer = text::ByteLevelBpeTokenizer::load_tokenizer_json((dir / "tokenizer.json").string());
+    std::string prompt = o.prompt;
     if (!o.chat.empty()) {
-      std::vector<models::ChatMessage> messages;
+      std::vector<text::ChatMessage> messages;
       if (!o.system.empty()) messages.push_back({"system", o.system});
       messages.push_back({"user", o.chat});
-      text = models::ChatTemplate::from_model_dir(o.model_dir)
-                 .render(messages, /*add_generation_prompt=*/true);
+      prompt = text::ChatTemplate::from_model_dir(o.model_dir)
+                   .render(messages, /*add_generation_prompt=*/true);
     }
-    ids = tokenizer->encode(text);
+    ids = tokenizer->encode(prompt);
     if (ids.empty()) throw std::invalid_argument("the prompt has no tokens");
   }
 
@@ -160,10 +161,10 @@ int generate(const GenerateOptions& o) {
               ? config["eos_token_id"].get<int64_t>()
               : -1;
   }
-  models::SamplingOptions sampling;
+  rollout::SamplingOptions sampling;
   sampling.max_new_tokens = o.max_new_tokens;
   sampling.eos_token_id = eos;
-  const torch::Tensor responses = models::sample(model, prompt, sampling).responses;
+  const torch::Tensor responses = rollout::sample(model, prompt, sampling).responses;
   std::vector<int64_t> generated;
   for (int64_t i = 0; i < responses.size(1); ++i) {
     generated.push_back(responses[0][i].item<int64_t>());
@@ -277,7 +278,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand(inspect_cmd)) return inspect(ckpt_dir);
     if (app.got_subcommand(generate_cmd)) return generate(gen);
     if (app.got_subcommand(import_cmd)) {
-      for (const auto& file : shardrl::models::import_gguf(
+      for (const auto& file : shardrl::convert::import_gguf(
                gguf_path, import_dir, shardrl::fsdp::parse_dtype(import_dtype, "--dtype")))
         std::cout << file << "\n";
       return 0;
@@ -296,7 +297,7 @@ int main(int argc, char** argv) {
       options.dtype = shardrl::fsdp::parse_dtype(export_dtype, "--dtype");
       options.max_shard_bytes = max_shard_bytes;
       for (const auto& file :
-           shardrl::models::export_model(ckpt_dir, export_dir, merge_adapter, options))
+           shardrl::convert::export_model(ckpt_dir, export_dir, merge_adapter, options))
         std::cout << file << "\n";
       return 0;
     }

@@ -6,7 +6,7 @@
 #include "shardrl/models/lora.h"
 #include "shardrl/models/sd3.h"
 
-namespace shardrl::models {
+namespace shardrl::convert {
 
 std::vector<std::string> export_model(const std::string& ckpt_dir, const std::string& out_dir,
                                       const std::string& merge_adapter,
@@ -19,18 +19,18 @@ std::vector<std::string> export_model(const std::string& ckpt_dir, const std::st
           : "";
   if (family == "sd3") {
     // Checked before anything is written: an export without a valid config loads nowhere.
-    SD3Config config;
+    models::SD3Config config;
     try {
-      config = SD3Config::from_json(extra.value("config", nlohmann::json()));
+      config = models::SD3Config::from_json(extra.value("config", nlohmann::json()));
     } catch (const std::exception& e) {
       throw std::invalid_argument(fmt::format(
           "export: checkpoint {} (family sd3): extra.config is no SD3Transformer2DModel "
           "config.json: {}",
           ckpt_dir, e.what()));
     }
-    add_sd3_export(config, options);
+    models::add_sd3_export(config, options);
   }
-  return lora::export_base(ckpt_dir, out_dir, merge_adapter, std::move(options));
+  return models::lora::export_base(ckpt_dir, out_dir, merge_adapter, std::move(options));
 }
 
-}  // namespace shardrl::models
+}  // namespace shardrl::convert

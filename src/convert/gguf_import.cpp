@@ -13,7 +13,7 @@
 #include "shardrl/models/llama.h"
 #include "shardrl/text/bpe_tokenizer.h"
 
-namespace shardrl::models {
+namespace shardrl::convert {
 namespace {
 
 namespace fs = std::filesystem;
@@ -73,8 +73,8 @@ std::string in_gguf_terms(const std::string& message,
 
 // The config the metadata describes. `keys` gets, for each of transformers' config fields read,
 // the metadata key it came from: errors about the field then name what the file calls it.
-LlamaConfig config_from_gguf(const checkpoint::GgufFile& gguf,
-                             std::map<std::string, std::string>& keys) {
+models::LlamaConfig config_from_gguf(const checkpoint::GgufFile& gguf,
+                                     std::map<std::string, std::string>& keys) {
   const json& arch_value = gguf.at("general.architecture");
   const std::string arch = arch_value.is_string() ? arch_value.get<std::string>() : "";
   if (arch != "llama") {
@@ -87,7 +87,7 @@ LlamaConfig config_from_gguf(const checkpoint::GgufFile& gguf,
     keys[field] = key;
     return metadata_int(gguf, key);
   };
-  LlamaConfig c;
+  models::LlamaConfig c;
   c.model_type = "llama";
   c.num_hidden_layers = read_int("num_hidden_layers", p + "block_count");
   c.hidden_size = read_int("hidden_size", p + "embedding_length");
@@ -191,7 +191,7 @@ torch::Tensor unpermute_rotary_rows(const torch::Tensor& w, int64_t heads) {
   return w.reshape(split).transpose(1, 2).reshape(w.sizes()).contiguous();
 }
 
-ByteLevelBpeTokenizer tokenizer_from_gguf(const checkpoint::GgufFile& gguf) {
+text::ByteLevelBpeTokenizer tokenizer_from_gguf(const checkpoint::GgufFile& gguf) {
   const json& model = gguf.at("tokenizer.ggml.model");
   if (model != "gpt2") {
     throw std::invalid_argument(fmt::format(
@@ -227,7 +227,7 @@ ByteLevelBpeTokenizer tokenizer_from_gguf(const checkpoint::GgufFile& gguf) {
   }
   // As transformers' GGUF loader: CONTROL tokens (3) are special added tokens, USER_DEFINED (4)
   // plain added tokens; both are matched whole in the text.
-  std::vector<ByteLevelBpeTokenizer::AddedToken> added;
+  std::vector<text::ByteLevelBpeTokenizer::AddedToken> added;
   if (gguf.metadata().contains("tokenizer.ggml.token_type")) {
     const json& types = metadata_array(gguf, "tokenizer.ggml.token_type");
     if (types.size() != tokens.size()) {
@@ -243,8 +243,8 @@ ByteLevelBpeTokenizer tokenizer_from_gguf(const checkpoint::GgufFile& gguf) {
     }
   }
   try {
-    return ByteLevelBpeTokenizer::from_vocab(std::move(tokens), std::move(merges),
-                                             std::move(added));
+    return text::ByteLevelBpeTokenizer::from_vocab(std::move(tokens), std::move(merges),
+                                                   std::move(added));
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(fmt::format("GGUF {}: tokenizer: {}", gguf.path(), e.what()));
   }
@@ -270,8 +270,8 @@ std::vector<std::string> import_into(const std::string& gguf_path, const std::st
                                      torch::ScalarType dtype) {
   const checkpoint::GgufFile gguf(gguf_path);
   std::map<std::string, std::string> config_keys;  // config field -> metadata key
-  const LlamaConfig config = config_from_gguf(gguf, config_keys);
-  const ByteLevelBpeTokenizer tokenizer = tokenizer_from_gguf(gguf);
+  const models::LlamaConfig config = config_from_gguf(gguf, config_keys);
+  const text::ByteLevelBpeTokenizer tokenizer = tokenizer_from_gguf(gguf);
 
   // Every GGUF tensor maps to one of the model's, and every one of the model's is present.
   std::map<std::string, std::string> source;  // HF name -> GGUF name
@@ -286,7 +286,7 @@ std::vector<std::string> import_into(const std::string& gguf_path, const std::st
     shapes[name] = t.shape;
   }
   try {
-    check_config_against_weights(config, shapes);
+    models::check_config_against_weights(config, shapes);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(
         fmt::format("GGUF {}: {}", gguf.path(), in_gguf_terms(e.what(), config_keys, source)));
@@ -294,7 +294,7 @@ std::vector<std::string> import_into(const std::string& gguf_path, const std::st
   std::vector<checkpoint::HfTensorPlan> plan;
   {
     fsdp::EmptyInit no_storage;
-    LlamaForCausalLM expected(config);
+    models::LlamaForCausalLM expected(config);
     for (const auto& p : expected->named_parameters()) {
       auto it = source.find(p.key());
       if (it == source.end()) {
@@ -395,4 +395,4 @@ std::vector<std::string> import_gguf(const std::string& gguf_path, const std::st
   return written;
 }
 
-}  // namespace shardrl::models
+}  // namespace shardrl::convert

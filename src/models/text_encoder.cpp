@@ -8,10 +8,10 @@
 
 #include "checkpoint/io.h"
 #include "models/json_fields.h"
-#include "text/utf8.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/layers.h"
 #include "shardrl/models/weights.h"
+#include "text/utf8.h"
 
 namespace shardrl::models {
 namespace {
@@ -154,7 +154,7 @@ nlohmann::json read_json(const std::string& path) {
     throw std::invalid_argument(fmt::format("text encoder: {} is missing", path));
   }
   try {
-    return nlohmann::json::parse(detail::read_file("text encoder", path));
+    return nlohmann::json::parse(text::detail::read_file("text encoder", path));
   } catch (const nlohmann::json::exception& e) {
     throw std::invalid_argument(fmt::format("{}: not valid JSON ({})", path, e.what()));
   }
@@ -256,13 +256,13 @@ BertConfig BertConfig::load(const std::string& path) {
 struct TextEncoder::Impl {
   std::string dir;
   BertConfig config;
-  WordPieceTokenizer tokenizer;
+  text::WordPieceTokenizer tokenizer;
   int64_t max_seq_length = 0;
   bool normalize = false;
   std::string fingerprint;
   mutable Bert bert{nullptr};  // forward-only: its forward is not const, but changes nothing
 
-  Impl(std::string d, BertConfig c, WordPieceTokenizer t)
+  Impl(std::string d, BertConfig c, text::WordPieceTokenizer t)
       : dir(std::move(d)), config(std::move(c)), tokenizer(std::move(t)) {}
 };
 
@@ -333,7 +333,7 @@ TextEncoder TextEncoder::load(const std::string& dir) {
         fmt::format("{}: field max_seq_length {} must be in [2, max_position_embeddings {}]",
                     st_config, max_seq_length, config.max_position_embeddings));
   }
-  auto tokenizer = WordPieceTokenizer::load(dir);
+  auto tokenizer = text::WordPieceTokenizer::load(dir);
   if (tokenizer.vocab_size() > config.vocab_size) {
     throw std::invalid_argument(
         fmt::format("{}/vocab.txt has {} tokens, config.json's vocab_size is {}", dir,
@@ -356,7 +356,7 @@ TextEncoder TextEncoder::load(const std::string& dir) {
 
   // What encode() depends on besides the prompts: the weights, the vocabulary and every setting.
   std::string settings = fmt::format(
-      "{}|{}|{}|{}|{}", detail::read_file("text encoder", dir + "/vocab.txt"),
+      "{}|{}|{}|{}|{}", text::detail::read_file("text encoder", dir + "/vocab.txt"),
       read_json(dir + "/config.json").dump(), max_seq_length, normalize, fs::file_size(weights));
   const auto& o = impl->tokenizer.options();
   settings += fmt::format("|{}|{}|{}|{}|{}|{}{}{}{}{}", o.do_lower_case, o.strip_accents,
@@ -406,7 +406,7 @@ TextEncoding TextEncoder::encode_ids(const torch::Tensor& input_ids,
   return out;
 }
 
-const WordPieceTokenizer& TextEncoder::tokenizer() const {
+const text::WordPieceTokenizer& TextEncoder::tokenizer() const {
   return impl_->tokenizer;
 }
 const BertConfig& TextEncoder::config() const {

@@ -4,7 +4,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
-namespace shardrl::models {
+namespace shardrl::rollout {
 namespace {
 
 // Looked up once: the ops are registered by libtorch_cpu when it loads.
@@ -36,7 +36,7 @@ torch::Tensor packed_linear(const torch::Tensor& input, const c10::IValue& packe
 
 }  // namespace
 
-void pack_for_inference(LlamaForCausalLMImpl& model, torch::ScalarType dtype) {
+void pack_for_inference(models::LlamaForCausalLMImpl& model, torch::ScalarType dtype) {
   TORCH_CHECK(dtype == torch::kHalf || dtype == torch::kFloat,
               "pack_for_inference: float16 or float32, got ", c10::toString(dtype));
   auto packed_kernel = [](const torch::Tensor& weight, const torch::Tensor& bias) {
@@ -46,16 +46,16 @@ void pack_for_inference(LlamaForCausalLMImpl& model, torch::ScalarType dtype) {
   };
   const bool pack = dtype == torch::kHalf;
   for (auto& module : model.modules()) {
-    if (auto* linear = dynamic_cast<LinearImpl*>(module.get())) {
+    if (auto* linear = dynamic_cast<models::LinearImpl*>(module.get())) {
       linear->set_inference_kernel(pack ? packed_kernel(linear->weight, linear->bias)
-                                        : LinearImpl::InferenceKernel());
+                                        : models::LinearImpl::InferenceKernel());
     }
   }
   if (!model.lm_head) {
     model.set_tied_head_inference_kernel(
         pack ? packed_kernel(model.model->embed_tokens->weight, torch::Tensor())
-             : LinearImpl::InferenceKernel());
+             : models::LinearImpl::InferenceKernel());
   }
 }
 
-}  // namespace shardrl::models
+}  // namespace shardrl::rollout

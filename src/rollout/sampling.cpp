@@ -6,7 +6,7 @@
 #include <limits>
 #include <stdexcept>
 
-namespace shardrl::models {
+namespace shardrl::rollout {
 namespace {
 
 void check_options(const SamplingOptions& o) {
@@ -63,7 +63,7 @@ torch::Tensor draw(const torch::Tensor& probs, const c10::optional<at::Generator
 
 }  // namespace
 
-Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
+Rollout sample(models::LlamaForCausalLM& model, const torch::Tensor& prompts,
                const SamplingOptions& options, const torch::Tensor& prompt_mask) {
   check_options(options);
   check_tokens(prompts, "sample: prompts");
@@ -85,7 +85,7 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
   const auto long_options = torch::dtype(torch::kLong).device(prompts.device());
   const auto float_options = torch::dtype(torch::kFloat).device(prompts.device());
 
-  KVCache cache(prompts.size(1) + options.max_new_tokens);
+  models::KVCache cache(prompts.size(1) + options.max_new_tokens);
   std::vector<torch::Tensor> tokens, log_probs, mask;
   torch::Tensor input = prompts;
   const torch::Tensor prompt_attention =
@@ -175,12 +175,12 @@ Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
   return out;
 }
 
-torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
+torch::Tensor generate(models::LlamaForCausalLM& model, const torch::Tensor& prompt,
                        const SamplingOptions& options) {
   return sample(model, prompt, options).sequences;
 }
 
-torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& sequences,
+torch::Tensor response_log_probs(models::LlamaForCausalLM& model, const torch::Tensor& sequences,
                                  int64_t prompt_length, double temperature,
                                  const torch::Tensor& attention_mask) {
   check_tokens(sequences, "response_log_probs: sequences");
@@ -209,4 +209,4 @@ torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& s
                sequences.narrow(1, prompt_length, length), temperature);
 }
 
-}  // namespace shardrl::models
+}  // namespace shardrl::rollout

@@ -16,7 +16,7 @@
 #include "text/generated/unicode_classes.h"
 #include "text/utf8.h"
 
-namespace shardrl::models {
+namespace shardrl::text {
 namespace {
 
 using detail::kInvalid;
@@ -564,4 +564,4 @@ const std::vector<ByteLevelBpeTokenizer::AddedToken>& ByteLevelBpeTokenizer::add
   return impl_->added;
 }
 
-}  // namespace shardrl::models
+}  // namespace shardrl::text

@@ -9,7 +9,7 @@
 #include <sstream>
 #include <stdexcept>
 
-namespace shardrl::models {
+namespace shardrl::text {
 namespace {
 
 constexpr const char* kStart = "<|im_start|>";
@@ -96,4 +96,4 @@ ChatTemplate ChatTemplate::from_model_dir(const std::string& dir) {
   return {config["chat_template"].get<std::string>(), path.string() + ": chat_template"};
 }
 
-}  // namespace shardrl::models
+}  // namespace shardrl::text

@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace shardrl::models::detail {
+namespace shardrl::text::detail {
 
 // Stands for a byte that is not valid UTF-8: a character of no class.
 constexpr char32_t kInvalid = 0xFFFFFFFF;
@@ -80,4 +80,4 @@ inline std::string read_file(const char* what, const std::string& path) {
   return buffer.str();
 }
 
-}  // namespace shardrl::models::detail
+}  // namespace shardrl::text::detail

@@ -13,7 +13,7 @@
 #include "text/generated/bert_unicode.h"
 #include "text/utf8.h"
 
-namespace shardrl::models {
+namespace shardrl::text {
 namespace {
 
 namespace bu = bert_unicode;
@@ -386,4 +386,4 @@ const WordPieceTokenizer::Options& WordPieceTokenizer::options() const {
   return impl_->options;
 }
 
-}  // namespace shardrl::models
+}  // namespace shardrl::text

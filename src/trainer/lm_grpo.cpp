@@ -28,11 +28,11 @@
 
 #include "shardrl/algos.h"
 #include "shardrl/algos/arithmetic.h"
-#include "shardrl/text/chat_template.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/rollout/packed_linear.h"
 #include "shardrl/rollout/sampling.h"
 #include "shardrl/text/bpe_tokenizer.h"
+#include "shardrl/text/chat_template.h"
 #include "tasks.h"
 
 namespace shardrl::trainer {
@@ -174,8 +174,8 @@ class CharacterText : public TaskText {
 class ChatText : public TaskText {
  public:
   ChatText(const std::string& dir, const models::LlamaConfig& model, int64_t prompt_length)
-      : tokenizer_(models::ByteLevelBpeTokenizer::load_tokenizer_json(dir + "/tokenizer.json")),
-        chat_(models::ChatTemplate::from_model_dir(dir)),
+      : tokenizer_(text::ByteLevelBpeTokenizer::load_tokenizer_json(dir + "/tokenizer.json")),
+        chat_(text::ChatTemplate::from_model_dir(dir)),
         prompt_length_(prompt_length) {
     // The ids as transformers finds them: generation_config.json, config.json, then the
     // tokenizer_config.json's token strings.
@@ -241,8 +241,8 @@ class ChatText : public TaskText {
   algos::AnswerAt answer_at() const override { return algos::AnswerAt::kLastInteger; }
 
  private:
-  models::ByteLevelBpeTokenizer tokenizer_;
-  models::ChatTemplate chat_;
+  text::ByteLevelBpeTokenizer tokenizer_;
+  text::ChatTemplate chat_;
   int64_t prompt_length_;
 };
 
@@ -290,12 +290,12 @@ double validate(engine::Engine& actor, const TaskText& text, const Problems& pro
       all.begin() + actor.data_parallel_rank() * share,
       all.begin() + (actor.data_parallel_rank() + 1) * share);
   auto [tokens, mask] = text.prompts(mine);
-  models::SamplingOptions greedy;
+  rollout::SamplingOptions greedy;
   greedy.max_new_tokens = response_length;
   greedy.eos_token_id = text.eos;
   greedy.pad_token_id = text.pad;
   const auto rollout =
-      models::sample(actor.model<models::LlamaForCausalLM>(), tokens, greedy, mask);
+      rollout::sample(actor.model<models::LlamaForCausalLM>(), tokens, greedy, mask);
   double correct = 0;
   for (int64_t i = 0; i < share; ++i) {
     correct +=
@@ -306,7 +306,7 @@ double validate(engine::Engine& actor, const TaskText& text, const Problems& pro
 }
 
 // `rollout` as the first rank of `group` made it (no group: as it is).
-models::Rollout same_in_group(models::Rollout rollout, dist::ProcessGroup* group) {
+rollout::Rollout same_in_group(rollout::Rollout rollout, dist::ProcessGroup* group) {
   if (!group) return rollout;
   auto response_length = torch::tensor({rollout.responses.size(1)}, torch::kLong);
   group->broadcast(response_length, 0);
@@ -471,7 +471,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   bool base_synced = false;
   auto sync_rollout_weights = [&] {
     sync_rollout_replica(*actor, *rollout_model, "", /*trainable_only=*/base_synced);
-    if (rollout_in_fp16 && !base_synced) models::pack_for_inference(*rollout_model, torch::kHalf);
+    if (rollout_in_fp16 && !base_synced) rollout::pack_for_inference(*rollout_model, torch::kHalf);
     base_synced = lora;
   };
   const bool lead = world->rank() == 0;
@@ -501,7 +501,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     const auto sync_start = std::chrono::steady_clock::now();
     sync_rollout_weights();
     const double sync_seconds = seconds_since(sync_start);
-    models::SamplingOptions sampling;
+    rollout::SamplingOptions sampling;
     sampling.max_new_tokens = response_length;
     sampling.temperature = temperature;
     sampling.top_p = get<double>(config, "actor_rollout_ref.rollout.top_p");
@@ -515,7 +515,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     // group's first rank's rollout is the one all of them train on (verl hands the group one
     // batch), whatever their kernels' last bits.
     const auto rollout =
-        same_in_group(models::sample(rollout_model, prompt_tokens, sampling, prompt_mask),
+        same_in_group(rollout::sample(rollout_model, prompt_tokens, sampling, prompt_mask),
                       actor->mesh().sequence_parallel_group().get());
     const double rollout_seconds = seconds_since(start);
 
@@ -541,14 +541,14 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     if (ref) {
       torch::NoGradGuard no_grad;
       batch["ref_log_probs"] =
-          models::response_log_probs(ref->model<models::LlamaForCausalLM>(), rollout.sequences,
-                                     prompt_length, temperature, rollout.attention_mask);
+          rollout::response_log_probs(ref->model<models::LlamaForCausalLM>(), rollout.sequences,
+                                      prompt_length, temperature, rollout.attention_mask);
     }
     const engine::LossFn grpo_loss = [&](engine::Engine& e, const engine::MicroBatch& mb) {
       const auto& d = mb.data;
       auto log_probs =
-          models::response_log_probs(e.model<models::LlamaForCausalLM>(), d.at("sequences"),
-                                     prompt_length, temperature, d.at("attention_mask"));
+          rollout::response_log_probs(e.model<models::LlamaForCausalLM>(), d.at("sequences"),
+                                      prompt_length, temperature, d.at("attention_mask"));
       const auto& mask = d.at("response_mask");
       const auto& rollout_log_probs = d.at("rollout_log_probs");
       // fp32 rollouts came from the actor's weights: their log-probs are the old policy's.

@@ -25,8 +25,8 @@
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/engine.h"
 #include "shardrl/models/llama.h"
-#include "shardrl/rollout/sampling.h"
 #include "shardrl/models/sd3.h"
+#include "shardrl/rollout/sampling.h"
 #include "workers/param_files.h"
 #include "workers/sd3_scenario.h"
 
@@ -109,7 +109,7 @@ engine::LossOutput llama_loss(const Args& a, engine::Engine& e, const engine::Mi
     return {loss / mb.count, {}, {}};
   }
   auto log_probs =
-      models::response_log_probs(model, d.at("sequences"), a.prompt, 1.0, d.at("attention_mask"));
+      rollout::response_log_probs(model, d.at("sequences"), a.prompt, 1.0, d.at("attention_mask"));
   algos::PolicyLossConfig policy;
   policy.loss_agg_mode = "seq-mean-token-mean";  // per-sample means: any split of the batch agrees
   auto out = algos::compute_policy_loss(d.at("old_log_probs"), log_probs, d.at("advantages"),
@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
         // The rollout policy's log-probs: the model as it is, without grad, over the global
         // batch (a forward under sequence parallelism too).
         torch::NoGradGuard no_grad;
-        global["old_log_probs"] = models::response_log_probs(
+        global["old_log_probs"] = rollout::response_log_probs(
             engine->model<models::LlamaForCausalLM>(), global.at("sequences"), a.prompt, 1.0,
             global.at("attention_mask"));
       }

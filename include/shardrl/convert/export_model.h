@@ -13,7 +13,7 @@
 
 #include "shardrl/checkpoint.h"
 
-namespace shardrl::models {
+namespace shardrl::convert {
 
 // The base weights without adapter tensors, or with adapter `merge_adapter` folded in
 // (lora::export_base), in the layout the family needs; options.dtype and max_shard_bytes apply to
@@ -23,4 +23,4 @@ std::vector<std::string> export_model(const std::string& ckpt_dir, const std::st
                                       const std::string& merge_adapter = "",
                                       checkpoint::ExportOptions options = {});
 
-}  // namespace shardrl::models
+}  // namespace shardrl::convert

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-namespace shardrl::models {
+namespace shardrl::convert {
 
 // Converts a llama.cpp GGUF file of a LLaMA-architecture model into a Hugging Face folder that
 // load_llama() and transformers read: safetensors in `dtype` with transformers' tensor names and
@@ -18,4 +18,4 @@ namespace shardrl::models {
 std::vector<std::string> import_gguf(const std::string& gguf_path, const std::string& out_dir,
                                      torch::ScalarType dtype = torch::kFloat);
 
-}  // namespace shardrl::models
+}  // namespace shardrl::convert

@@ -57,14 +57,14 @@ class TextEncoder {
   // errors naming the file (and the tensor or field).
   static TextEncoder load(const std::string& dir);
 
-  // Tokenizes (WordPieceTokenizer::encode_batch, truncated to max_seq_length) and encodes.
+  // Tokenizes (text::WordPieceTokenizer::encode_batch, truncated to max_seq_length) and encodes.
   // pad_to > 0 pads every row to that length (at least the longest row): a fixed text length.
   TextEncoding encode(const std::vector<std::string>& prompts, int64_t pad_to = 0) const;
   // The same from token ids: input_ids and attention_mask [B, L] int64.
   TextEncoding encode_ids(const torch::Tensor& input_ids,
                           const torch::Tensor& attention_mask) const;
 
-  const WordPieceTokenizer& tokenizer() const;
+  const text::WordPieceTokenizer& tokenizer() const;
   const BertConfig& config() const;
   int64_t max_seq_length() const;
   bool normalizes() const;  // modules.json has a Normalize

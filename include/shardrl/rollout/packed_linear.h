@@ -12,12 +12,12 @@
 
 #include "shardrl/models/llama.h"
 
-namespace shardrl::models {
+namespace shardrl::rollout {
 
 // kHalf packs every projection and the head, tied or not, as forward-only kernels
-// (LinearImpl::set_inference_kernel); kFloat unpacks. Any other dtype is an error naming it.
-// The packed copies do not follow the weights: pack again after every weight sync. A forward
+// (models::LinearImpl::set_inference_kernel); kFloat unpacks. Any other dtype is an error naming
+// it. The packed copies do not follow the weights: pack again after every weight sync. A forward
 // with grad on a packed model is an error.
-void pack_for_inference(LlamaForCausalLMImpl& model, torch::ScalarType dtype);
+void pack_for_inference(models::LlamaForCausalLMImpl& model, torch::ScalarType dtype);
 
-}  // namespace shardrl::models
+}  // namespace shardrl::rollout

@@ -16,7 +16,7 @@
 
 #include "shardrl/models/llama.h"
 
-namespace shardrl::models {
+namespace shardrl::rollout {
 
 struct SamplingOptions {
   int64_t max_new_tokens = 16;
@@ -44,22 +44,22 @@ struct Rollout {
 // without grad: the Rollout has B * n rows, prompt i's in rows [i * n, (i + 1) * n). L =
 // max_new_tokens, or fewer when every row has ended. Prompts of different lengths are left-padded,
 // with `prompt_mask` [B, P] (1 for a token, 0 for padding; undefined: no padding): each row then
-// continues as it would alone (see LlamaForCausalLM::forward). A sharded model is gathered once
-// for the whole rollout (fsdp::UnshardScope), not per token.
-Rollout sample(LlamaForCausalLM& model, const torch::Tensor& prompts,
+// continues as it would alone (see models::LlamaForCausalLM::forward). A sharded model is gathered
+// once for the whole rollout (fsdp::UnshardScope), not per token.
+Rollout sample(models::LlamaForCausalLM& model, const torch::Tensor& prompts,
                const SamplingOptions& options, const torch::Tensor& prompt_mask = {});
 
 // sample(...).sequences.
-torch::Tensor generate(LlamaForCausalLM& model, const torch::Tensor& prompt,
+torch::Tensor generate(models::LlamaForCausalLM& model, const torch::Tensor& prompt,
                        const SamplingOptions& options);
 
 // Teacher-forced log-probs of the last sequences.size(1) - prompt_length tokens of `sequences`
 // under log_softmax(logits / temperature) (temperature 0 counts as 1): [B, L] fp32, with grad
 // when grad mode is on. The old-policy, reference and current log-probs of PPO/GRPO.
 // attention_mask [B, total] for left-padded prompts (Rollout::attention_mask), or undefined.
-// Under sequence parallelism only these log-probs are gathered (LlamaForCausalLM::forward).
-torch::Tensor response_log_probs(LlamaForCausalLM& model, const torch::Tensor& sequences,
+// Under sequence parallelism only these log-probs are gathered (models::LlamaForCausalLM::forward).
+torch::Tensor response_log_probs(models::LlamaForCausalLM& model, const torch::Tensor& sequences,
                                  int64_t prompt_length, double temperature,
                                  const torch::Tensor& attention_mask = {});
 
-}  // namespace shardrl::models
+}  // namespace shardrl::rollout

@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-namespace shardrl::models {
+namespace shardrl::text {
 
 class ByteLevelBpeTokenizer {
  public:
@@ -68,4 +68,4 @@ class ByteLevelBpeTokenizer {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace shardrl::models
+}  // namespace shardrl::text

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace shardrl::models {
+namespace shardrl::text {
 
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant"
@@ -36,4 +36,4 @@ class ChatTemplate {
   std::optional<std::string> default_system_;
 };
 
-}  // namespace shardrl::models
+}  // namespace shardrl::text

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace shardrl::models {
+namespace shardrl::text {
 
 class WordPieceTokenizer {
  public:
@@ -73,4 +73,4 @@ class WordPieceTokenizer {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace shardrl::models
+}  // namespace shardrl::text

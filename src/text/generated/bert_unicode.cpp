@@ -6,7 +6,7 @@
 
 #include "text/generated/unicode_classes.h"
 
-namespace shardrl::models::bert_unicode {
+namespace shardrl::text::bert_unicode {
 namespace {
 
 using unicode::CodePointRange;
@@ -2834,4 +2834,4 @@ const Mapping* lowercase(char32_t c) {
   return find_mapping(kLowercase, c);
 }
 
-}  // namespace shardrl::models::bert_unicode
+}  // namespace shardrl::text::bert_unicode

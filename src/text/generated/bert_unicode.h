@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <iterator>
 
-namespace shardrl::models::bert_unicode {
+namespace shardrl::text::bert_unicode {
 
 // clean_text drops it: NUL, U+FFFD and "other" characters (control, format, private use,
 // unassigned in the reference's Unicode version) except \t \n \r.
@@ -49,4 +49,4 @@ const Mapping* find_mapping(const Mapping (&table)[N], char32_t c) {
   return it != std::end(table) && it->from == c ? &*it : nullptr;
 }
 
-}  // namespace shardrl::models::bert_unicode
+}  // namespace shardrl::text::bert_unicode

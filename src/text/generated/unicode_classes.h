@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <iterator>
 
-namespace shardrl::models::unicode {
+namespace shardrl::text::unicode {
 
 struct CodePointRange {
   char32_t first, last;  // inclusive
@@ -22,4 +22,4 @@ bool is_letter(char32_t c);  // \p{L}
 bool is_number(char32_t c);  // \p{N}
 bool is_space(char32_t c);   // JavaScript's \s (White_Space plus U+FEFF)
 
-}  // namespace shardrl::models::unicode
+}  // namespace shardrl::text::unicode
