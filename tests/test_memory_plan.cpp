@@ -227,7 +227,10 @@ actor_rollout_ref:
 // memory; nproc_per_node (the older key) still sets the ranks a node runs.
 TEST(MemoryPlanTrain, PlanSizesAnyWorldAndDevice) {
   const auto dir = make_temp_dir("plan_world");
-  const auto path = write_config(dir, kSmallLmConfig);
+  // The small job's config with verl's key for the ranks a node runs.
+  std::string text = kSmallLmConfig;
+  text.replace(text.find("nproc_per_node"), 14, "n_gpus_per_node");
+  const auto path = write_config(dir, text);
   auto plan_json = [&](std::vector<std::string> extra) {
     std::vector<std::string> argv = {bin("shardrl"), "plan", path, "--json"};
     argv.insert(argv.end(), extra.begin(), extra.end());
@@ -237,9 +240,8 @@ TEST(MemoryPlanTrain, PlanSizesAnyWorldAndDevice) {
   };
   const auto two = plan_json({});
   EXPECT_EQ(two["ranks_per_node"], 2);
-  const auto cluster =
-      plan_json({"trainer.nnodes=4", "trainer.n_gpus_per_node=8", "trainer.nproc_per_node=null",
-                 "--device", "cuda", "--memory-gb", "80"});
+  const auto cluster = plan_json(
+      {"trainer.nnodes=4", "trainer.n_gpus_per_node=8", "--device", "cuda", "--memory-gb", "80"});
   EXPECT_EQ(cluster["nnodes"], 4);
   EXPECT_EQ(cluster["ranks_per_node"], 8);
   EXPECT_EQ(cluster["shard_size"], 32);
@@ -247,10 +249,18 @@ TEST(MemoryPlanTrain, PlanSizesAnyWorldAndDevice) {
   // 32 ranks shard what 2 did: the params line shrinks 16x.
   EXPECT_EQ(cluster["update"][0]["bytes"].get<int64_t>(),
             (two["update"][0]["bytes"].get<int64_t>() * 2 + 31) / 32);
+  // The older key alone still sets it (kSmallLmConfig has nproc_per_node: 2); set apart, the two
+  // must agree.
+  const auto older =
+      run_process({bin("shardrl"), "plan", write_config(dir + "/older", kSmallLmConfig), "--json",
+                   "trainer.nproc_per_node=3"},
+                  {}, 60);
+  EXPECT_EQ(older.exit_code, 0) << older.output;
+  EXPECT_EQ(json::parse(older.output.substr(older.output.find('{')))["ranks_per_node"], 3);
   const auto clash =
-      run_process({bin("shardrl"), "plan", path, "trainer.n_gpus_per_node=4"}, {}, 60);
+      run_process({bin("shardrl"), "plan", path, "trainer.nproc_per_node=4"}, {}, 60);
   EXPECT_NE(clash.exit_code, 0);
-  EXPECT_NE(clash.output.find("'trainer.n_gpus_per_node' (4) and 'trainer.nproc_per_node' (2)"),
+  EXPECT_NE(clash.output.find("'trainer.n_gpus_per_node' (2) and 'trainer.nproc_per_node' (4)"),
             std::string::npos)
       << clash.output;
 }
