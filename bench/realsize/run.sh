@@ -8,6 +8,7 @@
 #   bench/realsize/run.sh KIND MODEL_DIR OUT [key=value ...]
 #     KIND: lm_lora_grpo | lm_full_offload | sd3_lora_flow_grpo  (the config bench/realsize/KIND.yaml)
 #     MODEL_DIR: a transformers / diffusers save_pretrained folder (bench/make_real_models.py)
+#   RESUME_ONLY=1 keeps a finished step-2 run in OUT and redoes the resume and the export.
 #
 # Run it alone (flock -x /tmp/shardrl-cpu.lock ...): its figures are timings and memory peaks.
 set -euo pipefail
@@ -46,7 +47,10 @@ timed() {  # timed NAME COMMAND...: the command's output and GNU time's report i
 free -g | tee "$out/free.txt"
 "$bin" plan "$config" "${args[@]}" --json >"$out/plan.json" || true
 "$bin" plan "$config" "${args[@]}" | tee "$out/plan.txt" || true
-timed train_to_2 "$bin" train "$config" "${args[@]}" trainer.total_training_steps=2
+# RESUME_ONLY=1: keep the step-2 run (its logs and checkpoint) and redo the resume and the export.
+if [ "${RESUME_ONLY:-0}" != 1 ]; then
+  timed train_to_2 "$bin" train "$config" "${args[@]}" trainer.total_training_steps=2
+fi
 timed resume_to_3 "$bin" train "$config" "${args[@]}"
 ckpt=$(ls -d "$out"/run/checkpoints/global_step_* | sort -V | tail -n 1)
 timed export "$bin" export "$ckpt" "$out/export" "${export_args[@]}"

@@ -1,6 +1,7 @@
 // Sharded save and resharding load.
 #include <ATen/core/Generator.h>
 #include <fmt/format.h>
+#include <malloc.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -440,6 +441,19 @@ std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
   return final_dir.string();
 }
 
+namespace {
+
+// A load's buffers (whole tensors on the reading rank, a full-size broadcast buffer on every rank)
+// are freed once it ends, but glibc keeps freed heap for reuse (World's allocator tuning sets
+// M_TRIM_THRESHOLD to its maximum, for the steps' sake): without this, a rank's resident set keeps
+// the largest tensor's bytes for the whole job (1.1-1.5 GB on Qwen2.5-1.5B's rank 0,
+// BENCHMARKS.md).
+void return_freed_heap() {
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
+}
+
 // This rank's saved RNG state (undefined when the checkpoint was saved at fewer ranks).
 torch::Tensor read_rng(const json& index, CheckpointReader& reader, int rank,
                        const std::string& dir) {
@@ -468,6 +482,8 @@ void finish_load(const json& index, CheckpointReader& reader, int rank, const st
   result.saved_world_size = index.at("world_size").get<int>();
   result.extra = index.value("extra", json::object());
 }
+
+}  // namespace
 
 LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::Optimizer* optimizer,
                 optim::LRScheduler* scheduler) {
@@ -576,6 +592,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
     for (auto& loaded : states) loaded.owner->state()[loaded.key] = std::move(loaded.state);
     finish_load(index, reader, mesh.rank(), dir, scheduler, result, rng);
   });
+  return_freed_heap();
   return result;
 }
 
@@ -705,6 +722,7 @@ void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
     }
   }
   model.mark_loaded(names_of(params));
+  return_freed_heap();
 }
 
 std::optional<std::string> find_latest(const std::string& root) {
