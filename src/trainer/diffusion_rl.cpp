@@ -68,6 +68,22 @@ int64_t num_prompts() {
   return kClasses * static_cast<int64_t>(caption_templates().size());
 }
 
+// The folder of a pretrained diffusers transformer named by model.path (at its top or under
+// model.transformer_subfolder), or "" when model.path is empty.
+std::string pretrained_sd3_dir(const json& c) {
+  const std::string m = "actor_rollout_ref.model";
+  const auto path = get<std::string>(c, m + ".path");
+  if (path.empty()) return path;
+  for (const auto& dir :
+       {fs::path(path), fs::path(path) / get<std::string>(c, m + ".transformer_subfolder")}) {
+    if (fs::exists(dir / "config.json")) return dir.string();
+  }
+  throw std::invalid_argument(fmt::format(
+      "config key '{}.path': '{}' holds no diffusers transformer config.json (at its top or under "
+      "{}.transformer_subfolder)",
+      m, path, m));
+}
+
 struct Options {
   std::string data_dir, run_dir, cache_dir, text_encoder_path, model_type;
   uint64_t seed = 0;
@@ -118,6 +134,7 @@ struct Options {
     }
     model_config = at(c, m + ".config");
     lora_rank = get<int64_t>(c, m + ".lora_rank");
+    pretrained_dir = pretrained_sd3_dir(c);
 
     const std::string r = "actor_rollout_ref.rollout";
     group_size = get<int64_t>(c, r + ".n");
@@ -144,7 +161,7 @@ struct Options {
     sampler.shift = get<double>(c, r + ".pipeline.shift");
     sampler.height = nullable(c, r + ".pipeline.height", image_size);
     sampler.width = nullable(c, r + ".pipeline.width", image_size);
-    if (sampler.height != image_size || sampler.width != image_size) {
+    if (!latent_model() && (sampler.height != image_size || sampler.width != image_size)) {
       throw std::invalid_argument(fmt::format(
           "config keys '{0}.pipeline.height' / 'width' ({1}x{2}) must equal data.image_size ({3}): "
           "the model works on the image pixels and the reward classifier reads {3}x{3}",
@@ -207,6 +224,14 @@ struct Options {
   // The loss's mode from the engine the model type names (verl-omni's registry).
   std::string loss_mode() const { return algos::loss_mode_of(model_type); }
   bool lora() const { return lora_rank > 0; }
+  // A pretrained diffusers transformer (model.path) replaces the supervised stage; one with
+  // latent channels (in_channels != 1, e.g. SD3.5's 16) samples latents of pipeline.height x
+  // width, and the reward reads their channel mean at the classifier's size (no VAE here).
+  std::string pretrained_dir;
+  bool latent_model() const {
+    return !pretrained_dir.empty() &&
+           models::SD3Config::load(pretrained_dir + "/config.json").in_channels != 1;
+  }
 
  private:
   static int64_t nullable(const json& c, const std::string& key, int64_t fallback) {
@@ -279,6 +304,20 @@ struct PromptTable {
   std::string encoder;          // the text encoder's fingerprint
   int64_t width() const { return prompt_embeds.size(2); }
 
+  // Zero-padded to a model's text widths, as SD3 pads its CLIP embeddings to T5's width.
+  void fit(const models::SD3Config& model) {
+    const auto pad = [](const torch::Tensor& t, int64_t width, const char* field) {
+      if (t.size(-1) > width) {
+        throw std::invalid_argument(
+            fmt::format("the text encoder's width {} exceeds the transformer's {} ({})", t.size(-1),
+                        width, field));
+      }
+      return torch::constant_pad_nd(t, {0, width - t.size(-1)});
+    };
+    prompt_embeds = pad(prompt_embeds, model.joint_attention_dim, "joint_attention_dim");
+    pooled = pad(pooled, model.pooled_projection_dim, "pooled_projection_dim");
+  }
+
   // The conditioning of prompts `ids` [B], with the negative prompt's rows beside them.
   algos::Conditioning rows(const torch::Tensor& ids) const {
     const int64_t negative = prompt_embeds.size(0) - 1;
@@ -316,13 +355,14 @@ int64_t sd3_heads(const Options& o) {
 
 // The MMDiT's diffusers config: the YAML's actor_rollout_ref.model.config (width, depth, patch)
 // completed by what the data and the text encoder fix.
-models::SD3Config sd3_config(const Options& o, const PromptTable& prompts) {
+models::SD3Config sd3_config(const Options& o, int64_t text_width, int64_t pooled_width) {
+  if (!o.pretrained_dir.empty()) return models::SD3Config::load(o.pretrained_dir + "/config.json");
   json j = model_config_json(o);
   j["in_channels"] = 1;
   j["out_channels"] = 1;
   j["sample_size"] = o.image_size;
-  j["joint_attention_dim"] = prompts.width();
-  j["pooled_projection_dim"] = prompts.pooled.size(1);
+  j["joint_attention_dim"] = text_width;
+  j["pooled_projection_dim"] = pooled_width;
   const auto heads = sd3_heads(o);
   const auto head_dim = j.value("attention_head_dim", int64_t{16});
   j["caption_projection_dim"] = heads * head_dim;
@@ -359,6 +399,10 @@ std::string pretrained_transformer(const Options& o, const json& config,
                   std::hash<std::string>{}(sd3.to_json().dump()), prompts.encoder, o.pretrain_steps,
                   o.pretrain_batch, o.pretrain_lr, o.caption_dropout, o.seed);
   const std::string dir = o.cache_dir + "/" + key;
+  if (!o.pretrained_dir.empty()) {
+    if (lead) std::cout << "pretrained MMDiT: " << o.pretrained_dir << "\n";
+    return o.pretrained_dir;
+  }
   if (fs::exists(dir + "/config.json")) {
     if (lead) std::cout << "pretrained MMDiT: cached " << dir << "\n";
     return dir;
@@ -438,6 +482,18 @@ std::string pretrained_transformer(const Options& o, const json& config,
   return dir;
 }
 
+// What the reward classifier reads of samples [B, C, H, W]: a latent model's channel mean at the
+// classifier's size; the demo's pixel model's samples as they are.
+torch::Tensor reward_images(const torch::Tensor& samples, const Options& o) {
+  if (samples.size(1) == 1 && samples.size(2) == o.image_size) return samples;
+  namespace F = torch::nn::functional;
+  return F::interpolate(samples.mean(1, /*keepdim=*/true),
+                        F::InterpolateFuncOptions()
+                            .size(std::vector<int64_t>{o.image_size, o.image_size})
+                            .mode(torch::kBilinear)
+                            .align_corners(false));
+}
+
 // The fixed evaluation set: eval_per_class ODE samples of every class's evaluation prompt, split
 // over the ranks and gathered, with the same noise before and after RL.
 struct Evaluation {
@@ -454,8 +510,10 @@ Evaluation evaluate(models::SD3Transformer2DModel& model, models::ImageClassifie
   auto mine = all_labels.narrow(0, world.rank() * local, local);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed + 4242 + world.rank());
   const algos::SdeWindow every_step{0, o.validation.num_inference_steps};
-  auto images = algos::sample_with_logprob(model, prompts.rows(mine), o.validation, every_step, gen)
-                    .images()
+  auto images = reward_images(algos::sample_with_logprob(model, prompts.rows(mine), o.validation,
+                                                         every_step, gen)
+                                  .images(),
+                              o)
                     .contiguous();
   auto gathered =
       torch::empty({world.size() * local, images.size(1), images.size(2), images.size(3)});
@@ -515,8 +573,9 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   auto t_stage = Clock::now();
   auto classifier = reward_model(o, train, test, mesh, *world);
   const double classifier_seconds = since(t_stage);
-  const auto prompts = encode_prompts(o, *world);
-  const auto sd3 = sd3_config(o, prompts);
+  auto prompts = encode_prompts(o, *world);
+  const auto sd3 = sd3_config(o, prompts.width(), prompts.pooled.size(1));
+  prompts.fit(sd3);
   t_stage = Clock::now();
   const auto transformer_dir = pretrained_transformer(o, config, sd3, prompts, train, world);
   const double pretrain_seconds = since(t_stage);
@@ -556,13 +615,32 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   // rollout the weight sync streams the trainer's params into it, with the behaviour policy's
   // adapter merged under LoRA (as verl syncs a LoRA actor into a rollout engine without LoRA
   // support), or the full weights.
-  models::SD3Transformer2DModel rollout_model(sd3);
-  for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+  // With rollout.name=hf the actor's sharded module samples (the usual FSDP forward, unit by
+  // unit: a sampling step is a whole batch's forward, as in training), and the weight sync is
+  // only the choice of its adapter.
+  const bool actor_samples = rollout_engine(config, engine::Workload::Rollout::kActorPerUnit) !=
+                             engine::Workload::Rollout::kReplica;
   const bool nft = o.loss_mode() == "diffusion_nft";
+  if (actor_samples && nft && !o.lora()) {
+    throw std::invalid_argument(
+        "config key 'actor_rollout_ref.rollout.name' is hf: DiffusionNFT without LoRA samples "
+        "with the weights before each update, which only a rollout replica keeps");
+  }
+  models::SD3Transformer2DModel rollout_model{nullptr};
+  if (actor_samples) {
+    rollout_model = engine->model<models::SD3Transformer2DModel>();
+  } else {
+    rollout_model = models::SD3Transformer2DModel(sd3);
+    for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+  }
   // NFT samples with its behaviour policy, the "old" adapter; evaluation always reads "default".
   const std::string behaviour = nft ? "old" : "default";
   auto sync_weights = [&](const std::string& adapter) {
-    sync_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
+    if (!actor_samples) {
+      sync_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
+    } else if (o.lora()) {
+      models::lora::set_active_adapter(*rollout_model, adapter);
+    }
   };
 
   // What the loss reads from the reference, computed micro-batch by micro-batch on the engine
@@ -638,9 +716,9 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     seconds["rollout"] = since(t);
 
     t = Clock::now();
-    const auto rewards =
-        models::classifier_reward(classifier, rollout.images(), labels, o.reward_mode)
-            .to(torch::kFloat);
+    const auto rewards = models::classifier_reward(classifier, reward_images(rollout.images(), o),
+                                                   labels, o.reward_mode)
+                             .to(torch::kFloat);
     const auto adv = algos::group_advantages(rewards, o.group_size, o.advantage,
                                              &engine->mesh().data_parallel_group());
     seconds["reward"] = since(t);
@@ -660,6 +738,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     } else {
       rows = algos::dpo_rows(rollout, rewards, adv.group_ids, o.sampler.shift, gen);
     }
+    if (actor_samples && o.lora()) models::lora::set_active_adapter(*rollout_model, "default");
     same_rows_in_group(rows, engine->mesh().sequence_parallel_group().get());
     if (o.loss.needs_reference()) add_columns(rows, reference_outputs(rows));
     seconds["reference"] = since(t);
@@ -802,8 +881,38 @@ json diffusion_rl_defaults() {
                       {"height", nullptr},
                       {"width", nullptr},
                       {"max_sequence_length", 16}}},
-                    {"val_kwargs", {{"num_inference_steps", 20}, {"noise_level", 0.0}}}};
+                    {"val_kwargs", {{"num_inference_steps", 20}, {"noise_level", 0.0}}},
+                    {"name", "replica"}};
   return d;
+}
+
+PlanInput diffusion_rl_plan(const json& config, const engine::Layout& layout) {
+  const int sp = ulysses_sequence_parallel_size(config, "actor");
+  const int64_t dp = std::max(1, layout.world_size() / sp);
+  const Options o(config, static_cast<int>(dp));
+  // The text widths the demo's MMDiT is built for are the text encoder's (hidden_size).
+  std::ifstream encoder(o.text_encoder_path + "/config.json");
+  const json encoder_config = json::parse(encoder, nullptr, false);
+  const int64_t width = encoder_config.is_object() ? encoder_config.value("hidden_size", 384) : 384;
+  const auto sd3 = sd3_config(o, width, width);
+  json engine_json = config;
+  engine_json["actor_rollout_ref"]["model"]["config"] = sd3.to_json();
+  PlanInput in{engine_config(engine_json, o.model_type, "actor"), {}};
+  auto& w = in.workload;
+  const int64_t rows_per_mini_batch = o.mini_batch_size / dp * o.group_size;
+  const int64_t micro = in.engine.micro_batch_size_per_gpu;
+  w.micro_batch_rows = micro > 0 ? std::min(micro, rows_per_mini_batch) : rows_per_mini_batch;
+  const int64_t patches = (o.sampler.height / sd3.patch_size) * (o.sampler.width / sd3.patch_size);
+  w.tokens_per_row = patches + o.max_sequence_length;
+  w.gradient_checkpointing =
+      get<bool>(config, "actor_rollout_ref.model.enable_gradient_checkpointing");
+  w.rollout = rollout_engine(config, engine::Workload::Rollout::kActorPerUnit);
+  w.rollout_rows = o.train_batch_size / dp * o.group_size;
+  w.rollout_tokens = w.tokens_per_row;
+  // Full fine-tuning with a loss that reads the reference keeps a forward-only copy, offloaded.
+  w.reference = !o.lora() && o.loss.needs_reference();
+  w.reference_param_offload = true;
+  return in;
 }
 
 int run_diffusion_rl(const json& config, std::shared_ptr<dist::World> world) {

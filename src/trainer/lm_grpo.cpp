@@ -367,9 +367,40 @@ json lm_grpo_defaults() {
   arr["actor"]["optim"]["weight_decay"] = 0.0;
   // rollout.dtype is verl's key (its default there, bfloat16, has no fast kernels on a CPU
   // without bf16 arithmetic): float32, or float16 weights with fp32 activations.
-  arr["rollout"] = {{"n", 8},       {"dtype", "float32"},   {"temperature", 1.0},
-                    {"top_p", 1.0}, {"prompt_length", 512}, {"response_length", 4}};
+  arr["rollout"] = {{"n", 8},           {"dtype", "float32"},   {"temperature", 1.0},
+                    {"top_p", 1.0},     {"prompt_length", 512}, {"response_length", 4},
+                    {"name", "replica"}};
   return d;
+}
+
+PlanInput lm_grpo_plan(const json& config, const engine::Layout& layout) {
+  json rl = config;
+  const auto path = get<std::string>(config, "actor_rollout_ref.model.path");
+  rl["actor_rollout_ref"]["model"]["config"] =
+      path.empty() ? llama_json(config)
+                   : models::LlamaConfig::load(path + "/config.json").to_json();
+  PlanInput in{engine_config(rl, "language_model", "actor"), {}};
+  auto& w = in.workload;
+  const std::string r = "actor_rollout_ref.rollout.";
+  const int64_t dp = layout.world_size() / ulysses_sequence_parallel_size(config, "actor");
+  const int64_t rows = std::max<int64_t>(1, get<int64_t>(config, "data.train_batch_size") / dp) *
+                       get<int64_t>(config, r + "n");
+  const int64_t micro = in.engine.micro_batch_size_per_gpu;
+  w.micro_batch_rows = micro > 0 ? std::min(micro, rows) : rows;
+  w.tokens_per_row =
+      get<int64_t>(config, r + "prompt_length") + get<int64_t>(config, r + "response_length");
+  w.gradient_checkpointing =
+      get<bool>(config, "actor_rollout_ref.model.enable_gradient_checkpointing");
+  w.logits = true;
+  // The actor decodes token by token: gathered once for the whole rollout, not once a token.
+  w.rollout = rollout_engine(config, engine::Workload::Rollout::kActorGathered);
+  w.rollout_dtype =
+      get<std::string>(config, r + "dtype") == "float16" ? torch::kHalf : torch::kFloat;
+  w.rollout_rows = rows;
+  w.rollout_tokens = w.tokens_per_row;
+  w.reference = get<bool>(config, "actor_rollout_ref.actor.use_kl_loss");
+  w.reference_param_offload = get<bool>(config, "actor_rollout_ref.ref.fsdp_config.param_offload");
+  return in;
 }
 
 int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
@@ -452,13 +483,24 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
         rollout_dtype));
   }
   const bool rollout_in_fp16 = rollout_dtype == "float16";
+  // verl's rollout.name: the replica (fed by the weight sync), or the actor itself (hf).
+  const bool actor_samples = rollout_engine(config, engine::Workload::Rollout::kActorGathered) !=
+                             engine::Workload::Rollout::kReplica;
+  if (actor_samples && rollout_in_fp16) {
+    throw std::invalid_argument(
+        "config key 'actor_rollout_ref.rollout.dtype' float16 packs a rollout replica's weights; "
+        "with actor_rollout_ref.rollout.name=hf the actor samples in its own fp32 weights");
+  }
   // The rollout replica: unsharded on every rank, so sampling runs without collectives.
-  models::LlamaForCausalLM rollout_model(
-      models::LlamaConfig::from_json(at(rl, "actor_rollout_ref.model.config")));
-  for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
-  rollout_model->eval();
+  models::LlamaForCausalLM rollout_model{nullptr};
+  if (!actor_samples) {
+    rollout_model = models::LlamaForCausalLM(
+        models::LlamaConfig::from_json(at(rl, "actor_rollout_ref.model.config")));
+    for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+    rollout_model->eval();
+  }
   const bool lora = get<int64_t>(config, "actor_rollout_ref.model.lora_rank") > 0;
-  if (lora) {
+  if (lora && !actor_samples) {
     models::lora::apply_lora(
         *rollout_model,
         models::lora::config_from_peft(actor->export_info().at("lora").at("default"),
@@ -499,7 +541,14 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       for (int64_t k = 0; k < n; ++k) answers.push_back(all[i].answer);
     }
     const auto sync_start = std::chrono::steady_clock::now();
-    sync_rollout_weights();
+    // hf: the weight sync is the all-gather of every unit, held for the whole rollout (one
+    // gather, not one a token), as verl's HFRollout samples under summon_full_params.
+    std::optional<fsdp::UnshardScope> gathered;
+    if (actor_samples) {
+      gathered.emplace(actor->fsdp());
+    } else {
+      sync_rollout_weights();
+    }
     const double sync_seconds = seconds_since(sync_start);
     rollout::SamplingOptions sampling;
     sampling.max_new_tokens = response_length;
@@ -514,9 +563,11 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     // The sequence-parallel ranks of a group sample the same prompts from the same seed; the
     // group's first rank's rollout is the one all of them train on (verl hands the group one
     // batch), whatever their kernels' last bits.
+    auto& sampler = actor_samples ? actor->model<models::LlamaForCausalLM>() : rollout_model;
     const auto rollout =
-        same_in_group(rollout::sample(rollout_model, prompt_tokens, sampling, prompt_mask),
+        same_in_group(rollout::sample(sampler, prompt_tokens, sampling, prompt_mask),
                       actor->mesh().sequence_parallel_group().get());
+    gathered.reset();  // resharded before the update
     const double rollout_seconds = seconds_since(start);
 
     std::vector<std::string> responses;

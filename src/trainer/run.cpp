@@ -2,6 +2,7 @@
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <filesystem>
 
 #include "tasks.h"
@@ -76,8 +77,13 @@ int64_t Run::resume(engine::Engine& engine) {
   }
   int64_t step = 0;
   if (!dir.empty()) {
+    const auto start = std::chrono::steady_clock::now();
     step = engine.load_checkpoint(dir).step;
-    if (rank0_) spdlog::info("resumed from {} at step {}", dir, step);
+    if (rank0_) {
+      spdlog::info("resumed from {} at step {}: {} bytes loaded in {:.2f} s", dir, step,
+                   checkpoint::directory_bytes(dir),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
   }
   metrics_.emplace((fs::path(dir_) / "metrics.jsonl").string(), total_steps_, rank0_, step);
   return step;
@@ -96,9 +102,20 @@ void Run::after_step(engine::Engine& engine, int64_t step, const engine::Metrics
                           memory.optimizer.offloaded) /
       1e9;
   logged["memory_rss_gb"] = static_cast<double>(memory.process_rss) / 1e9;
+  // The largest resident set any rank has had so far: what the memory plan's peak per rank
+  // (logged before the first step) is held to.
+  auto peak =
+      torch::tensor({static_cast<double>(offload::process_peak_rss_bytes())}, torch::kDouble);
+  world_->group().all_reduce(peak, dist::ReduceOp::kMax);
+  logged["memory_peak_rss_gb"] = peak.item<double>() / 1e9;
   log(step, logged);
   if ((save_freq_ > 0 && step % save_freq_ == 0) || step == total_steps_) {
-    engine.save_checkpoint((fs::path(dir_) / "checkpoints").string(), step);
+    const auto start = std::chrono::steady_clock::now();
+    const auto saved = engine.save_checkpoint((fs::path(dir_) / "checkpoints").string(), step);
+    if (rank0_) {
+      spdlog::info("saved {}: {} bytes in {:.2f} s", saved, checkpoint::directory_bytes(saved),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
   }
 }
 

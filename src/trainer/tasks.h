@@ -15,6 +15,8 @@
 namespace shardrl::trainer {
 
 void register_builtin_tasks(std::map<std::string, Task>& tasks);
+// The task registered as `name`; an error naming trainer.task, `source` and the known tasks.
+Task find_task(const std::string& name, const std::string& source);
 
 // The whole config of a `shardrl train` call: trainer defaults, the task's defaults, the file,
 // then the overrides.
@@ -87,12 +89,21 @@ engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& 
 void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
                           const std::string& merge_adapter, bool trainable_only = false);
 
-// Tasks.
+// Tasks: defaults, entry point, memory plan.
 int run_lm_pretrain(const nlohmann::json& config, std::shared_ptr<dist::World> world);
 nlohmann::json lm_pretrain_defaults();
+PlanInput lm_pretrain_plan(const nlohmann::json& config, const engine::Layout& layout);
 int run_diffusion_rl(const nlohmann::json& config, std::shared_ptr<dist::World> world);
 nlohmann::json diffusion_rl_defaults();
+PlanInput diffusion_rl_plan(const nlohmann::json& config, const engine::Layout& layout);
 int run_lm_grpo(const nlohmann::json& config, std::shared_ptr<dist::World> world);
 nlohmann::json lm_grpo_defaults();
+PlanInput lm_grpo_plan(const nlohmann::json& config, const engine::Layout& layout);
+
+// actor_rollout_ref.rollout.name, verl's key: "replica" (ShardRL's unsharded rollout model on each
+// rank, fed by the weight sync, in the role verl gives vLLM or SGLang) or "hf" (verl's HFRollout:
+// the actor's own sharded module samples, with no second copy of the weights). Errors name the key.
+engine::Workload::Rollout rollout_engine(const nlohmann::json& config,
+                                         engine::Workload::Rollout hf_mode);
 
 }  // namespace shardrl::trainer
