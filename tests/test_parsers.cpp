@@ -10,8 +10,15 @@
 #include <limits>
 
 #include "shardrl/checkpoint.h"
+#include "shardrl/models/llama.h"
+#include "shardrl/models/lora.h"
+#include "shardrl/models/sd3.h"
+#include "shardrl/models/text_encoder.h"
+#include "shardrl/text/bpe_tokenizer.h"
+#include "shardrl/text/wordpiece_tokenizer.h"
 #include "shardrl/trainer.h"
 #include "test_util.h"
+#include "text_corpus.h"
 
 namespace shardrl::testing {
 namespace {
@@ -251,6 +258,66 @@ TEST(ParserFindings, YamlConfigNullOverAValueIsAnErrorNamingTheKey) {
   const std::string path = config_file("pf-yaml-null", "trainer:\n  total_training_steps:\n");
   expect_error_naming<std::invalid_argument>([&] { trainer::load_config(path, {}, kDefaults); },
                                              {path, "'trainer.total_training_steps'", "null"});
+}
+
+// ---- a model folder's config.json -------------------------------------------------------------
+
+// A config.json of this text in a fresh folder; returns its path.
+std::string model_file(const std::string& tag, const std::string& name, const std::string& text) {
+  const std::string path = make_temp_dir(tag) + "/" + name;
+  write_bytes(path, text);
+  return path;
+}
+
+constexpr const char* kLlamaConfig = R"({"model_type": "llama", "vocab_size": 64,
+    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "num_key_value_heads": 2})";
+
+TEST(ParserFindings, ModelConfigErrorsNameTheFile) {
+  // LlamaConfig::load said "config.json: missing field vocab_size": which folder's, it did not say.
+  const std::string llama =
+      model_file("pf-config-llama", "config.json", R"({"model_type": "qwen2"})");
+  expect_error_naming<std::invalid_argument>([&] { models::LlamaConfig::load(llama); },
+                                             {llama, "vocab_size"});
+  const std::string sd3 = model_file("pf-config-sd3", "config.json", R"({"patch_size": 0})");
+  expect_error_naming<std::invalid_argument>([&] { models::SD3Config::load(sd3); },
+                                             {sd3, "patch_size"});
+  const std::string bert = model_file("pf-config-bert", "config.json", R"({"hidden_act": 1})");
+  expect_error_naming<std::invalid_argument>([&] { models::BertConfig::load(bert); },
+                                             {bert, "vocab_size"});
+  // The seed reads.
+  const std::string good = model_file("pf-config-good", "config.json", kLlamaConfig);
+  EXPECT_EQ(models::LlamaConfig::load(good).num_key_value_heads, 2);
+}
+
+TEST(ParserFindings, ModelConfigNumberOutsideItsTypeIsAnErrorNamingTheField) {
+  // get<int64_t>() of 1e30 was undefined behaviour (UBSan), of 2.5 a silent 2.
+  for (const std::string value : {"1e30", "2.5", "-1e300", "18446744073709551615"}) {
+    json config = json::parse(kLlamaConfig);
+    config["hidden_size"] = json::parse(value);
+    const std::string path = model_file("pf-config-float", "config.json", config.dump());
+    expect_error_naming<std::invalid_argument>([&] { models::LlamaConfig::load(path); },
+                                               {path, "hidden_size", "wrong type"});
+  }
+  const std::string sd3 =
+      model_file("pf-config-sd3-float", "config.json", R"({"dual_attention_layers": [0, 1e30]})");
+  expect_error_naming<std::invalid_argument>([&] { models::SD3Config::load(sd3); },
+                                             {sd3, "dual_attention_layers", "wrong type"});
+  // An integral float is the integer it writes.
+  json config = json::parse(kLlamaConfig);
+  config["hidden_size"] = 16.0;
+  EXPECT_EQ(models::LlamaConfig::load(model_file("pf-config-16", "config.json", config.dump()))
+                .hidden_size,
+            16);
+}
+
+TEST(ParserFindings, Sd3ConfigHeadsTimesHeadDimOverflowIsAnErrorNamingThem) {
+  // num_attention_heads * attention_head_dim overflowed int64 (UBSan) in validate().
+  const std::string path = model_file("pf-config-sd3-overflow", "config.json",
+                                      R"({"num_attention_heads": 4611686018427387904,
+                                          "attention_head_dim": 4})");
+  expect_error_naming<std::invalid_argument>([&] { models::SD3Config::load(path); },
+                                             {path, "num_attention_heads", "attention_head_dim"});
 }
 
 }  // namespace

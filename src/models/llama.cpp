@@ -155,15 +155,7 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
 }
 
 LlamaConfig LlamaConfig::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(fmt::format("{}: not valid JSON ({})", path, e.what()));
-  }
-  return from_json(j);
+  return detail::with_path(path, [](const nlohmann::json& j) { return from_json(j); });
 }
 
 void LlamaConfig::save(const std::string& path) const {
