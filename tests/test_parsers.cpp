@@ -320,5 +320,83 @@ TEST(ParserFindings, Sd3ConfigHeadsTimesHeadDimOverflowIsAnErrorNamingThem) {
                                              {path, "num_attention_heads", "attention_head_dim"});
 }
 
+// ---- tokenizer.json ----------------------------------------------------------------------------
+
+// The small byte-level BPE tokenizer.json that transformers wrote (fuzz/corpus), edited.
+std::string tokenizer_json(const std::string& tag, const std::function<void(json&)>& edit) {
+  json file = json::parse(
+      read_text(std::string(SHARDRL_SOURCE_DIR) + "/fuzz/corpus/tokenizer_json/bpe.json"));
+  edit(file);
+  return model_file(tag, "tokenizer.json", file.dump());
+}
+
+TEST(ParserFindings, TokenizerJsonSeedLoadsAndRoundTrips) {
+  const auto tok =
+      text::ByteLevelBpeTokenizer::load_tokenizer_json(tokenizer_json("pf-tok", [](json&) {}));
+  const std::string text = "Hello world, na\xc3\xafve caf\xc3\xa9 \xff!";
+  EXPECT_EQ(tok.decode(tok.encode(text)), text);
+}
+
+TEST(ParserFindings, TokenizerJsonIdBeyondTheTokensIsAnErrorBeforeAllocating) {
+  // A vocab or added-token id of 10^12 resized the token table to 10^12 strings (32 TB).
+  const std::string vocab = tokenizer_json(
+      "pf-tok-vocab-id", [](json& f) { f["model"]["vocab"]["zzz"] = int64_t{1000000000000}; });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(vocab); },
+      {vocab, "model.vocab entry 'zzz'", "1000000000000"});
+  const std::string added = tokenizer_json(
+      "pf-tok-added-id", [](json& f) { f["added_tokens"][0]["id"] = int64_t{1000000000000}; });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(added); },
+      {added, "added token '<|endoftext|>'", "1000000000000"});
+}
+
+TEST(ParserFindings, TokenizerJsonMistypedFlagIsAnErrorNamingTheField) {
+  // nlohmann's value() threw its own type_error, naming no file.
+  const std::string special =
+      tokenizer_json("pf-tok-special", [](json& f) { f["added_tokens"][1]["special"] = "yes"; });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(special); },
+      {special, "added_tokens[1].special", "boolean"});
+  const std::string type = tokenizer_json("pf-tok-type", [](json& f) { f["model"]["type"] = 1; });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(type); }, {type, "model.type"});
+}
+
+TEST(ParserFindings, TokenizerJsonMergeOutsideTheVocabularyIsAnErrorNamingIt) {
+  // encode() failed later with "merged token 'Ġt' is not in the vocabulary", naming no file;
+  // tokenizers refuses such a file when it loads it.
+  std::string merged;
+  const std::string path = tokenizer_json("pf-tok-merge", [&](json& f) {
+    const json merge = f["model"]["merges"][0];
+    merged = merge[0].get<std::string>() + merge[1].get<std::string>();
+    const json id = f["model"]["vocab"][merged];
+    f["model"]["vocab"].erase(merged);
+    f["model"]["vocab"]["renamed"] = id;
+  });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(path); },
+      {path, "merges[0]", "'" + merged + "' is not in the vocabulary"});
+}
+
+TEST(ParserFindings, TokenizerJsonByteMissingFromTheVocabularyIsDroppedAsTokenizersDropsIt) {
+  // A vocabulary without 'Ġ' (the space byte) made encode() fail on any text with a space,
+  // naming no file. tokenizers (no unk_token) drops the byte and merges across the gap.
+  const std::string path = tokenizer_json("pf-tok-byte", [](json& f) {
+    const json id = f["model"]["vocab"]["\xc4\xa0"];
+    f["model"]["vocab"].erase("\xc4\xa0");
+    f["model"]["vocab"]["renamed"] = id;
+    json kept = json::array();
+    for (const auto& merge : f["model"]["merges"]) {
+      const std::string pair = merge[0].get<std::string>() + merge[1].get<std::string>();
+      if (pair.find("\xc4\xa0") == std::string::npos) kept.push_back(merge);
+    }
+    f["model"]["merges"] = kept;
+  });
+  const auto tok = text::ByteLevelBpeTokenizer::load_tokenizer_json(path);
+  EXPECT_EQ(tok.decode(tok.encode("is a")), "isa");
+  EXPECT_EQ(tok.encode("is a"), tok.encode("isa"));
+}
+
 }  // namespace
 }  // namespace shardrl::testing
