@@ -398,5 +398,21 @@ TEST(ParserFindings, TokenizerJsonByteMissingFromTheVocabularyIsDroppedAsTokeniz
   EXPECT_EQ(tok.encode("is a"), tok.encode("isa"));
 }
 
+// ---- vocab.txt and tokenizer_config.json -------------------------------------------------------
+
+TEST(ParserFindings, WordPieceEmptySpecialTokenIsAnErrorNotAHang) {
+  // pad_token "" with a blank line in vocab.txt: encode() matched the empty special token at
+  // every position without advancing, forever.
+  const std::string dir = make_temp_dir("pf-wordpiece-empty");
+  const std::string data = std::string(SHARDRL_SOURCE_DIR) + "/fuzz/data/wordpiece/";
+  write_bytes(dir + "/vocab.txt", read_text(data + "vocab.txt") + "\n");
+  json config = json::parse(read_text(data + "tokenizer_config.json"));
+  config["pad_token"] = "";
+  write_bytes(dir + "/tokenizer_config.json", config.dump());
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::WordPieceTokenizer::load(dir); },
+      {dir + "/tokenizer_config.json", "pad_token", "empty"});
+}
+
 }  // namespace
 }  // namespace shardrl::testing
