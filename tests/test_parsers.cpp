@@ -414,5 +414,88 @@ TEST(ParserFindings, WordPieceEmptySpecialTokenIsAnErrorNotAHang) {
       {dir + "/tokenizer_config.json", "pad_token", "empty"});
 }
 
+// ---- adapter_config.json -----------------------------------------------------------------------
+
+// PEFT's adapter_config.json for a small LLaMA (fuzz/corpus), edited.
+std::string adapter_config(const std::string& tag, const std::function<void(json&)>& edit) {
+  json file = json::parse(
+      read_text(std::string(SHARDRL_SOURCE_DIR) + "/fuzz/corpus/adapter_config/lora.json"));
+  edit(file);
+  return model_file(tag, "adapter_config.json", file.dump());
+}
+
+TEST(ParserFindings, AdapterConfigSeedReads) {
+  const auto config = models::lora::read_peft_config(adapter_config("pf-lora", [](json&) {}));
+  EXPECT_EQ(config.r, 4);
+  EXPECT_DOUBLE_EQ(config.scaling(), 2.0);
+  EXPECT_TRUE(models::lora::is_target(config, "model.layers.0.self_attn.v_proj"));
+  EXPECT_FALSE(models::lora::is_target(config, "model.layers.0.self_attn.k_proj"));
+}
+
+TEST(ParserFindings, AdapterConfigMistypedIsAnErrorNamingTheField) {
+  const std::string array = model_file("pf-lora-array", "adapter_config.json", "[]");
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(array); },
+                                             {array, "JSON object"});
+  const std::string type = adapter_config("pf-lora-type", [](json& f) { f["peft_type"] = 1; });
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(type); },
+                                             {type, "peft_type"});
+  // get<int64_t>() of 1e30 was undefined behaviour (UBSan).
+  const std::string r = adapter_config("pf-lora-r", [](json& f) { f["r"] = 1e30; });
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(r); },
+                                             {r, "field r"});
+  const std::string dropout =
+      adapter_config("pf-lora-dropout", [](json& f) { f["lora_dropout"] = 1.5; });
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(dropout); },
+                                             {dropout, "lora_dropout"});
+}
+
+TEST(ParserFindings, AdapterConfigBadRegexIsAnErrorNamingTheField) {
+  // std::regex_error escaped from the first match, naming neither file nor field.
+  const std::string path =
+      adapter_config("pf-lora-regex", [](json& f) { f["target_modules"] = "(q_proj"; });
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(path); },
+                                             {path, "target_modules", "regular expression"});
+}
+
+TEST(ParserFindings, AdapterConfigRegexMatchesInPolynomialTime) {
+  // The backtracking matcher took longer than libFuzzer's 10 s timeout on each module name.
+  const std::string path = adapter_config(
+      "pf-lora-slow", [](json& f) { f["target_modules"] = "(.*)*(.*)*(.*)*(.*)*(.*)*x"; });
+  const auto config = models::lora::read_peft_config(path);
+  for (int layer = 0; layer < 30; ++layer) {
+    EXPECT_FALSE(models::lora::is_target(
+        config, "model.layers." + std::to_string(layer) + ".self_attn.q_proj_and_more_text"));
+  }
+  const std::string peft = adapter_config("pf-lora-peft-regex", [](json& f) {
+    f["target_modules"] = R"(.*\.layers\.0\.self_attn\.(q|v)_proj)";
+  });
+  EXPECT_TRUE(models::lora::is_target(models::lora::read_peft_config(peft),
+                                      "model.layers.0.self_attn.v_proj"));
+}
+
+TEST(ParserFindings, AdapterConfigFieldsShardRLDoesNotImplementAreRefused) {
+  // Read as plain LoRA before: a rsLoRA adapter got alpha / r for alpha / sqrt(r), a DoRA one
+  // lost its magnitudes, and so on, silently.
+  const std::vector<std::pair<std::string, json>> cases = {{"use_rslora", true},
+                                                           {"use_dora", true},
+                                                           {"rank_pattern", {{"q_proj", 8}}},
+                                                           {"bias", "all"},
+                                                           {"modules_to_save", {"lm_head"}},
+                                                           {"layers_to_transform", {0}}};
+  for (const auto& item : cases) {
+    const std::string& field = item.first;  // clang before 16 cannot capture a structured binding
+    const std::string path =
+        adapter_config("pf-lora-" + field, [&](json& f) { f[field] = item.second; });
+    expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(path); },
+                                               {path, "field " + field});
+  }
+  // PEFT's empty defaults are plain LoRA.
+  const std::string empty = adapter_config("pf-lora-empty", [](json& f) {
+    f["modules_to_save"] = json::array();
+    f["exclude_modules"] = json::array();
+  });
+  EXPECT_EQ(models::lora::read_peft_config(empty).r, 4);
+}
+
 }  // namespace
 }  // namespace shardrl::testing

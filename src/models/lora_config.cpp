@@ -7,9 +7,46 @@
 #include <fstream>
 #include <regex>
 
+#include "models/json_fields.h"
 #include "shardrl/models/lora.h"
 
 namespace shardrl::models::lora {
+namespace {
+
+// target_modules' regex comes from a file: libstdc++'s breadth-first (Thompson) executor matches
+// in time polynomial in the name's length, where its default backtracking one takes exponential
+// time on a pattern such as (.*)*(.*)*x. It refuses back-references, which no module name needs.
+#if defined(__GLIBCXX__)
+constexpr auto kRegexFlags = std::regex::ECMAScript | std::regex_constants::__polynomial;
+#else
+constexpr auto kRegexFlags = std::regex::ECMAScript;
+#endif
+
+// PEFT LoraConfig fields that change what the adapter computes, with the value under which it is
+// plain LoRA, all ShardRL implements. Another value is refused rather than silently ignored.
+const std::vector<std::pair<const char*, nlohmann::json>>& plain_lora_fields() {
+  static const std::vector<std::pair<const char*, nlohmann::json>> fields = {
+      {"use_dora", false},
+      {"use_rslora", false},  // alpha / sqrt(r) scaling
+      {"use_qalora", false},
+      {"fan_in_fan_out", false},
+      {"bias", "none"},
+      {"lora_bias", false},
+      {"rank_pattern", nlohmann::json::object()},
+      {"alpha_pattern", nlohmann::json::object()},
+      {"modules_to_save", nullptr},
+      {"layers_to_transform", nullptr},
+      {"layers_pattern", nullptr},
+      {"exclude_modules", nullptr},
+      {"target_parameters", nullptr},
+      {"layer_replication", nullptr},
+      {"trainable_token_indices", nullptr},
+      {"alora_invocation_tokens", nullptr},
+  };
+  return fields;
+}
+
+}  // namespace
 
 std::string LoraConfig::describe_targets() const {
   std::string out;
@@ -27,7 +64,8 @@ bool is_target(const LoraConfig& config, const std::string& module_name) {
       return true;
     }
   }
-  return !config.target_regex.empty() && std::regex_match(name, std::regex(config.target_regex));
+  return !config.target_regex.empty() &&
+         std::regex_match(name, std::regex(config.target_regex, kRegexFlags));
 }
 
 std::string peft_adapter_config(const LoraConfig& config, const std::string& base_model) {
@@ -45,21 +83,52 @@ std::string peft_adapter_config(const LoraConfig& config, const std::string& bas
 }
 
 LoraConfig config_from_peft(const nlohmann::json& peft, const std::string& where) {
-  LoraConfig config;
-  try {
-    config.r = peft.at("r").get<int64_t>();
-    config.alpha = peft.at("lora_alpha").get<double>();
-    config.dropout = peft.value("lora_dropout", 0.0);
-    const auto& targets = peft.at("target_modules");
-    if (targets.is_string()) {
-      config.target_regex = targets.get<std::string>();
-    } else {
-      config.target_modules = targets.get<std::vector<std::string>>();
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(fmt::format("{}: not a PEFT LoRA config: {}", where, e.what()));
+  if (!peft.is_object()) {
+    throw std::invalid_argument(fmt::format("{}: not a PEFT LoRA config (a JSON object)", where));
   }
-  if (config.r <= 0) throw std::invalid_argument(fmt::format("{}: r must be > 0", where));
+  const auto bad = [&](const char* field, const std::string& expected) {
+    return std::invalid_argument(fmt::format("{}: field {} is {}; expected {}", where, field,
+                                             peft.contains(field) ? peft[field].dump() : "missing",
+                                             expected));
+  };
+  LoraConfig config;
+  if (!peft.contains("r") || !detail::fits<int64_t>(peft["r"]) || peft["r"].get<int64_t>() <= 0) {
+    throw bad("r", "a positive integer");
+  }
+  config.r = peft["r"].get<int64_t>();
+  if (!peft.contains("lora_alpha") || !peft["lora_alpha"].is_number()) {
+    throw bad("lora_alpha", "a number");
+  }
+  config.alpha = peft["lora_alpha"].get<double>();
+  if (peft.contains("lora_dropout") && !peft["lora_dropout"].is_null()) {
+    const auto& dropout = peft["lora_dropout"];
+    if (!dropout.is_number() || !(dropout.get<double>() >= 0 && dropout.get<double>() < 1)) {
+      throw bad("lora_dropout", "a number in [0, 1)");
+    }
+    config.dropout = dropout.get<double>();
+  }
+  const auto& targets = peft.contains("target_modules") ? peft["target_modules"] : nlohmann::json();
+  if (targets.is_string()) {
+    config.target_regex = targets.get<std::string>();
+    try {
+      std::regex check(config.target_regex, kRegexFlags);
+    } catch (const std::regex_error& e) {
+      throw bad("target_modules", fmt::format("a regular expression ({})", e.what()));
+    }
+  } else if (detail::fits<std::vector<std::string>>(targets) && !targets.empty()) {
+    config.target_modules = targets.get<std::vector<std::string>>();
+  } else {
+    throw bad("target_modules", "module names or a regular expression");
+  }
+  for (const auto& [field, plain] : plain_lora_fields()) {
+    if (!peft.contains(field) || peft[field] == plain) continue;
+    // PEFT writes an empty list or {} for some of the null ones.
+    if (plain.is_null() && (peft[field].is_array() || peft[field].is_object()) &&
+        peft[field].empty()) {
+      continue;
+    }
+    throw bad(field, fmt::format("{} (ShardRL's LoRA implements only that)", plain.dump()));
+  }
   return config;
 }
 
@@ -72,9 +141,9 @@ LoraConfig read_peft_config(const std::string& path) {
   } catch (const nlohmann::json::exception& e) {
     throw std::invalid_argument(fmt::format("{}: {}", path, e.what()));
   }
-  if (peft.value("peft_type", "LORA") != "LORA") {
-    throw std::invalid_argument(fmt::format("{}: peft_type is '{}' (only LORA is supported)", path,
-                                            peft["peft_type"].dump()));
+  if (peft.is_object() && peft.contains("peft_type") && peft["peft_type"] != "LORA") {
+    throw std::invalid_argument(fmt::format("{}: field peft_type is {} (only LORA is supported)",
+                                            path, peft["peft_type"].dump()));
   }
   return config_from_peft(peft, path);
 }
