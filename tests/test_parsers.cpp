@@ -497,5 +497,18 @@ TEST(ParserFindings, AdapterConfigFieldsShardRLDoesNotImplementAreRefused) {
   EXPECT_EQ(models::lora::read_peft_config(empty).r, 4);
 }
 
+// ---- model.safetensors.index.json --------------------------------------------------------------
+
+TEST(ParserFindings, HfIndexFileNameMustBeAFileInTheFolder) {
+  // "." and ".." passed the check for a plain file name (no parent path).
+  for (const std::string name : {"..", "."}) {
+    const std::string dir = make_temp_dir("pf-hf-index");
+    write_bytes(dir + "/model.safetensors.index.json",
+                json({{"weight_map", {{"w", name}}}}).dump());
+    expect_error_naming<std::runtime_error>([&] { checkpoint::HfWeights weights(dir); },
+                                            {dir, "weight_map.w", "not a file name"});
+  }
+}
+
 }  // namespace
 }  // namespace shardrl::testing
