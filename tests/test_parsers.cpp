@@ -311,6 +311,16 @@ TEST(ParserFindings, ModelConfigNumberOutsideItsTypeIsAnErrorNamingTheField) {
             16);
 }
 
+TEST(ParserFindings, LlamaConfigZeroHeadsIsAnErrorNotADivisionByZero) {
+  // from_json computed head_dim() = hidden_size / num_attention_heads before validate() checked
+  // the divisor (UBSan; SIGFPE without it). Found by fuzz_config_json after 334,664 inputs.
+  json config = json::parse(kLlamaConfig);
+  config["num_attention_heads"] = 0;
+  const std::string path = model_file("pf-config-heads", "config.json", config.dump());
+  expect_error_naming<std::invalid_argument>([&] { models::LlamaConfig::load(path); },
+                                             {path, "num_attention_heads", "positive"});
+}
+
 TEST(ParserFindings, Sd3ConfigHeadsTimesHeadDimOverflowIsAnErrorNamingThem) {
   // num_attention_heads * attention_head_dim overflowed int64 (UBSan) in validate().
   const std::string path = model_file("pf-config-sd3-overflow", "config.json",

@@ -134,6 +134,7 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
     throw std::invalid_argument("config.json: field rope_scaling is not supported");
   }
   // Fields of transformers' configs this decoder does not implement: refused, not ignored.
+  detail::require_positive(c.num_attention_heads, "num_attention_heads");  // head_dim() divides
   int64_t head_dim = c.head_dim();
   detail::read_field(j, "head_dim", head_dim, false);
   if (head_dim != c.head_dim()) {
