@@ -4,6 +4,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 
 #include <unistd.h>
 
@@ -170,10 +171,21 @@ TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
   }
   EXPECT_TRUE(fs::exists(dir + "/resumed/checkpoints/global_step_4"));
 
-  auto second = train(
-      path, {"trainer.default_local_dir=" + dir + "/resumed", "trainer.total_training_steps=6"});
+  // The checkpoint load shows its progress (here at every tensor: SHARDRL_PROGRESS_SECONDS=0), on
+  // rank 0 only, and how long it took.
+  auto second =
+      run_process({bin("shardrl"), "train", path, "trainer.default_local_dir=" + dir + "/resumed",
+                   "trainer.total_training_steps=6"},
+                  {{"SHARDRL_PROGRESS_SECONDS", "0"}}, 300);
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  const std::string load = "checkpoint load from " + dir + "/resumed/checkpoints/global_step_4: ";
+  EXPECT_NE(second.output.find("[rank 0] " + load), std::string::npos) << second.output;
+  EXPECT_NE(second.output.find("(100%)"), std::string::npos) << second.output;
+  EXPECT_TRUE(std::regex_search(
+      second.output, std::regex(R"(checkpoint load from \S+: ([0-9.]+ KB)/\1 in [0-9.]+m?s \()")))
+      << second.output;
+  EXPECT_EQ(second.output.find("[rank 1] " + load), std::string::npos) << second.output;
   // Straight through with private unsharded params: the ranks' host-shared image (the default,
   // above) trains to the same bits.
   auto straight = train(
@@ -574,8 +586,17 @@ TEST(Trainer, LoraPlusErrorsNameTheKey) {
 TEST(Trainer, LmGrpoRunsOnAPretrainedChatModelDirectory) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_smollm2_gguf());
   const auto dir = make_temp_dir("trainer_chat_grpo");
-  auto imported = run_process({bin("shardrl"), "import", smollm2_gguf(), dir + "/imported"});
+  // The import shows its progress (here at every tensor: SHARDRL_PROGRESS_SECONDS=0).
+  auto imported = run_process({bin("shardrl"), "import", smollm2_gguf(), dir + "/imported"},
+                              {{"SHARDRL_PROGRESS_SECONDS", "0"}});
   ASSERT_EQ(imported.exit_code, 0) << imported.output;
+  EXPECT_TRUE(std::regex_search(
+      imported.output,
+      std::regex(R"(writing \S+imported\S*: [0-9.]+ MB/[0-9.]+ MB \([0-9]+%\), )")))
+      << imported.output;
+  EXPECT_TRUE(std::regex_search(
+      imported.output, std::regex(R"(writing \S+imported\S*: ([0-9.]+ MB)/\1 in [0-9.]+m?s \()")))
+      << imported.output;
   const std::string model = dir + "/tiny";
   models::LlamaConfig c = llama_test_config();
   c.vocab_size = 49152;  // SmolLM2's tokenizer
@@ -606,8 +627,14 @@ TEST(Trainer, LmGrpoRunsOnAPretrainedChatModelDirectory) {
   };
   // In two parts, as the real job may be run: the second resumes from the first's checkpoint,
   // and the summary still spans both (validation before training is step 0 of metrics.jsonl).
-  auto first = run_process(argv("run", {"trainer.total_training_steps=1"}), {}, 300);
+  // The model's weights load with progress (at every tensor: SHARDRL_PROGRESS_SECONDS=0).
+  auto first = run_process(argv("run", {"trainer.total_training_steps=1"}),
+                           {{"SHARDRL_PROGRESS_SECONDS", "0"}}, 300);
   ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("[rank 0] loading " + model + ": "), std::string::npos)
+      << first.output;
+  EXPECT_EQ(first.output.find("[rank 1] loading " + model + ": "), std::string::npos)
+      << first.output;
   EXPECT_NE(first.output.find("before RL: greedy accuracy on 4 held-out problems"),
             std::string::npos)
       << first.output;
