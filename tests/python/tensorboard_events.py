@@ -153,13 +153,16 @@ def rollouts(folder, metrics_path, expect):
                samples=len(samples), fields=sorted(samples[0]) if samples else [],
                score_mean=mean, reward_mean=row["reward_mean"])
         if "images" in expect:
-            sizes = set()
+            sizes, distinct = set(), set()
             for s in samples:
                 with Image.open(s["output"]) as picture:
                     sizes.add((picture.format, picture.size[1], picture.size[0]))
+                    distinct.add(picture.tobytes())
+            # Each sample its own image: samples of one prompt differ by their noise.
             report(f"rollout images of step {step}",
-                   sizes == {("PNG", expect["images"][0], expect["images"][1])},
-                   sizes=sorted(sizes))
+                   sizes == {("PNG", expect["images"][0], expect["images"][1])}
+                   and len(distinct) == len(samples),
+                   sizes=sorted(sizes), distinct=len(distinct))
 
 
 def record_spans(data):
