@@ -1,11 +1,8 @@
-// The trainer: YAML configs in verl's names, metrics.jsonl, and `shardrl train`.
+// The trainer: YAML configs in verl's names and `shardrl train`.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
-#include <chrono>
-#include <cstdio>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <optional>
@@ -52,22 +49,6 @@ engine::EngineConfig engine_config(const nlohmann::json& config, const std::stri
                                    const std::string& role);
 // The defaults engine_config reads, for a config's defaults document.
 nlohmann::json engine_defaults();
-
-// One JSON object per step in `path`, and a progress line: redrawn in place on a terminal, one
-// plain line per step in logs. Lines of steps after `resumed_step` (logged after the checkpoint
-// a run resumes from) are dropped, so the file holds each step once.
-class MetricsLogger {
- public:
-  MetricsLogger(const std::string& path, int64_t total_steps, bool enabled,
-                int64_t resumed_step = 0);
-  void log(int64_t step, const std::map<std::string, double>& metrics);
-
- private:
-  std::ofstream out_;
-  int64_t total_steps_;
-  bool enabled_, tty_;
-  std::chrono::steady_clock::time_point start_;
-};
 
 // `shardrl train CONFIG.yaml [key=value ...]`: runs the pipeline the config's `trainer.task`
 // names. Without a launcher environment it starts trainer.n_gpus_per_node (or its older name

@@ -17,6 +17,7 @@
 #include "checkpoint/reader.h"
 #include "compat.h"
 #include "shardrl/optim.h"
+#include "shardrl/progress.h"
 
 namespace shardrl::checkpoint {
 
@@ -46,28 +47,6 @@ std::vector<int64_t> rows_shape(const std::vector<int64_t>& global_shape, int64_
   return shape;
 }
 
-std::vector<std::string> all_gather_strings(dist::ProcessGroup& group, const std::string& mine,
-                                            torch::Device device) {
-  const int n = group.size();
-  const torch::Tensor length =
-      torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong).to(device);
-  torch::Tensor lengths = torch::empty({n}, torch::dtype(torch::kLong).device(device));
-  group.all_gather(length, lengths);
-  lengths = lengths.cpu();
-  const int64_t longest = lengths.max().item<int64_t>();
-  torch::Tensor bytes = torch::zeros({longest}, torch::kByte);
-  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  torch::Tensor all = torch::empty({n * longest}, torch::dtype(torch::kByte).device(device));
-  group.all_gather(bytes.to(device), all);
-  all = all.cpu();
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r) {
-    const char* p = reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest;
-    out.emplace_back(p, static_cast<size_t>(lengths[r].item<int64_t>()));
-  }
-  return out;
-}
-
 // Rank 0's string on every rank of group.
 std::string broadcast_string(dist::ProcessGroup& group, const std::string& mine,
                              torch::Device device) {
@@ -87,11 +66,11 @@ std::string broadcast_string(dist::ProcessGroup& group, const std::string& mine,
 // Every rank's JSON, in DeviceMesh::rank() order (replica-major).
 std::vector<json> all_gather_json(const dist::DeviceMesh& mesh, const json& mine) {
   json shard_group = json::array();
-  for (const auto& s : all_gather_strings(mesh.shard_group(), mine.dump(), mesh.device()))
+  for (const auto& s : dist::all_gather_strings(mesh.shard_group(), mine.dump(), mesh.device()))
     shard_group.push_back(json::parse(s));
   std::vector<json> out;
   if (dist::ProcessGroup* replicas = mesh.replicate_group()) {
-    for (const auto& s : all_gather_strings(*replicas, shard_group.dump(), mesh.device())) {
+    for (const auto& s : dist::all_gather_strings(*replicas, shard_group.dump(), mesh.device())) {
       for (auto& j : json::parse(s)) out.push_back(std::move(j));
     }
   } else {
@@ -193,6 +172,13 @@ std::vector<std::string> names_of(const std::vector<fsdp::ShardedParameter>& par
 
 // A tensor shaped like p's shard whose padding rows are zero and whose valid rows are left for a
 // read to fill (zeroing them too would write every loaded byte twice).
+// The bytes of p's valid rows in fp32: what a load reads of it (and of each moment).
+int64_t valid_bytes(const fsdp::ShardedParameter& p) {
+  int64_t row = 1;
+  for (size_t d = 1; d < p.global_shape.size(); ++d) row *= p.global_shape[d];
+  return p.valid_rows * row * static_cast<int64_t>(sizeof(float));
+}
+
 torch::Tensor empty_with_zero_padding(const fsdp::ShardedParameter& p) {
   torch::Tensor t = torch::empty_like(p.shard.detach());
   if (t.dim() == 0) return t;
@@ -503,6 +489,18 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
                                              c10::str(c10::IntArrayRef(p.global_shape))));
       }
     }
+    // A large model's load takes a while: rank 0 shows its progress through its own rows.
+    const json& saved = index.at("optimizer").at("state");
+    int64_t planned = 0;
+    for (const auto& p : params) {
+      int64_t tensors = 1;
+      if (optimizer && saved.contains(p.name)) {
+        for (const char* moment : kMoments) tensors += saved[p.name].contains(moment) ? 1 : 0;
+      }
+      planned += tensors * valid_bytes(p);
+    }
+    Progress progress(fmt::format("checkpoint load from {}", dir), planned,
+                      {.unit = "B", .enabled = mesh.rank() == 0});
     const bool offloaded = model.residency() &&
                            std::any_of(params.begin(), params.end(),
                                        [](const auto& p) { return fsdp::has_no_values(p.shard); });
@@ -515,23 +513,24 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
       StateOwners owners;
       if (optimizer)
         owners = adamw_owners(*optimizer, params, fmt::format("checkpoint load from {}", dir));
-      const json* saved = optimizer ? &index.at("optimizer").at("state") : nullptr;
       model.for_each_resident(fsdp::ShardUse::kStep, [&](std::vector<fsdp::ShardedParameter>& in) {
         for (const auto& p : in) {
           reader.read_rows(reader.model_entry(p.name), p.name, p.row_offset, p.valid_rows,
                            p.shard.detach().narrow(0, 0, p.valid_rows));
+          progress.advance(valid_bytes(p));
           const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
           if (owner == owners.end()) continue;
           const auto key = compat::optimizer_state_key(p.shard);
           owner->second->state().erase(key);
-          if (!saved->contains(p.name)) continue;
+          if (!saved.contains(p.name)) continue;
           auto state = std::make_unique<torch::optim::AdamWParamState>();
-          state->step((*saved)[p.name].at("step").get<int64_t>());
+          state->step(saved[p.name].at("step").get<int64_t>());
           for (const char* moment : kMoments) {
-            if (!(*saved)[p.name].contains(moment)) continue;
+            if (!saved[p.name].contains(moment)) continue;
             torch::Tensor t = empty_with_zero_padding(p);
-            reader.read_rows((*saved)[p.name][moment], p.name + "." + moment, p.row_offset,
+            reader.read_rows(saved[p.name][moment], p.name + "." + moment, p.row_offset,
                              p.valid_rows, t.narrow(0, 0, p.valid_rows));
+            progress.advance(valid_bytes(p));
             if (std::string(moment) == "exp_avg") state->exp_avg(t);
             if (std::string(moment) == "exp_avg_sq") state->exp_avg_sq(t);
             if (std::string(moment) == "max_exp_avg_sq") state->max_exp_avg_sq(t);
@@ -541,6 +540,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
       });
       model.mark_loaded(names_of(params));
       finish_load(index, reader, mesh.rank(), dir, scheduler, result);
+      progress.finish();
       return;
     }
     // Read everything before changing anything, so a damaged file leaves the model as it was.
@@ -550,6 +550,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
       reader.read_rows(reader.model_entry(p.name), p.name, p.row_offset, p.valid_rows,
                        shard.narrow(0, 0, p.valid_rows));
       shards.push_back(shard);
+      progress.advance(valid_bytes(p));
     }
     using StateKey = decltype(compat::optimizer_state_key(torch::Tensor()));
     struct LoadedState {
@@ -561,7 +562,6 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
     StateOwners owners;
     if (optimizer) {
       owners = adamw_owners(*optimizer, params, fmt::format("checkpoint load from {}", dir));
-      const json& saved = index.at("optimizer").at("state");
       for (const auto& p : params) {
         const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
         if (owner == owners.end() || !saved.contains(p.name)) continue;
@@ -573,6 +573,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
           torch::Tensor t = empty_with_zero_padding(p);
           reader.read_rows(saved[p.name][moment], p.name + "." + moment, p.row_offset, p.valid_rows,
                            t.narrow(0, 0, p.valid_rows));
+          progress.advance(valid_bytes(p));
           if (std::string(moment) == "exp_avg") state->exp_avg(t);
           if (std::string(moment) == "exp_avg_sq") state->exp_avg_sq(t);
           if (std::string(moment) == "max_exp_avg_sq") state->max_exp_avg_sq(t);
@@ -591,6 +592,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
     }
     for (auto& loaded : states) loaded.owner->state()[loaded.key] = std::move(loaded.state);
     finish_load(index, reader, mesh.rank(), dir, scheduler, result, rng);
+    progress.finish();
   });
   return_freed_heap();
   return result;
@@ -659,6 +661,22 @@ std::vector<fsdp::ShardedParameter> selected_parameters(
   return params;
 }
 
+// The fp32 bytes of p's full tensor.
+int64_t full_bytes(const fsdp::ShardedParameter& p) {
+  int64_t numel = 1;
+  for (const int64_t d : p.global_shape) numel *= d;
+  return numel * static_cast<int64_t>(sizeof(float));
+}
+
+// A large model's weights take a while to load: rank 0 shows its progress through them.
+Progress weights_progress(const std::string& hf_dir, const fsdp::FSDPModule& model,
+                          const std::vector<fsdp::ShardedParameter>& params) {
+  int64_t planned = 0;
+  for (const auto& p : params) planned += full_bytes(p);
+  return Progress(fmt::format("loading {}", hf_dir), planned,
+                  {.unit = "B", .enabled = model.mesh().rank() == 0});
+}
+
 // [chunk rows, row numel] view of a shard (a scalar's shard is one row).
 torch::Tensor shard_rows(const fsdp::ShardedParameter& p) {
   const torch::Tensor shard = p.shard.detach();
@@ -673,6 +691,7 @@ void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::stri
   auto& group = mesh.shard_group();
   const auto params = selected_parameters(model, select);
   auto tensors = open_hf_on_group_leader(hf_dir, prefix, model, params, "load_hf");
+  Progress progress = weights_progress(hf_dir, model, params);
   torch::NoGradGuard no_grad;
   for (const auto& p : params) {
     // The one full tensor this rank holds, released before the next.
@@ -685,7 +704,9 @@ void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::stri
     torch::Tensor shard = shard_rows(p);
     shard.narrow(0, 0, p.valid_rows).copy_(full.narrow(0, p.row_offset, p.valid_rows));
     shard.narrow(0, p.valid_rows, shard.size(0) - p.valid_rows).zero_();
+    progress.advance(full_bytes(p));
   }
+  progress.finish();
   model.mark_loaded(names_of(params));
 }
 
@@ -697,6 +718,7 @@ void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
   const int me = group.rank(), n = group.size();
   const auto params = selected_parameters(model, select);
   auto tensors = open_hf_on_group_leader(hf_dir, prefix, model, params, "load_hf_from_rank0");
+  Progress progress = weights_progress(hf_dir, model, params);
   torch::NoGradGuard no_grad;
   for (const auto& p : params) {
     torch::Tensor shard = shard_rows(p);
@@ -720,7 +742,9 @@ void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
       }
       group.broadcast(buffer, 0);
     }
+    progress.advance(full_bytes(p));
   }
+  progress.finish();
   model.mark_loaded(names_of(params));
   return_freed_heap();
 }
@@ -742,7 +766,7 @@ std::optional<std::string> find_latest(const std::string& root) {
 std::string find_damage(const std::string& dir, dist::ProcessGroup& group, torch::Device device) {
   const std::string mine =
       find_damage(dir, static_cast<size_t>(group.rank()), static_cast<size_t>(group.size()));
-  for (const auto& problem : all_gather_strings(group, mine, device)) {
+  for (const auto& problem : dist::all_gather_strings(group, mine, device)) {
     if (!problem.empty()) return problem;
   }
   return "";

@@ -32,6 +32,7 @@
 #include "shardrl/models/lora.h"
 #include "shardrl/models/sd3.h"
 #include "shardrl/models/text_encoder.h"
+#include "shardrl/progress.h"
 #include "tasks.h"
 
 namespace shardrl::trainer {
@@ -99,6 +100,8 @@ struct Options {
   algos::SamplerConfig sampler, validation;
   algos::DiffusionLossConfig loss;
   int64_t eval_per_class;
+  int64_t test_freq;  // evaluate every test_freq RL steps (<= 0: at the last only)
+  bool val_before_train;
 
   // data_parallel_size: the ranks that sample different prompts (the world / Ulysses sp).
   Options(const json& c, int data_parallel_size) {
@@ -206,6 +209,8 @@ struct Options {
     advantage.normalize_by_std = get<bool>(c, "algorithm.norm_adv_by_std_in_grpo");
     advantage.global_std = get<bool>(c, "algorithm.global_std");
     eval_per_class = get<int64_t>(c, "evaluation.per_class");
+    test_freq = get<int64_t>(c, "trainer.test_freq");
+    val_before_train = get<bool>(c, "trainer.val_before_train");
     if (group_size < 2) {
       throw std::invalid_argument(
           fmt::format("config key '{}.n' must be >= 2: advantages compare a prompt's samples", r));
@@ -267,14 +272,18 @@ models::ImageClassifier reward_model(const Options& o, const data::ImageDataset&
     fit.steps = o.classifier_steps;
     fit.global_batch = o.classifier_batch;
     fit.seed = o.seed;
+    if (lead) {
+      std::cout << fmt::format("training the reward classifier: {} steps, batch {}\n", fit.steps,
+                               fit.global_batch)
+                << std::flush;
+    }
+    Progress progress("reward classifier", fit.steps, {.unit = "steps", .enabled = lead});
+    fit.log_every = 10;  // the loss and accuracy are all-reduced: not every step
     fit.log = [&](int64_t step, double loss, double acc) {
-      if (lead) {
-        std::cout << fmt::format("classifier step {:4d}/{}  loss {:.4f}  batch acc {:.3f}\n", step,
-                                 fit.steps, loss, acc)
-                  << std::flush;
-      }
+      progress.update(step, fmt::format("loss {:.4f}, batch accuracy {:.3f}", loss, acc));
     };
     models::fit_classifier(net, train.images, train.labels, fit);
+    progress.finish();
     auto params = net.fsdp().full_parameters();
     if (lead) {
       fs::create_directories(dir);
@@ -449,7 +458,8 @@ std::string pretrained_transformer(const Options& o, const json& config,
                      prompts.prompt_embeds.size(1), o.pretrain_steps, o.pretrain_batch)
               << std::flush;
   }
-  double window = 0;
+  Progress progress("pretraining the MMDiT", o.pretrain_steps, {.unit = "steps", .enabled = lead});
+  RecentMean loss;
   const int64_t templates = static_cast<int64_t>(caption_templates().size());
   for (int64_t step = 0; step < o.pretrain_steps; ++step) {
     auto idx = sampler.indices(step);
@@ -459,24 +469,20 @@ std::string pretrained_transformer(const Options& o, const json& config,
     engine::Batch batch{{"images", train.images.index_select(0, idx)}};
     prompts.rows(ids).add_to(batch);
     auto metrics = engine->train_batch(batch, flow_matching);
-    window += metrics["loss"];
-    if ((step + 1) % 100 == 0 || step + 1 == o.pretrain_steps) {
-      if (lead) {
-        std::cout << fmt::format(
-                         "pretrain step {:5d}/{}  loss {:.4f}  grad_norm {:.3f}  {:.1f} s\n",
-                         step + 1, o.pretrain_steps, window / ((step % 100) + 1),
-                         metrics["grad_norm"], since(start))
-                  << std::flush;
-      }
-      window = 0;
-    }
+    loss.add(metrics["loss"]);
+    progress.update(
+        step + 1, fmt::format("loss {:.4f}, grad_norm {:.3f}", loss.mean(), metrics["grad_norm"]));
   }
+  progress.finish();
   auto params = engine->fsdp().full_parameters();
   if (lead) {
     models::save_sd3(params, sd3, dir + ".tmp");
     fs::remove_all(dir);
     fs::rename(dir + ".tmp", dir);
-    std::cout << fmt::format("pretraining took {:.1f} s -> {}\n", since(start), dir) << std::flush;
+    std::cout << fmt::format(
+                     "pretraining took {:.1f} s, final loss {:.4f} (mean of the last {}) -> {}\n",
+                     since(start), loss.mean(), loss.count(), dir)
+              << std::flush;
   }
   world->group().barrier();
   return dir;
@@ -527,10 +533,18 @@ Evaluation evaluate(models::SD3Transformer2DModel& model, models::ImageClassifie
   return e;
 }
 
-void write_samples(const std::string& path, const Evaluation& e, const Options& o) {
+// The evaluation samples, a row per class under its prompt: uint8 [H, W, 1].
+torch::Tensor samples_grid(const Evaluation& e, const Options& o) {
   std::vector<std::string> captions;
   for (int64_t c = 0; c < kClasses; ++c) captions.push_back(prompt_text(c));
-  data::write_png(path, data::captioned_grid(e.images, o.eval_per_class, captions, 2, 3));
+  return data::captioned_grid(e.images, o.eval_per_class, captions, 2, 3);
+}
+
+// An evaluation as metrics.jsonl and TensorBoard keep it: val/reward (the mean p(class) of the
+// samples), val/accuracy (how often the classifier agrees), and the grid as "val/generations".
+engine::Metrics log_evaluation(Run& run, int64_t step, const Evaluation& e, const Options& o) {
+  run.log_image(step, "val/generations", samples_grid(e, o));
+  return {{"val/reward", e.reward}, {"val/accuracy", e.accuracy}};
 }
 
 // Per-sample outputs of a frozen policy over the rows, joined to them as columns.
@@ -658,14 +672,17 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     return holder.infer_batch(rows, frozen);
   };
 
-  Run run(config, *world);
+  // Images sampled and trained on a step (train_batch_size prompts x rollout.n), per second.
+  Run run(config, *world, {"perf/images_per_s", "img/s"});
+  auto& data_parallel = engine->mesh().data_parallel_group();
   const int64_t first_step = run.resume(*engine) + 1;
   std::optional<Evaluation> before;
-  if (first_step == 1) {
+  if (first_step == 1 && o.val_before_train) {
     sync_weights("default");
     before = evaluate(rollout_model, classifier, prompts, o, *world);
+    run.log(0, log_evaluation(run, 0, *before, o));
     if (lead) {
-      write_samples(o.run_dir + "/samples_before.png", *before, o);
+      data::write_png(o.run_dir + "/samples_before.png", samples_grid(*before, o));
       std::cout << fmt::format(
                        "before RL: eval reward (p(class)) {:.4f}, classifier agrees {:.3f}  -> "
                        "{}\n",
@@ -689,6 +706,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   const int64_t mini_batches = optimizer_steps_per_rl_step;
   const auto decay = algos::ema_decay_schedule("linear_to_0_5");
   auto rl_start = Clock::now();
+  std::optional<Evaluation> last;  // the latest evaluation in the loop
   for (int64_t step = first_step; step <= o.rl_steps; ++step) {
     const auto step_start = Clock::now();
     std::map<std::string, double> seconds;
@@ -768,6 +786,27 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     metrics["reward_mean"] = adv.reward_mean;
     metrics["reward_std"] = adv.reward_std;
     metrics["sde_window_begin"] = static_cast<double>(window.begin);
+    metrics["perf/images_per_s"] =
+        static_cast<double>(o.train_batch_size * o.group_size) / std::max(since(step_start), 1e-9);
+    if (run.dumps_rollouts()) {
+      t = Clock::now();
+      std::vector<json> samples;
+      for (int64_t i = 0; i < mine.size(0); ++i) {
+        const int64_t prompt = mine[i].item<int64_t>();
+        samples.push_back({{"input", prompt_text(prompt)},
+                           {"gts", class_phrases()[prompt % kClasses]},
+                           {"score", rewards[i].item<double>()}});
+      }
+      run.dump_rollouts(step, std::move(samples), data_parallel, rollout.images());
+      seconds["dump_rollouts"] = since(t);
+    }
+    if ((o.test_freq > 0 && step % o.test_freq == 0) || step == o.rl_steps) {
+      t = Clock::now();
+      sync_weights("default");
+      last = evaluate(rollout_model, classifier, prompts, o, *world);
+      for (const auto& [name, value] : log_evaluation(run, step, *last, o)) metrics[name] = value;
+      seconds["validation"] = since(t);
+    }
     for (const auto& [phase, s] : seconds) metrics["time_" + phase] = s;
     metrics["step_time"] = since(step_start);
     run.after_step(*engine, step, metrics);
@@ -775,12 +814,18 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   const double rl_seconds = since(rl_start);
   const int64_t rl_steps_run = std::max<int64_t>(o.rl_steps - first_step + 1, 1);
 
-  sync_weights("default");
-  auto after = evaluate(rollout_model, classifier, prompts, o, *world);
+  // The loop evaluated its last step; a run resumed after its last step evaluates here.
+  if (!last) {
+    sync_weights("default");
+    last = evaluate(rollout_model, classifier, prompts, o, *world);
+  }
+  const Evaluation& after = *last;
   if (lead) {
-    write_samples(o.run_dir + "/samples_after.png", after, o);
+    data::write_png(o.run_dir + "/samples_after.png", samples_grid(after, o));
     const auto curve =
-        summarize_run(o.run_dir, fmt::format("{} reward (p(class)) per step", o.loss_mode()));
+        run.uses("file")
+            ? summarize_run(o.run_dir, fmt::format("{} reward (p(class)) per step", o.loss_mode()))
+            : RunCurve{};
     std::string phase_line;
     for (const auto& [phase, mean] : curve.phase_seconds_per_step.items()) {
       phase_line +=
@@ -807,12 +852,13 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
                      "timings: classifier {:.1f} s, pretrain {:.1f} s, RL {:.1f} s ({:.2f} "
                      "s/step), total {:.1f} s\n"
                      "RL phases, s/step: {}\n"
-                     "wrote {}/samples_before.png, samples_after.png, reward_curve.png, "
-                     "metrics.jsonl\n",
+                     "wrote {}/{}samples_after.png, {}summary.json\n",
                      after.reward,
                      before ? fmt::format(" (before {:.4f})", before->reward) : std::string(),
                      after.accuracy, classifier_seconds, pretrain_seconds, rl_seconds,
-                     rl_seconds / rl_steps_run, since(t0), phase_line, o.run_dir)
+                     rl_seconds / rl_steps_run, since(t0), phase_line, o.run_dir,
+                     before ? "samples_before.png, " : "",
+                     run.uses("file") ? "reward_curve.png, metrics.jsonl, " : "")
               << std::flush;
   }
   world->group().barrier();
@@ -828,7 +874,10 @@ json diffusion_rl_defaults() {
               {"default_local_dir", "runs/demo"},
               {"total_training_steps", 30},
               {"save_freq", 10},
-              {"max_actor_ckpt_to_keep", 1}}},
+              {"max_actor_ckpt_to_keep", 1},
+              {"test_freq", -1},
+              {"val_before_train", true},
+              {"rollout_data_dir", nullptr}}},
             {"data",
              {{"data_dir", "/usr/share/datasets/fashion-mnist"},
               {"image_size", 28},

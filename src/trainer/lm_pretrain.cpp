@@ -110,7 +110,8 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
         global_batch, dp));
   }
   const int64_t local = global_batch / dp;
-  Run run(config, *world);
+  // Tokens trained a step, all ranks together, per second of the step.
+  Run run(config, *world, {"perf/tokens_per_s", "tok/s"});
   for (int64_t step = run.resume(*engine) + 1; step <= run.total_steps(); ++step) {
     // Each step's windows depend on the seed and step only, so a resumed run sees the same data.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + step);
@@ -122,6 +123,8 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
         engine::slice_batch(batch, engine->data_parallel_rank() * local, local), next_token_loss);
     metrics["step_time"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    metrics["perf/tokens_per_s"] =
+        static_cast<double>(global_batch * seq) / std::max(metrics["step_time"], 1e-9);
     run.after_step(*engine, step, metrics);
   }
   return 0;

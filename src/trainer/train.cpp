@@ -39,7 +39,8 @@ json trainer_defaults() {
             {"max_actor_ckpt_to_keep", 2},
             {"max_mem_gb", 0.0},
             {"seed", 0},
-            {"logger", "console"}}},
+            // verl's key: a list of loggers (tracking.h); a single name is a list of one.
+            {"logger", {"console", "file"}}}},
           // verl's key and default: the bound, in seconds, on every collective and on the
           // rendezvous, for Gloo and NCCL alike.
           {"actor_rollout_ref", {{"nccl_timeout", 600}}}};
@@ -142,7 +143,13 @@ json task_config(const std::string& path, const std::vector<std::string>& overri
   const Task task = find_task(name, path);
   json defaults = trainer_defaults();
   overlay_defaults(defaults, task.defaults());
-  return load_config(path, overrides, defaults);
+  json config = load_config(path, overrides, defaults);
+  try {
+    configured_loggers(config);  // before any stage runs: a wrong logger fails at once
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{}: {}", path, e.what()));
+  }
+  return config;
 }
 
 int train_main(const std::string& config_path, const std::vector<std::string>& overrides,
