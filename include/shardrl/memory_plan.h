@@ -108,7 +108,8 @@ struct MemoryPlan {
   int64_t file_per_host = 0;  // bytes the file tier writes on a host's disk
   // {"peak_per_rank_bytes", "per_host_bytes", "file_per_host_bytes", "update": [...], ...}
   nlohmann::json to_json() const;
-  std::string describe() const;  // the plan as `shardrl train` logs it
+  std::string describe() const;  // the plan, line by line, as `shardrl plan` prints it
+  std::string summary() const;   // its last line: the peaks, as `shardrl train` logs them
 };
 
 // The process itself on a CPU rank: LibTorch and its libraries, BLAS and OpenMP buffers, what the

@@ -256,12 +256,17 @@ std::string MemoryPlan::describe() const {
   };
   phase("update", update, update_peak);
   if (!rollout.empty()) phase("rollout", rollout, rollout_peak);
-  out << fmt::format("  peak per rank {}; per host {}{}", gb(peak_per_rank), gb(per_host),
-                     host_shared > 0
-                         ? fmt::format(" (the host-shared {} counted once)", gb(host_shared))
-                         : std::string());
-  if (file_per_host > 0) out << fmt::format("; file tier {} a host", gb(file_per_host));
+  out << "  " << summary();
   return out.str();
+}
+
+std::string MemoryPlan::summary() const {
+  std::string line = fmt::format(
+      "peak per rank {}; per host {}{}", gb(peak_per_rank), gb(per_host),
+      host_shared > 0 ? fmt::format(" (the host-shared {} counted once)", gb(host_shared))
+                      : std::string());
+  if (file_per_host > 0) line += fmt::format("; file tier {} a host", gb(file_per_host));
+  return line;
 }
 
 int64_t host_available_bytes() {

@@ -122,8 +122,9 @@ void overlay_defaults(json& base, const json& over) {
 constexpr const char* kPlannedEnv = "SHARDRL_MEMORY_PLANNED";
 
 void log_and_check_plan(const json& config, const engine::Layout& layout, bool check) {
+  // One line on the screen; `shardrl plan` gives every part of it.
   const auto plan = memory_plan(config, layout);
-  spdlog::info("{}", plan.describe());
+  spdlog::info("memory plan: {} (`shardrl plan` shows each part)", plan.summary());
   if (check && layout.device == torch::kCPU) {
     check_memory_plan(config, layout, engine::host_available_bytes());
   }
@@ -193,7 +194,10 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
     actual.nnodes = std::max(1, world->size() / actual.ranks_per_node);
     std::string problem;
     try {
-      if (world->rank() == 0) spdlog::info("{}", memory_plan(config, actual).describe());
+      if (world->rank() == 0) {
+        spdlog::info("memory plan: {} (`shardrl plan` shows each part)",
+                     memory_plan(config, actual).summary());
+      }
       if (check_plan && world->local_rank() == 0 && actual.device == torch::kCPU) {
         check_memory_plan(config, actual, engine::host_available_bytes());
       }
