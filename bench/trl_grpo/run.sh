@@ -48,6 +48,7 @@ steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 json.dump({"impl": "shardrl", "processes": 2, "threads": 1,
            "steps": [s for s in steps if s.get("step", 0) >= 1]}, open(sys.argv[2], "w"), indent=1)' \
     "$dir/metrics.jsonl" "$out/shardrl.r$r.json"
+  rm -rf "$dir/checkpoints"  # the final step's save (600 MB), not part of the measurement
   echo "round $r shardrl done $(date -u +%T) $(uptime)" >>"$out/uptime.txt"
 }
 run_trl() {
