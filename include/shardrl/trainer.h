@@ -1,17 +1,16 @@
-// The trainer: YAML configs in verl's names, metrics.jsonl, and `shardrl train`.
+// The trainer: YAML configs in verl's names and `shardrl train`.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
-#include <chrono>
-#include <cstdio>
-#include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "shardrl/engine.h"
+#include "shardrl/memory_plan.h"
 
 namespace shardrl::trainer {
 
@@ -51,32 +50,50 @@ engine::EngineConfig engine_config(const nlohmann::json& config, const std::stri
 // The defaults engine_config reads, for a config's defaults document.
 nlohmann::json engine_defaults();
 
-// One JSON object per step in `path`, and a progress line: redrawn in place on a terminal, one
-// plain line per step in logs. Lines of steps after `resumed_step` (logged after the checkpoint
-// a run resumes from) are dropped, so the file holds each step once.
-class MetricsLogger {
- public:
-  MetricsLogger(const std::string& path, int64_t total_steps, bool enabled,
-                int64_t resumed_step = 0);
-  void log(int64_t step, const std::map<std::string, double>& metrics);
-
- private:
-  std::ofstream out_;
-  int64_t total_steps_;
-  bool enabled_, tty_;
-  std::chrono::steady_clock::time_point start_;
-};
-
 // `shardrl train CONFIG.yaml [key=value ...]`: runs the pipeline the config's `trainer.task`
-// names. Without a launcher environment it starts trainer.nproc_per_node local ranks of itself.
+// names. Without a launcher environment it starts trainer.n_gpus_per_node (or its older name
+// trainer.nproc_per_node) local ranks of itself, once its memory plan fits this host.
 int train_main(const std::string& config_path, const std::vector<std::string>& overrides,
                const std::string& self_exe);
 
-// A pipeline (e.g. "fmnist_flow_grpo") registers its defaults and entry point.
+// What the memory plan needs of a task: the actor's engine and what one rank runs with it.
+struct PlanInput {
+  engine::EngineConfig engine;
+  engine::Workload workload;
+};
+
+// A pipeline (e.g. "fmnist_flow_grpo") registers its defaults and entry point, and how its memory
+// is planned (none: `shardrl plan` and the check before `shardrl train` say the task has no plan).
 struct Task {
   std::function<nlohmann::json()> defaults;
   std::function<int(const nlohmann::json& config, std::shared_ptr<dist::World> world)> run;
+  std::function<PlanInput(const nlohmann::json& config, const engine::Layout& layout)> plan;
 };
 void register_task(const std::string& name, Task task);
+
+// Local ranks a node runs: trainer.n_gpus_per_node (verl's name), or trainer.nproc_per_node
+// (torchrun's, which ShardRL's configs used first); the two must agree when both are set, and
+// neither set means 2. Errors name the keys.
+int ranks_per_node(const nlohmann::json& config);
+// trainer.nnodes x ranks_per_node on `device`.
+engine::Layout layout_of(const nlohmann::json& config, torch::DeviceType device);
+
+// The memory plan of a whole config (trainer defaults, the task's, the file, the overrides).
+engine::MemoryPlan memory_plan(const nlohmann::json& config, const engine::Layout& layout);
+// The plan against `capacity_bytes` (per host on a CPU, per device on a GPU): nothing when it fits;
+// else std::invalid_argument naming what does not fit and the settings (key=value overrides) with
+// which the same job's plan fits.
+void check_memory_plan(const nlohmann::json& config, const engine::Layout& layout,
+                       int64_t capacity_bytes);
+
+// `shardrl plan CONFIG [key=value ...]`: the plan printed without running (JSON with `json`).
+// capacity_bytes 0: this host's available memory (CPU) or no check (GPU).
+struct PlanOptions {
+  std::optional<torch::DeviceType> device;  // unset: CUDA when a GPU is visible, else CPU
+  int64_t capacity_bytes = 0;
+  bool json = false;
+};
+int plan_main(const std::string& config_path, const std::vector<std::string>& overrides,
+              const PlanOptions& options);
 
 }  // namespace shardrl::trainer

@@ -303,6 +303,8 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
   detail::read_field(j, "intermediate_size", c.intermediate_size, true);
   detail::read_field(j, "num_hidden_layers", c.num_hidden_layers, true);
   detail::read_field(j, "num_attention_heads", c.num_attention_heads, true);
+  // Divides hidden_size (attention_head_dim()) in what follows: checked before any use.
+  detail::require_positive(c.num_attention_heads, "num_attention_heads");
   // transformers' defaults for absent fields: Llama's key/value heads are the attention heads and
   // its head_dim hidden / heads; Qwen2's and Qwen3's configs default to 32 key/value heads and a
   // longer context, and Qwen3's to heads of 128.
@@ -332,15 +334,7 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
 }
 
 LlamaConfig LlamaConfig::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(fmt::format("{}: not valid JSON ({})", path, e.what()));
-  }
-  return from_json(j);
+  return detail::with_path(path, [](const nlohmann::json& j) { return from_json(j); });
 }
 
 void LlamaConfig::save(const std::string& path) const {

@@ -170,6 +170,17 @@ void reject_renamed_keys(const json& config, const std::string& prefix, const st
   }
 }
 
+// Lists that a single string also sets, as a list of that one item: verl's Tracking reads
+// `logger: console` as [console], and configs in the wild still say so.
+constexpr const char* kListsTakingOneString[] = {"trainer.logger"};
+
+bool takes_one_string(const std::string& key) {
+  for (const char* k : kListsTakingOneString) {
+    if (key == k) return true;
+  }
+  return false;
+}
+
 void merge_into(json& base, const json& over, const std::string& prefix,
                 const std::string& source) {
   for (const auto& [key, value] : over.items()) {
@@ -191,6 +202,8 @@ void merge_into(json& base, const json& over, const std::string& prefix,
           fmt::format("{}: config key '{}' must be {}, got null", source, name, kind(target)));
     } else if (target.is_object() && value.is_object()) {
       merge_into(target, value, name, source);
+    } else if (target.is_array() && value.is_string() && takes_one_string(name)) {
+      target = json::array({value});
     } else if (!same_kind(target, value)) {
       throw std::invalid_argument(fmt::format("{}: config key '{}' must be {}, got {}", source,
                                               name, kind(target), value.dump()));

@@ -71,6 +71,7 @@ struct LlamaConfig {
   // model's math and is not implemented (another rope type, a sliding window in use, experts,
   // quantization, attention dropout, ...) is an error naming it, never ignored.
   static LlamaConfig from_json(const nlohmann::json& j);
+  // A config.json; its errors name the file (and the field).
   static LlamaConfig load(const std::string& config_json_path);
   void save(const std::string& config_json_path) const;
 };
