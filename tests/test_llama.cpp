@@ -325,10 +325,98 @@ TEST_P(LlamaReference, LogitsMatchIndependentPythonReference) {
   auto logits = model(tokens).detach();
   EXPECT_GT(expected.abs().max().item<double>(), 0.5);  // not trivially small
   EXPECT_LE((logits - expected).abs().max().item<double>(), 1e-5);
+
+  // Left-padded rows (HF's attention_mask): padding keys hidden, positions counting each row's
+  // tokens only. The padding queries' logits are never used; the reference's are compared on
+  // the real positions.
+  auto mask = torch::ones({3, 9}, torch::kLong);
+  mask[1].narrow(0, 0, 4).zero_();
+  mask[2].narrow(0, 0, 1).zero_();
+  auto padded = tokens_for(c, 3, 9);
+  const auto expected_padded = reference_logits(model, padded, mask);
+  const auto got = model(padded, nullptr, mask).detach();
+  const auto real = mask.to(torch::kBool).unsqueeze(-1);
+  EXPECT_LE(((got - expected_padded) * real).abs().max().item<double>(), 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, LlamaReference,
                          ::testing::Values("llama", "qwen2", "qwen3", "llama3"));
+
+// One layer's attention (at::scaled_dot_product_attention) against the math written out here:
+// projections, Qwen3's per-head RMSNorm, the rotation by the given cos / sin, each key/value head
+// repeated for its query heads, softmax(q k^T / sqrt(head_dim)) over the keys a query may see,
+// then o_proj. Output and gradients to 1e-5, for every family, for the causal kernel alone and a
+// per-row mask (left padding; padding queries see themselves), given as bools and as the float
+// scores' bias LlamaModel builds. (KvCacheGivesTheFullForwardsLogits covers a [T, past + T] mask.)
+TEST(Llama, AttentionEqualsItsMathWrittenOutWithGradients) {
+  namespace F = torch::nn::functional;
+  for (const auto& family : {"llama", "qwen2", "qwen3", "llama3"}) {
+    SCOPED_TRACE(family);
+    const auto c = family_config(family);
+    auto model = random_model(c);
+    auto& attn = model->model->layers[1]->self_attn;
+    const int64_t B = 3, T = 7, H = c.num_attention_heads, KV = c.num_key_value_heads;
+    const int64_t hd = c.attention_head_dim();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    const auto x = torch::randn({B, T, c.hidden_size}, gen);
+    // Any rotation angles: the attention takes cos / sin as given, per row.
+    const auto angles = torch::rand({B, 1, T, hd / 2}, gen) * 6.3;
+    const auto cos = torch::cat({angles.cos(), angles.cos()}, -1);
+    const auto sin = torch::cat({angles.sin(), angles.sin()}, -1);
+    auto reference = [&](const torch::Tensor& xs, const torch::Tensor& allowed) {
+      auto heads = [&](models::lora::LoraLinear& proj, int64_t n, const models::RMSNorm& norm) {
+        auto h = F::linear(xs, proj->weight, proj->bias.defined() ? proj->bias : torch::Tensor())
+                     .view({B, T, n, hd});
+        if (norm) {
+          h = norm->weight * (h * torch::rsqrt(h.pow(2).mean(-1, true) + c.rms_norm_eps));
+        }
+        return h.transpose(1, 2);
+      };
+      auto rotate = [&](const torch::Tensor& t) {
+        auto half = t.chunk(2, -1);
+        return t * cos + torch::cat({-half[1], half[0]}, -1) * sin;
+      };
+      auto q = rotate(heads(attn->q_proj, H, attn->q_norm));
+      auto k = rotate(heads(attn->k_proj, KV, attn->k_norm)).repeat_interleave(H / KV, 1);
+      auto v = heads(attn->v_proj, KV, models::RMSNorm(nullptr)).repeat_interleave(H / KV, 1);
+      auto scores = torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(hd));
+      auto probs = torch::softmax(scores.masked_fill(~allowed, -INFINITY), -1);
+      auto out = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H * hd});
+      return F::linear(out, attn->o_proj->weight,
+                       attn->o_proj->bias.defined() ? attn->o_proj->bias : torch::Tensor());
+    };
+    auto causal = torch::ones({T, T}, torch::kBool).tril();
+    auto valid = torch::ones({B, T}, torch::kBool);
+    valid[1].narrow(0, 0, 3).fill_(false);
+    valid[2].narrow(0, 0, 1).fill_(false);
+    auto padded =
+        ((causal.unsqueeze(0) & valid.unsqueeze(1)) | torch::eye(T, torch::kBool).unsqueeze(0))
+            .unsqueeze(1);
+    models::AttentionMask causal_kernel, per_row, per_row_bias;
+    per_row.allowed = padded;
+    per_row_bias.allowed = torch::zeros({B, 1, T, T}).masked_fill(~padded, -INFINITY);
+    for (const auto& [mask, allowed] : std::vector<std::pair<models::AttentionMask, torch::Tensor>>{
+             {causal_kernel, causal.expand({B, 1, T, T})},
+             {per_row, padded},
+             {per_row_bias, padded}}) {
+      auto params = std::vector<torch::Tensor>{attn->q_proj->weight, attn->v_proj->weight};
+      if (attn->k_norm) params.push_back(attn->k_norm->weight);
+      const auto xg = x.clone().requires_grad_(true);
+      const auto out = attn(xg, cos, sin, mask, nullptr, 0);
+      const auto w = torch::randn(out.sizes(), gen);
+      auto grads = torch::autograd::grad({(out * w).sum()}, {xg, params[0], params[1]});
+      const auto xr = x.clone().requires_grad_(true);
+      const auto expected = reference(xr, allowed);
+      auto expected_grads =
+          torch::autograd::grad({(expected * w).sum()}, {xr, params[0], params[1]});
+      EXPECT_GT(expected.abs().max().item<double>(), 0.1);
+      EXPECT_LE((out - expected).abs().max().item<double>(), 1e-5);
+      for (size_t i = 0; i < grads.size(); ++i) {
+        EXPECT_LE(relative_error(grads[i], expected_grads[i]), 1e-5) << "grad " << i;
+      }
+    }
+  }
+}
 
 TEST(Llama, KvCacheGivesTheFullForwardsLogits) {
   const auto c = tiny_config();
@@ -337,10 +425,12 @@ TEST(Llama, KvCacheGivesTheFullForwardsLogits) {
   auto tokens = tokens_for(c, 3, 10);
   auto full = model(tokens);
   models::KVCache cache;
-  auto first = model(tokens.narrow(1, 0, 6), &cache);
-  EXPECT_EQ(cache.length(), 6);
-  std::vector<torch::Tensor> parts = {first};
-  for (int64_t t = 6; t < 10; ++t) parts.push_back(model(tokens.narrow(1, t, 1), &cache));
+  // A prefill, several new tokens at once after it (each sees the cache and the new ones before
+  // it), then one at a time (each sees every key).
+  auto first = model(tokens.narrow(1, 0, 4), &cache);
+  EXPECT_EQ(cache.length(), 4);
+  std::vector<torch::Tensor> parts = {first, model(tokens.narrow(1, 4, 3), &cache)};
+  for (int64_t t = 7; t < 10; ++t) parts.push_back(model(tokens.narrow(1, t, 1), &cache));
   EXPECT_EQ(cache.length(), 10);
   EXPECT_LE((torch::cat(parts, 1) - full).abs().max().item<double>(), 1e-5);
 

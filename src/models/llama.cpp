@@ -375,7 +375,7 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
 }
 
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                          const torch::Tensor& sin, const torch::Tensor& blocked,
+                                          const torch::Tensor& sin, const AttentionMask& mask,
                                           KVCache* cache, size_t layer) {
   const int64_t B = x.size(0), T = x.size(1);
   // [B, T, heads, head_dim], normalized per head first where the model does (Qwen3), then
@@ -405,19 +405,17 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     k = ulysses::gather_seq_scatter_heads(k, 2, 1, *sequence_parallel_);
     v = ulysses::gather_seq_scatter_heads(v, 2, 1, *sequence_parallel_);
   }
-  // Grouped-query attention: each key/value head serves rep = heads / kv_heads consecutive query
-  // heads. Those heads' queries are stacked as rows of one matrix per key/value head, so the
-  // keys and values are read in place rather than repeated: under sampling they are the whole
-  // cache, which a repeat would copy rep times at every token.
-  const int64_t Bq = q.size(0), Hq = q.size(1), Tq = q.size(2), kvh = k.size(1);
-  const int64_t rep = Hq / kvh;
-  auto scores = torch::matmul(q.reshape({Bq, kvh, rep * Tq, head_dim_}), k.transpose(-2, -1))
-                    .view({Bq, Hq, Tq, k.size(2)}) /
-                std::sqrt(static_cast<double>(head_dim_));
-  scores = scores.masked_fill(blocked, -std::numeric_limits<float>::infinity());
-  auto probs = torch::softmax(scores.to(torch::kFloat), -1).to(q.scalar_type());
-  auto out =
-      torch::matmul(probs.view({Bq, kvh, rep * Tq, k.size(2)}), v).view({Bq, Hq, Tq, head_dim_});
+  // Grouped-query attention inside the kernel (enable_gqa): each key/value head serves
+  // heads / kv_heads consecutive query heads and is read in place, not repeated (under sampling
+  // it is the whole cache). The CPU's flash kernel keeps no [T, T] scores for backward, only a
+  // log-sum-exp per query; scale 1 / sqrt(head_dim) is its default.
+  std::optional<torch::Tensor> allowed;
+  if (mask.allowed.defined()) {
+    allowed = mask.allowed.is_floating_point() ? mask.allowed.to(q.scalar_type()) : mask.allowed;
+  }
+  auto out = at::scaled_dot_product_attention(q, k, v, allowed, /*dropout_p=*/0.0,
+                                              /*is_causal=*/!allowed && mask.causal,
+                                              /*scale=*/std::nullopt, /*enable_gqa=*/true);
   if (sequence_parallel) {
     out =
         ulysses::gather_heads_scatter_seq(out, /*head_dim=*/1, /*seq_dim=*/2, *sequence_parallel_);
@@ -447,21 +445,21 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, size_t index)
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                             torch::Tensor blocked, KVCache* cache) {
-  if (!checkpoint_activations || cache) return compute(x, cos, sin, blocked, cache);
+                                             const AttentionMask& mask, KVCache* cache) {
+  if (!checkpoint_activations || cache) return compute(x, cos, sin, mask, cache);
   // The mask needs no grad: captured, not an input of the recompute.
   return checkpointed(
-      [this, blocked](const std::vector<torch::Tensor>& in) {
-        return compute(in[0], in[1], in[2], blocked, nullptr);
+      [this, mask](const std::vector<torch::Tensor>& in) {
+        return compute(in[0], in[1], in[2], mask, nullptr);
       },
       {x, cos, sin});
 }
 
 torch::Tensor LlamaDecoderLayerImpl::compute(const torch::Tensor& x_in, const torch::Tensor& cos,
-                                             const torch::Tensor& sin, const torch::Tensor& blocked,
+                                             const torch::Tensor& sin, const AttentionMask& mask,
                                              KVCache* cache) {
   torch::Tensor x = x_in;
-  x = x + self_attn(input_layernorm(x), cos, sin, blocked, cache, index_);
+  x = x + self_attn(input_layernorm(x), cos, sin, mask, cache, index_);
   return x + mlp(post_attention_layernorm(x));
 }
 
@@ -497,10 +495,15 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens_in, KVCache* c
   const auto device = tokens.device();
   torch::Tensor positions =
       torch::arange(past, past + T, torch::dtype(torch::kLong).device(device));
-  // The keys each query may not see: [T, past + T] (the future), or per row [B, 1, T, past + T].
-  const auto future =
-      torch::ones({T, past + T}, torch::dtype(torch::kBool).device(device)).triu(past + 1);
-  torch::Tensor blocked = future;
+  // The keys each query sees: the causal kernel alone when queries and keys are the same
+  // positions, every key for one new token after a cache; a mask [T, past + T] for several new
+  // tokens after a cache, or per row [B, 1, T, past + T] with padding.
+  AttentionMask mask;
+  mask.causal = past == 0 || T > 1;
+  const auto future = [&] {
+    return torch::ones({T, past + T}, torch::dtype(torch::kBool).device(device)).triu(past + 1);
+  };
+  if (past > 0 && T > 1) mask.allowed = ~future();
   if (attention_mask.defined()) {
     TORCH_CHECK(attention_mask.dim() == 2 && attention_mask.size(0) == B &&
                     attention_mask.size(1) == past + T,
@@ -514,8 +517,8 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens_in, KVCache* c
     // and spread it through the values.
     const auto itself =
         torch::eye(T, past + T, torch::dtype(torch::kBool).device(device)).roll(past, 1);
-    blocked = (future.unsqueeze(0) | ~valid.unsqueeze(1)) & ~itself.unsqueeze(0);
-    blocked = blocked.unsqueeze(1);  // [B, 1, T, past + T]: one mask for every head
+    mask.allowed = ((~future().unsqueeze(0) & valid.unsqueeze(1)) | itself.unsqueeze(0))
+                       .unsqueeze(1);  // [B, 1, T, past + T]: one mask for every head
   }
   auto [cos, sin] = rotary(config_, positions);
   if (cos.dim() == 3) cos = cos.unsqueeze(1), sin = sin.unsqueeze(1);  // [B, 1, T, head_dim]
@@ -525,7 +528,14 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens_in, KVCache* c
     sin = sin.narrow(-2, slice->begin, slice->local_length);
   }
   auto x = embed_tokens(tokens);
-  for (auto& layer : layers) x = layer(x, cos, sin, blocked, cache);
+  // The mask as SDPA adds it to the scores, built once for every layer: SDPA would convert a
+  // bool mask in each layer's call, and each layer's flash kernel would keep its own copy for
+  // backward.
+  if (mask.allowed.defined()) {
+    mask.allowed = torch::zeros(mask.allowed.sizes(), x.options())
+                       .masked_fill(~mask.allowed, -std::numeric_limits<float>::infinity());
+  }
+  for (auto& layer : layers) x = layer(x, cos, sin, mask, cache);
   return norm(x);
 }
 

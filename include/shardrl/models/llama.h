@@ -1,6 +1,7 @@
 // The LLaMA-family causal decoders people post-train: Llama (2, 3.x with its RoPE scaling), Qwen2
 // and Qwen3 (per-head q/k RMSNorm, head_dim given apart from hidden / heads). RMSNorm, rotary
-// embeddings, SwiGLU MLP, grouped-query attention, tied or untied embeddings and a KV cache for
+// embeddings, SwiGLU MLP, grouped-query attention through at::scaled_dot_product_attention (no
+// [T, T] scores kept on the CPU's flash kernel), tied or untied embeddings and a KV cache for
 // sampling.
 //
 // Parameter names and config.json fields are those of Hugging Face transformers' Llama / Qwen2 /
@@ -87,18 +88,29 @@ class RMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
+// Which keys each query of an attention forward sees.
+struct AttentionMask {
+  // Bool, true where a query may see a key: [T, past + T], or [B, 1, T, past + T] per row (left
+  // padding); or the same as floats added to the scores (0 where a query may see a key, -inf
+  // where not), as LlamaModel builds it once for all its layers. Undefined: `causal` says.
+  torch::Tensor allowed;
+  // Without `allowed`: true, each query sees the keys at its own position and before (queries and
+  // keys at the same positions: the kernels' is_causal, no mask built); false, every key (one new
+  // token after a cache).
+  bool causal = true;
+};
+
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   explicit LlamaAttentionImpl(const LlamaConfig& config);
   // x [B, T, D]; cos/sin [T, head_dim], or [B, 1, T, head_dim] with per-row positions, for the
-  // positions of x. `blocked` bool, true where a query may not see a key: [T, past + T] (the
-  // causal mask) or [B, 1, T, past + T] (with padding). With a cache, attends to the cached keys
-  // too and appends this step's keys and values to `layer` of it.
+  // positions of x. With a cache, attends to the cached keys too and appends this step's keys and
+  // values to `layer` of it.
   // Under sequence parallelism (set_sequence_parallel, no cache), x, cos and sin are this rank's
-  // slice of the sequence and `blocked` covers the whole padded sequence: Ulysses' all-to-alls
-  // give each rank every position for heads / sp of the heads.
+  // slice of the sequence and `mask` covers the whole padded sequence: Ulysses' all-to-alls give
+  // each rank every position for heads / sp of the heads.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& blocked, KVCache* cache, size_t layer);
+                        const AttentionMask& mask, KVCache* cache, size_t layer);
   void set_sequence_parallel(dist::ProcessGroup* group) { sequence_parallel_ = group; }
   lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   // Qwen3: RMSNorm over each head's head_dim of q and k, before RoPE (null otherwise).
@@ -122,7 +134,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, size_t index);
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                        torch::Tensor blocked, KVCache* cache);
+                        const AttentionMask& mask, KVCache* cache);
   // Recompute this layer's activations in backward instead of keeping them (not with a cache,
   // which sampling uses without grad anyway).
   bool checkpoint_activations = false;
@@ -132,7 +144,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
 
  private:
   torch::Tensor compute(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& blocked, KVCache* cache);
+                        const AttentionMask& mask, KVCache* cache);
   size_t index_;
 };
 
