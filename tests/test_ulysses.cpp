@@ -87,6 +87,21 @@ TEST(Ulysses, LlamaPolicyLossAtSp2EqualsSp1) {
   ASSERT_EQ(sp2.exchange_bytes.size(), 2u);
 }
 
+// The other decoder families split as Llama does: Qwen3 (q/k norms per head before the
+// exchange, head_dim 12 apart from hidden / heads) and Llama 3's RoPE scaling (head_dim 16).
+TEST(Ulysses, Qwen3AndLlama3PolicyLossAtSp2EqualsSp1) {
+  for (const std::string family : {"qwen3", "llama3"}) {
+    SCOPED_TRACE(family);
+    const auto dir = make_temp_dir("ulysses_" + family);
+    const std::vector<std::string> args = {"--model",  "llama",  "--family", family,
+                                           "--loss",   "policy", "--length", "13",
+                                           "--prompt", "9",      "--steps",  "2"};
+    const auto sp1 = run_worker(1, dir + "/sp1", with(args, {"--sp", "1"}));
+    const auto sp2 = run_worker(2, dir + "/sp2", with(args, {"--sp", "2"}));
+    expect_same_training(sp2, sp1, 2);
+  }
+}
+
 // One key/value head for 2 ranks (repeated, as verl's repeat_kv), the whole logits gathered for
 // a next-token loss, LoRA on a frozen base and activation checkpointing (the recompute repeats the
 // forward's all-to-alls inside the backward).

@@ -228,8 +228,13 @@ ModelSize language_model_size(const json& j) {
     auto size = count_units(*model, units);
     decoder_activations(size, c.num_hidden_layers, c.hidden_size, c.intermediate_size,
                         c.num_attention_heads);
+    // Attention through at::scaled_dot_product_attention: the flash kernels keep a log-sum-exp
+    // per query and head for backward, no [heads, T, T] scores.
+    size.block_activation_bytes_per_token += 4.0 * static_cast<double>(c.num_attention_heads);
+    size.block_attention_bytes_per_token_position = 0;
     size.vocab_size = c.vocab_size;
-    size.kv_bytes_per_token = 2 * 4 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim();
+    size.kv_bytes_per_token =
+        2 * 4 * c.num_hidden_layers * c.num_key_value_heads * c.attention_head_dim();
     return size;
   }
   throw std::invalid_argument(

@@ -387,6 +387,12 @@ json lm_grpo_defaults() {
                             {"intermediate_size", 176},      {"num_hidden_layers", 2},
                             {"num_attention_heads", 4},      {"num_key_value_heads", 2},
                             {"max_position_embeddings", 32}, {"tie_word_embeddings", true}};
+  // The other config.json fields of the families (models::LlamaConfig::from_json): null takes the
+  // model type's default in transformers.
+  for (const char* field : {"head_dim", "rms_norm_eps", "rope_theta", "rope_parameters",
+                            "rope_scaling", "attention_bias"}) {
+    arr["model"]["config"][field] = nullptr;
+  }
   // verl's actor loss keys: clip_ratio_low / clip_ratio_high default to clip_ratio; the reference
   // model exists only with use_kl_loss.
   arr["actor"]["clip_ratio"] = 0.2;

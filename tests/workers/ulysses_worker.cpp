@@ -2,9 +2,11 @@
 // ulysses_sequence_parallel_size --sp trains --steps steps on its data-parallel share of a global
 // batch that every layout sees alike, and rank 0 writes each step's metrics and the final params.
 //   --model llama   the LLaMA decoder (4 heads, --kv-heads key/value heads, tied or --untied
-//                   embeddings, --lora-rank); --loss policy: GRPO's dual-clip loss on the response
-//                   log-probs of left-padded sequences of --length tokens, the first --prompt of
-//                   them prompt (old log-probs from the model before the step, under no grad);
+//                   embeddings, --lora-rank; --family qwen3: q/k norms and head_dim 12, --family
+//                   llama3: Llama 3's RoPE scaling and head_dim 16); --loss policy: GRPO's
+//                   dual-clip loss on the response log-probs of left-padded sequences of --length
+//                   tokens, the first --prompt of them prompt (old log-probs from the model before
+//                   the step, under no grad);
 //                   --loss next_token: cross-entropy of the whole logits over the real tokens
 //   --model sd3     the SD3 MMDiT of sd3_scenario.h (2 heads, a dual-attention block, qk RMSNorm)
 //   on
@@ -35,7 +37,7 @@ using namespace shardrl;
 namespace {
 
 struct Args {
-  std::string model = "llama", loss = "policy", out;
+  std::string model = "llama", family = "llama", loss = "policy", out;
   int sp = 1, fsdp_size = -1;
   int64_t steps = 2, batch = 4, micro_batch = 1, kv_heads = 2, length = 13, prompt = 9,
           lora_rank = 0, image = 6, text = 5;
@@ -45,16 +47,28 @@ struct Args {
 engine::EngineConfig llama_config(const Args& a) {
   engine::EngineConfig c;
   c.model_type = "language_model";
+  nlohmann::json model = {{"vocab_size", 61},
+                          {"hidden_size", 32},
+                          {"intermediate_size", 48},
+                          {"num_hidden_layers", 2},
+                          {"num_attention_heads", 4},
+                          {"num_key_value_heads", a.kv_heads},
+                          {"max_position_embeddings", 64},
+                          {"tie_word_embeddings", !a.untied}};
+  if (a.family == "qwen3") {
+    model.update({{"model_type", "qwen3"}, {"head_dim", 12}});
+  } else if (a.family == "llama3") {
+    model.update({{"head_dim", 16},
+                  {"rope_parameters",
+                   {{"rope_type", "llama3"},
+                    {"rope_theta", 5e5},
+                    {"factor", 8.0},
+                    {"low_freq_factor", 1.0},
+                    {"high_freq_factor", 4.0},
+                    {"original_max_position_embeddings", 1024}}}});
+  }
   c.model = {{"family", "llama"},
-             {"config",
-              {{"vocab_size", 61},
-               {"hidden_size", 32},
-               {"intermediate_size", 48},
-               {"num_hidden_layers", 2},
-               {"num_attention_heads", 4},
-               {"num_key_value_heads", a.kv_heads},
-               {"max_position_embeddings", 64},
-               {"tie_word_embeddings", !a.untied}}},
+             {"config", model},
              {"lora_rank", a.lora_rank},
              {"enable_gradient_checkpointing", a.checkpointing}};
   c.optim.lr = 1e-2;
@@ -140,6 +154,7 @@ int main(int argc, char** argv) {
   Args a;
   app.add_option("--model", a.model);
   app.add_option("--loss", a.loss);
+  app.add_option("--family", a.family, "llama, qwen3 or llama3 (--model llama)");
   app.add_option("--out", a.out)->required();
   app.add_option("--sp", a.sp);
   app.add_option("--fsdp-size", a.fsdp_size);
