@@ -17,20 +17,7 @@ Run::Run(const nlohmann::json& config, dist::World& world)
       total_steps_(get<int64_t>(config, "trainer.total_training_steps")),
       save_freq_(get<int64_t>(config, "trainer.save_freq")),
       rank0_(world.rank() == 0),
-      world_(&world) {
-  if (total_steps_ <= 0) {
-    throw std::invalid_argument("config key 'trainer.total_training_steps' must be positive");
-  }
-  if (resume_mode_ != "auto" && resume_mode_ != "disable" && resume_mode_ != "resume_path") {
-    throw std::invalid_argument(fmt::format(
-        "config key 'trainer.resume_mode' is '{}' (auto, disable or resume_path)", resume_mode_));
-  }
-  if (resume_mode_ == "resume_path" && resume_from_path_.empty()) {
-    throw std::invalid_argument(
-        "config key 'trainer.resume_from_path' must name a checkpoint directory when "
-        "trainer.resume_mode is resume_path");
-  }
-}
+      world_(&world) {}
 
 int64_t Run::resume(engine::Engine& engine) {
   std::string dir;
@@ -58,13 +45,9 @@ int64_t Run::resume(engine::Engine& engine) {
     }
     dir = whole.value_or("");
   } else if (resume_mode_ == "resume_path") {
-    if (!fs::is_directory(resume_from_path_)) {
-      throw std::invalid_argument(
-          fmt::format("config key 'trainer.resume_from_path': '{}' is not a checkpoint directory",
-                      resume_from_path_));
-    }
-    // Checked whole before any of it is loaded, as auto checks; the path was asked for by name,
-    // so damage is an error rather than a reason to look elsewhere.
+    // The config's checks found the folder; checked whole before any of it is loaded, as auto
+    // checks; the path was asked for by name, so damage is an error rather than a reason to look
+    // elsewhere.
     const std::string problem =
         checkpoint::find_damage(resume_from_path_, world_->group(), world_->device());
     if (!problem.empty()) {

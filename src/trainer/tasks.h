@@ -16,9 +16,14 @@ namespace shardrl::trainer {
 
 void register_builtin_tasks(std::map<std::string, Task>& tasks);
 
-// The whole config of a `shardrl train` call: trainer defaults, the task's defaults, the file,
-// then the overrides.
-nlohmann::json task_config(const std::string& path, const std::vector<std::string>& overrides);
+// The whole config of a `shardrl train` call: the task's table (trainer.task, from the file or
+// an override, names the task) gives the defaults, then the file, then the overrides; then every
+// key is checked against the table (kValues: types, ranges and choices; kValuesAndFiles: the
+// files and folders keys name too) and the shared sections' rules between keys. Errors name the
+// key, what it takes, and the file or override it came from.
+enum class ConfigChecks { kValues, kValuesAndFiles };
+nlohmann::json task_config(const std::string& path, const std::vector<std::string>& overrides,
+                           ConfigChecks checks = ConfigChecks::kValuesAndFiles);
 
 // Checkpoints and metrics of one run under trainer.default_local_dir:
 //   checkpoints/global_step_N/, metrics.jsonl
@@ -87,12 +92,9 @@ engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& 
 void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
                           const std::string& merge_adapter, bool trainable_only = false);
 
-// Tasks.
-int run_lm_pretrain(const nlohmann::json& config, std::shared_ptr<dist::World> world);
-nlohmann::json lm_pretrain_defaults();
-int run_diffusion_rl(const nlohmann::json& config, std::shared_ptr<dist::World> world);
-nlohmann::json diffusion_rl_defaults();
-int run_lm_grpo(const nlohmann::json& config, std::shared_ptr<dist::World> world);
-nlohmann::json lm_grpo_defaults();
+// The built-in tasks: each one's config table and entry point.
+Task lm_pretrain_task();
+Task diffusion_rl_task();
+Task lm_grpo_task();
 
 }  // namespace shardrl::trainer

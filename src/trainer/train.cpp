@@ -8,6 +8,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "config_table.h"
 #include "shardrl/dist.h"
 #include "shardrl/launcher.h"
 #include "shardrl/trainer.h"
@@ -18,37 +19,8 @@ namespace {
 
 using nlohmann::json;
 
-json trainer_defaults() {
-  return {{"trainer",
-           {{"task", ""},
-            {"project_name", "shardrl"},
-            {"experiment_name", "run"},
-            {"default_local_dir", "runs/run"},
-            {"nproc_per_node", 2},
-            {"total_training_steps", 100},
-            {"save_freq", -1},
-            {"resume_mode", "auto"},
-            {"resume_from_path", ""},
-            {"max_actor_ckpt_to_keep", 2},
-            {"max_mem_gb", 0.0},
-            {"seed", 0},
-            {"logger", "console"}}},
-          // verl's key and default: the bound, in seconds, on every collective and on the
-          // rendezvous, for Gloo and NCCL alike.
-          {"actor_rollout_ref", {{"nccl_timeout", 600}}}};
-}
-
-constexpr int64_t kMaxCollectiveTimeoutSeconds = 30 * 24 * 3600;
-
-std::chrono::seconds collective_timeout(const json& config, const std::string& source) {
-  const auto seconds = get<int64_t>(config, "actor_rollout_ref.nccl_timeout");
-  if (seconds < 1 || seconds > kMaxCollectiveTimeoutSeconds) {
-    throw std::invalid_argument(
-        fmt::format("{}: config key 'actor_rollout_ref.nccl_timeout' must be a number of seconds "
-                    "in [1, {}], got {}",
-                    source, kMaxCollectiveTimeoutSeconds, seconds));
-  }
-  return std::chrono::seconds(seconds);
+std::chrono::seconds collective_timeout(const json& config) {
+  return std::chrono::seconds(get<int64_t>(config, "actor_rollout_ref.nccl_timeout"));
 }
 
 struct TaskTable {
@@ -94,16 +66,8 @@ std::string task_name(const std::string& path, const std::vector<std::string>& o
   return raw["trainer"]["task"].get<std::string>();
 }
 
-// Lays a task's defaults over the trainer's. Unlike JSON merge-patch, a null default stays a key:
-// verl's `clip_ratio_low: null` means "use clip_ratio", and the key must still be settable.
-void overlay_defaults(json& base, const json& over) {
-  for (const auto& [key, value] : over.items()) {
-    if (base.contains(key) && base[key].is_object() && value.is_object()) {
-      overlay_defaults(base[key], value);
-    } else {
-      base[key] = value;
-    }
-  }
+ConfigTable table_of(const std::string& name, const std::string& source) {
+  return ConfigTable(name, find_task(name, source));
 }
 
 }  // namespace
@@ -114,20 +78,28 @@ void register_task(const std::string& name, Task task) {
   table.tasks[name] = std::move(task);
 }
 
-json task_config(const std::string& path, const std::vector<std::string>& overrides) {
+json task_config(const std::string& path, const std::vector<std::string>& overrides,
+                 ConfigChecks checks) {
   const std::string name = task_name(path, overrides);
-  const Task task = find_task(name, path);
-  json defaults = trainer_defaults();
-  overlay_defaults(defaults, task.defaults());
-  return load_config(path, overrides, defaults);
+  const ConfigTable table = table_of(name, path);
+  ConfigOrigins origins;
+  const json config = load_config(path, overrides, table, &origins);
+  table.check(config, origins, checks == ConfigChecks::kValuesAndFiles);
+  check_shared_relations(config);
+  return config;
+}
+
+ConfigTable task_table(const std::string& task) {
+  return table_of(task, "shardrl config");
 }
 
 int train_main(const std::string& config_path, const std::vector<std::string>& overrides,
                const std::string& self_exe) {
   // Every rank checks the config, so a bad key fails before any rank waits for another.
   const json config = task_config(config_path, overrides);
+  const std::string task = get<std::string>(config, "trainer.task");
   dist::InitOptions init;
-  init.timeout = collective_timeout(config, config_path);
+  init.timeout = collective_timeout(config);
   const int nproc = get<int>(config, "trainer.nproc_per_node");
   if (std::getenv("RANK") == nullptr && nproc > 1) {
     check_sequence_parallel(config, nproc);  // once, before any rank starts
@@ -140,12 +112,11 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
   auto world = dist::World::init_from_env(init);
   check_sequence_parallel(config, world->size());
   if (world->rank() == 0) {
-    spdlog::info("task {} on {} rank(s), bulk collectives over {}; config:\n{}",
-                 get<std::string>(config, "trainer.task"), world->size(),
-                 world->group().bulk_transport(), config.dump(2));
+    spdlog::info("task {} on {} rank(s), bulk collectives over {}; config:\n{}", task,
+                 world->size(), world->group().bulk_transport(), config.dump(2));
   }
   try {
-    return find_task(get<std::string>(config, "trainer.task"), config_path).run(config, world);
+    return find_task(task, config_path).run(config, world);
   } catch (const dist::CollectiveError& e) {
     throw dist::CollectiveError(
         fmt::format("{} (the timeout is actor_rollout_ref.nccl_timeout={})", e.what(),
