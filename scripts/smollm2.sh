@@ -15,5 +15,8 @@ if [[ ! -f $model/config.json ]]; then
   mv "$model.tmp" "$model"
 fi
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# Watched in TensorBoard (tensorboard --logdir tensorboard_log): the curves and 4 of the held-out
+# problems' answers at each validation.
 exec "$build/bin/shardrl" train examples/configs/smollm2_grpo.yaml \
-  actor_rollout_ref.model.path="$model" "${@:2}"
+  actor_rollout_ref.model.path="$model" "trainer.logger=[console, file, tensorboard]" \
+  trainer.log_val_generations=4 "${@:2}"

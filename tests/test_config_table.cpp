@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "../src/trainer/config_table.h"
 #include "../src/trainer/tasks.h"
@@ -191,6 +192,83 @@ TEST(ConfigTable, ARegisteredTaskBringsItsOwnRows) {
   auto nested = toy;
   nested.keys.push_back({"toy.depth.more", 1, trainer::integer(), "below a value"});
   mistake("toy_nested", nested, "config key 'toy.depth.more' lies below the key 'toy.depth'");
+}
+
+// `shardrl config TASK` prints a config `shardrl train` reads back as the task's defaults: every
+// key of the table, in YAML, with its description.
+TEST(ConfigReference, EveryTaskPrintsItsDefaultsAsAConfig) {
+  const auto dir = make_temp_dir("config_reference");
+  const auto list = shardrl({"config", "--list"});
+  ASSERT_EQ(list.exit_code, 0) << list.output;
+  int tasks = 0;
+  for (const char* task : {"diffusion_rl", "lm_grpo", "lm_pretrain"}) {
+    EXPECT_NE(list.output.find(std::string(task) + ": "), std::string::npos) << list.output;
+    const auto printed = shardrl({"config", task});
+    ASSERT_EQ(printed.exit_code, 0) << printed.output;
+    const auto path = write_file(dir + "/" + task + ".yaml", printed.output);
+    const auto table = trainer::task_table(task);
+    EXPECT_EQ(trainer::task_config(path, {}, trainer::ConfigChecks::kValues), table.defaults())
+        << task;
+    for (const auto& row : table.rows()) {
+      EXPECT_NE(printed.output.find("# " + row.description + " [" + row.values.describe() + "]"),
+                std::string::npos)
+          << row.key;
+    }
+    ++tasks;
+  }
+  EXPECT_EQ(tasks, 3);
+  const auto unknown = shardrl({"config", "painting"});
+  EXPECT_NE(unknown.exit_code, 0);
+  EXPECT_NE(unknown.output.find("known tasks: diffusion_rl, lm_grpo, lm_pretrain"),
+            std::string::npos)
+      << unknown.output;
+}
+
+// docs/config.md is what the code generates: `make docs` after changing a table.
+TEST(ConfigReference, DocsAreCurrent) {
+  const auto generated = shardrl({"config", "--markdown"});
+  ASSERT_EQ(generated.exit_code, 0) << generated.output;
+  std::ifstream in(SHARDRL_SOURCE_DIR "/docs/config.md");
+  std::stringstream committed;
+  committed << in.rdbuf();
+  EXPECT_TRUE(committed.str() == generated.output)
+      << "docs/config.md differs from `shardrl config --markdown`: run `make docs`";
+  for (const char* key : {"actor_rollout_ref.rollout.n", "trainer.logger", "data.data_dir"}) {
+    EXPECT_NE(committed.str().find(std::string("| `") + key + "` |"), std::string::npos) << key;
+  }
+}
+
+// The resolved config goes to <default_local_dir>/config.yaml and the screen gets one line naming
+// it and the keys that differ from the task's defaults; that file runs again as it is.
+TEST(ConfigReference, RunConfigRunsAgain) {
+  const auto dir = make_temp_dir("config_run_again");
+  const auto path = write_file(dir + "/small.yaml", kSmallLmConfig);
+  const auto first =
+      run_process({bin("shardrl"), "train", path, "trainer.default_local_dir=" + dir + "/first",
+                   "trainer.total_training_steps=2"},
+                  {}, 300);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string written = dir + "/first/config.yaml";
+  ASSERT_TRUE(fs::exists(written));
+  EXPECT_NE(first.output.find("config " + written + ": trainer.default_local_dir=" + dir +
+                              "/first, trainer.nproc_per_node=2, trainer.total_training_steps=2, "
+                              "trainer.save_freq=2, data.train_batch_size=8"),
+            std::string::npos)
+      << first.output;
+  // Not the whole config on the screen: its keys appear once, in that line.
+  EXPECT_EQ(first.output.find("reshard_after_forward"), std::string::npos) << first.output;
+
+  const auto again = run_process(
+      {bin("shardrl"), "train", written, "trainer.default_local_dir=" + dir + "/again"}, {}, 300);
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  const auto first_config = trainer::task_config(written, {}, trainer::ConfigChecks::kValues);
+  auto again_config =
+      trainer::task_config(dir + "/again/config.yaml", {}, trainer::ConfigChecks::kValues);
+  EXPECT_EQ(again_config["trainer"]["default_local_dir"], dir + "/again");
+  again_config["trainer"]["default_local_dir"] = dir + "/first";
+  EXPECT_EQ(again_config, first_config);
+  EXPECT_EQ(trainer::get<int64_t>(first_config, "trainer.total_training_steps"), 2);
+  EXPECT_EQ(read_jsonl(dir + "/again/metrics.jsonl").size(), 2u);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 
 #include "model_test_util.h"
 #include "shardrl/data.h"
@@ -15,6 +16,8 @@
 
 namespace shardrl::testing {
 namespace {
+
+using nlohmann::json;
 
 std::string missing_demo_data() {
   auto missing = missing_fashion_mnist();
@@ -93,8 +96,9 @@ std::vector<std::string> tiny_for(const std::string& config, const std::string& 
   return o;
 }
 
-ProcessResult train(const std::string& config, std::vector<std::string> overrides) {
-  return run_process(demo_argv(config, overrides), {}, 400);
+ProcessResult train(const std::string& config, std::vector<std::string> overrides,
+                    const std::map<std::string, std::string>& env = {}) {
+  return run_process(demo_argv(config, overrides), env, 400);
 }
 
 std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
@@ -104,17 +108,44 @@ std::vector<std::string> with(std::vector<std::string> base, const std::vector<s
 
 // `shardrl train` starts 2 ranks, writes the captioned sample grids and one metrics line per RL
 // step; a second run finds the classifier, the prompt embeddings and the pretrained MMDiT cached;
-// a run stopped after 2 steps and resumed to 3 logs what an uninterrupted run of 3 logs.
+// a run stopped after 2 steps and resumed to 3 logs what an uninterrupted run of 3 logs. Watched
+// as a verl user watches a run (trainer.logger with tensorboard, trainer.test_freq 2,
+// trainer.rollout_data_dir), it trains to the same bits as the straight run, which is not:
+// evaluating and dumping change nothing. TensorBoard's own reader finds every metric at its step,
+// the evaluation grids as images before RL, at step 2 and at the end, and reads the first part's
+// event file cut inside any record up to the last whole one; the dumped rollouts are PNGs with
+// their rewards. The long stages show their progress.
 TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStagesAndResumes) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  SHARDRL_REQUIRE_DEPENDENCY(missing_tensorboard_reader());
   const auto dir = make_temp_dir("fmnist_demo");
   const auto base = tiny_for("fmnist_flow_grpo.yaml", dir + "/cache");
-  auto first =
-      train("fmnist_flow_grpo.yaml", with(base, {"trainer.default_local_dir=" + dir + "/resumed",
-                                                 "trainer.total_training_steps=2"}));
+  const std::vector<std::string> watched = {"trainer.logger=[console, file, tensorboard]",
+                                            "trainer.test_freq=2",
+                                            "trainer.rollout_data_dir=" + dir + "/rollouts"};
+  const std::map<std::string, std::string> tensorboard = {{"TENSORBOARD_DIR", dir + "/tb"},
+                                                          {"SHARDRL_PROGRESS_SECONDS", "0"}};
+  auto first = train("fmnist_flow_grpo.yaml",
+                     with(with(base, watched), {"trainer.default_local_dir=" + dir + "/resumed",
+                                                "trainer.total_training_steps=2"}),
+                     tensorboard);
   ASSERT_EQ(first.exit_code, 0) << first.output;
   EXPECT_NE(first.output.find("classifier test accuracy"), std::string::npos) << first.output;
   EXPECT_NE(first.output.find("pretraining the MMDiT"), std::string::npos) << first.output;
+  // Progress of the long stages, here at every update (SHARDRL_PROGRESS_SECONDS=0).
+  for (const char* expected : {"[rank 0] reward classifier: 10/20 steps (50%), ",
+                               "[rank 0] reward classifier: 20/20 steps in ",
+                               "[rank 0] pretraining the MMDiT: 7/20 steps (35%), ",
+                               "[rank 0] pretraining the MMDiT: 20/20 steps in "}) {
+    EXPECT_NE(first.output.find(expected), std::string::npos) << expected << "\n" << first.output;
+  }
+  EXPECT_EQ(first.output.find("[rank 1] pretraining the MMDiT:"), std::string::npos);
+  // Images sampled and trained per second, on the step lines.
+  EXPECT_TRUE(std::regex_search(
+      first.output,
+      std::regex(
+          R"(\[rank 0\] step 1/2 reward_mean=\S+ loss=\S+ grad_norm=\S+ kl=\S+ \| [0-9.]+ img/s \| )")))
+      << first.output;
   // Two ranks of one host move FSDP's bytes through shared memory.
   EXPECT_NE(first.output.find("on 2 rank(s), bulk collectives over shm"), std::string::npos)
       << first.output;
@@ -131,30 +162,53 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStagesAndResumes) {
     }
   }
   EXPECT_TRUE(found) << "no pretrained diffusers folder in " << dir << "/cache";
+  // Evaluation before RL is line 0, then a line per RL step.
   auto metrics = read_jsonl(dir + "/resumed/metrics.jsonl");
-  ASSERT_EQ(metrics.size(), 2u);
-  for (const char* key : {"reward_mean", "reward_std", "clipfrac", "grad_norm", "lr", "kl",
-                          "policy_loss", "loss", "step_time", "time_rollout", "time_reward",
-                          "time_reference", "time_update", "time_weight_sync", "time_offload"}) {
-    EXPECT_TRUE(metrics[0].contains(key)) << key << " missing in " << metrics[0].dump();
+  ASSERT_EQ(metrics.size(), 3u);
+  EXPECT_EQ(metrics[0].dump(), json({{"step", 0},
+                                     {"val/accuracy", metrics[0]["val/accuracy"]},
+                                     {"val/reward", metrics[0]["val/reward"]}})
+                                   .dump());
+  for (const char* key :
+       {"reward_mean", "reward_std", "clipfrac", "grad_norm", "lr", "kl", "policy_loss", "loss",
+        "step_time", "time_rollout", "time_reward", "time_reference", "time_update",
+        "time_weight_sync", "time_offload", "time_dump_rollouts", "perf/images_per_s"}) {
+    EXPECT_TRUE(metrics[1].contains(key)) << key << " missing in " << metrics[1].dump();
   }
+  EXPECT_FALSE(metrics[1].contains("val/reward")) << metrics[1].dump();
+  EXPECT_TRUE(metrics[2].contains("val/reward")) << metrics[2].dump();
 
-  auto resumed = train("fmnist_flow_grpo.yaml",
-                       with(base, {"trainer.default_local_dir=" + dir + "/resumed",
-                                   "trainer.total_training_steps=3", "trainer.resume_mode=auto"}));
+  auto resumed = train(
+      "fmnist_flow_grpo.yaml",
+      with(with(base, watched), {"trainer.default_local_dir=" + dir + "/resumed",
+                                 "trainer.total_training_steps=3", "trainer.resume_mode=auto"}),
+      tensorboard);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("classifier: cached"), std::string::npos) << resumed.output;
   EXPECT_NE(resumed.output.find("pretrained MMDiT: cached"), std::string::npos) << resumed.output;
   EXPECT_NE(resumed.output.find("prompts cached"), std::string::npos) << resumed.output;
-  EXPECT_EQ(resumed.output.find("pretrain step"), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.output.find("pretraining the MMDiT:"), std::string::npos) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
 
   auto straight =
       train("fmnist_flow_grpo.yaml", with(base, {"trainer.default_local_dir=" + dir + "/straight",
                                                  "trainer.total_training_steps=3"}));
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
-  expect_same_metrics(dir + "/resumed/metrics.jsonl", dir + "/straight/metrics.jsonl", 3,
+  expect_same_metrics(dir + "/resumed/metrics.jsonl", dir + "/straight/metrics.jsonl", 4,
                       {"reward_mean", "grad_norm", "loss"});
+
+  const auto files = event_files(dir + "/tb");
+  ASSERT_EQ(files.size(), 2u);
+  expect_checks_pass(
+      read_tensorboard({"run", dir + "/tb", dir + "/resumed/metrics.jsonl",
+                        json({{"images", {{"val/generations", {0, 2, 3}}}}}).dump()}),
+      30);
+  expect_checks_pass(read_tensorboard({"truncated", files[0]}), 20);
+  // train_batch_size 2 prompts x rollout.n 4, 14x14 pixels.
+  expect_checks_pass(
+      read_tensorboard({"rollouts", dir + "/rollouts", dir + "/resumed/metrics.jsonl",
+                        json({{"samples", 8}, {"images", {14, 14}}}).dump()}),
+      6);
 }
 
 // Each algorithm's example config, with LoRA and with full fine-tuning (lora_rank 0: the reference
@@ -191,14 +245,15 @@ TEST_P(DiffusionAlgorithm, ResumesAfterAKillBitwise) {
   const std::string metrics = dir + "/killed/metrics.jsonl";
   auto killed = run_process_until(
       demo_argv(v.config, overrides("killed")),
-      [&] { return std::filesystem::exists(metrics) && read_jsonl(metrics).size() >= 3; }, SIGTERM);
+      [&] { return std::filesystem::exists(metrics) && read_jsonl(metrics).size() >= 4; }, SIGTERM);
   ASSERT_TRUE(killed.stopped) << killed.output;
   ASSERT_NE(killed.exit_code, 0) << killed.output;
   auto resumed = run_process(demo_argv(v.config, overrides("killed")), {}, 400);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", 5,
-                      {"reward_mean", "grad_norm", "loss"});
+  // Line 0: the evaluation before RL.
+  expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", 6,
+                      {"reward_mean", "grad_norm", "loss", "val/reward"});
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, DiffusionAlgorithm,
@@ -228,11 +283,11 @@ TEST(FmnistDemo, LrScheduleSpansTheRlStepsWithSeveralMiniBatches) {
                   "actor_rollout_ref.actor.optim.lr=1e-3"}));
   ASSERT_EQ(run.exit_code, 0) << run.output;
   auto metrics = read_jsonl(dir + "/run/metrics.jsonl");
-  ASSERT_EQ(metrics.size(), 4u);
+  ASSERT_EQ(metrics.size(), 5u);  // line 0: the evaluation before RL
   // 2 optimizer steps an RL step over a horizon of 8: the lr logged for RL step 2 is the mean over
   // optimizer steps 2 and 3, lr * (1 + cos(pi k / 8)) / 2: 0.77e-3 (0.32e-3 with a horizon of 4).
-  EXPECT_GT(metrics[1]["lr"].get<double>(), 0.6e-3) << metrics[1].dump();
-  EXPECT_LT(metrics[3]["lr"].get<double>(), 0.2e-3) << metrics[3].dump();
+  EXPECT_GT(metrics[2]["lr"].get<double>(), 0.6e-3) << metrics[2].dump();
+  EXPECT_LT(metrics[4]["lr"].get<double>(), 0.2e-3) << metrics[4].dump();
 }
 
 // Ulysses through `shardrl train`: with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2
@@ -261,13 +316,13 @@ TEST(FmnistDemo, SequenceParallelRunMatchesOneRank) {
     EXPECT_NE(single.output.find("pretrained MMDiT: cached"), std::string::npos) << single.output;
     const auto a = read_jsonl(dir + "/" + config + "sp2/metrics.jsonl");
     const auto b = read_jsonl(dir + "/" + config + "sp1/metrics.jsonl");
-    ASSERT_EQ(a.size(), 3u);
-    ASSERT_EQ(b.size(), 3u);
-    for (size_t i = 0; i < 3; ++i) {
+    ASSERT_EQ(a.size(), 4u);  // line 0: the evaluation before RL
+    ASSERT_EQ(b.size(), 4u);
+    for (size_t i = 1; i < 4; ++i) {
       for (const char* key : {"reward_mean", "loss", "grad_norm"}) {
         const double want = b[i][key];
         EXPECT_NEAR(a[i][key].get<double>(), want, 1e-5 * std::max(1.0, std::abs(want)))
-            << key << " at step " << i + 1;
+            << key << " at step " << i;
       }
     }
   }
@@ -302,7 +357,7 @@ TEST(FmnistDemo, ConfigErrorsNameTheKey) {
     auto run = run_process(argv, {}, 120);
     EXPECT_NE(run.exit_code, 0) << run.output;
     EXPECT_NE(run.output.find(c.expected), std::string::npos) << run.output;
-    EXPECT_EQ(run.output.find("classifier step"), std::string::npos) << run.output;
+    EXPECT_EQ(run.output.find("training the reward classifier"), std::string::npos) << run.output;
   }
 }
 

@@ -110,6 +110,9 @@ using ModelBuilder = std::function<Model(const nlohmann::json& model_config,
 // A model type's training loss, built from EngineConfig::loss: what verl-omni's PPO, DPO and NFT
 // engine subclasses override.
 using LossFactory = std::function<LossFn(const nlohmann::json& loss_config)>;
+struct ModelSize;  // memory_plan.h
+// A model's units and activation sizes for the memory plan, counted without allocating it.
+using ModelSizer = std::function<ModelSize(const nlohmann::json& model_config)>;
 
 // Metrics of one train_batch: loss-function metrics plus grad_norm, lr and whether the step was
 // skipped because the gradient norm was not finite.
@@ -243,9 +246,13 @@ class Engine {
 class EngineRegistry {
  public:
   static void register_model(const std::string& model_type, const std::string& backend,
-                             ModelBuilder builder, LossFactory loss = nullptr);
+                             ModelBuilder builder, LossFactory loss = nullptr,
+                             ModelSizer sizer = nullptr);
   static std::unique_ptr<Engine> create(const EngineConfig& config,
                                         std::shared_ptr<dist::World> world);
+  // The model's size as the memory plan reads it (memory_plan.h); an error for a model type
+  // registered without a sizer.
+  static ModelSize model_size(const EngineConfig& config);
   static std::vector<std::string> keys();  // "model_type/backend"
 };
 

@@ -134,6 +134,7 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
     throw std::invalid_argument("config.json: field rope_scaling is not supported");
   }
   // Fields of transformers' configs this decoder does not implement: refused, not ignored.
+  detail::require_positive(c.num_attention_heads, "num_attention_heads");  // head_dim() divides
   int64_t head_dim = c.head_dim();
   detail::read_field(j, "head_dim", head_dim, false);
   if (head_dim != c.head_dim()) {
@@ -155,15 +156,7 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
 }
 
 LlamaConfig LlamaConfig::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(fmt::format("{}: not valid JSON ({})", path, e.what()));
-  }
-  return from_json(j);
+  return detail::with_path(path, [](const nlohmann::json& j) { return from_json(j); });
 }
 
 void LlamaConfig::save(const std::string& path) const {

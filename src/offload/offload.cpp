@@ -345,13 +345,25 @@ void log_memory(const std::string& phase, const fsdp::FSDPModule& model,
       mib(m.optimizer.offloaded), mib(m.unsharded), mib(m.process_rss));
 }
 
-int64_t process_rss_bytes() {
+namespace {
+// A field of /proc/self/status in bytes (its values are kB), 0 where there is none.
+int64_t status_bytes(const char* field) {
   std::ifstream status("/proc/self/status");
   std::string line;
+  const size_t length = std::char_traits<char>::length(field);
   while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // kB
+    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(length)) * 1024;
   }
   return 0;
+}
+}  // namespace
+
+int64_t process_rss_bytes() {
+  return status_bytes("VmRSS:");
+}
+
+int64_t process_peak_rss_bytes() {
+  return status_bytes("VmHWM:");
 }
 
 }  // namespace shardrl::offload

@@ -175,6 +175,17 @@ void reject_renamed_keys(const json& config, const std::string& prefix, const st
   }
 }
 
+// Lists that a single string also sets, as a list of that one item: verl's Tracking reads
+// `logger: console` as [console], and configs in the wild still say so.
+constexpr const char* kListsTakingOneString[] = {"trainer.logger"};
+
+bool takes_one_string(const std::string& key) {
+  for (const char* k : kListsTakingOneString) {
+    if (key == k) return true;
+  }
+  return false;
+}
+
 // What a merge needs beyond the two documents: the keys below which any key may be added (a
 // model's config.json), and where to record the source of each value it sets.
 struct MergeContext {
@@ -228,6 +239,9 @@ void merge_into(json& base, const json& over, const std::string& prefix, const M
           fmt::format("{}: config key '{}' must be {}, got null", ctx.source, name, kind(target)));
     } else if (target.is_object() && value.is_object()) {
       merge_into(target, value, name, ctx);
+    } else if (target.is_array() && value.is_string() && takes_one_string(name)) {
+      target = json::array({value});
+      ctx.record(name);
     } else if (!same_kind(target, value)) {
       throw std::invalid_argument(fmt::format("{}: config key '{}' must be {}, got {}", ctx.source,
                                               name, kind(target), value.dump()));

@@ -24,17 +24,6 @@ std::string bound_text(double bound) {
   return json(bound).dump();
 }
 
-std::vector<std::string> split_key(const std::string& key) {
-  std::vector<std::string> parts;
-  size_t begin = 0;
-  while (true) {
-    const size_t dot = key.find('.', begin);
-    parts.push_back(key.substr(begin, dot - begin));
-    if (dot == std::string::npos) return parts;
-    begin = dot + 1;
-  }
-}
-
 std::string join(const std::vector<std::string>& items, const std::string& separator) {
   std::string out;
   for (const auto& item : items) out += (out.empty() ? "" : separator) + item;
@@ -68,6 +57,17 @@ void set_value(json& config, const std::string& key, const json& value) {
 }
 
 }  // namespace
+
+std::vector<std::string> split_key(const std::string& key) {
+  std::vector<std::string> parts;
+  size_t begin = 0;
+  while (true) {
+    const size_t dot = key.find('.', begin);
+    parts.push_back(key.substr(begin, dot - begin));
+    if (dot == std::string::npos) return parts;
+    begin = dot + 1;
+  }
+}
 
 Values& Values::at_least(double bound) {
   min_ = bound;

@@ -16,6 +16,9 @@ namespace shardrl::trainer {
 // The rows every task has: trainer.*, actor_rollout_ref.nccl_timeout and the engine roles
 // actor_rollout_ref.{model, actor, ref} that engine_config reads.
 std::vector<ConfigKey> shared_keys();
+// The rows of the tasks that sample rollouts and validate (lm_grpo, diffusion_rl):
+// trainer.test_freq, val_before_train, rollout_data_dir and actor_rollout_ref.rollout.name.
+std::vector<ConfigKey> rollout_task_keys();
 // What no single row can check: rules between keys of the shared sections (resume_mode
 // resume_path needs resume_from_path, LoRA+ needs LoRA). Errors name the keys.
 void check_shared_relations(const nlohmann::json& config);
@@ -54,9 +57,19 @@ class ConfigTable {
 // The table of a registered task; an unknown one is an error naming the known ones.
 ConfigTable task_table(const std::string& task);
 
+// "a.b.c" -> {"a", "b", "c"}.
+std::vector<std::string> split_key(const std::string& key);
+
 // A value as it is written in YAML and in `key=value` overrides: plain where it reads back as
 // the same value, else quoted; lists and mappings in flow style.
 std::string yaml_value(const nlohmann::json& value);
+
+// `config` as YAML in the table's order, sections nested, each value as yaml_value writes it;
+// `comments`: each key's description and the values it takes above it. What `shardrl config TASK`
+// prints (with the defaults) and a run's config.yaml holds; `shardrl train` reads either back.
+std::string config_yaml(const ConfigTable& table, const nlohmann::json& config, bool comments);
+// The keys whose value in `config` differs from the table's default, as key=value.
+std::vector<std::string> changed_keys(const ConfigTable& table, const nlohmann::json& config);
 
 // load_config with the table's defaults and free-form keys, recording where each value came from.
 nlohmann::json load_config(const std::string& path, const std::vector<std::string>& overrides,

@@ -24,6 +24,7 @@
 #include <map>
 #include <optional>
 
+#include "config_table.h"
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/data.h"
 #include "shardrl/dist.h"
@@ -32,6 +33,7 @@
 #include "shardrl/models/lora.h"
 #include "shardrl/models/sd3.h"
 #include "shardrl/models/text_encoder.h"
+#include "shardrl/progress.h"
 #include "tasks.h"
 
 namespace shardrl::trainer {
@@ -68,6 +70,22 @@ int64_t num_prompts() {
   return kClasses * static_cast<int64_t>(caption_templates().size());
 }
 
+// The folder of a pretrained diffusers transformer named by model.path (at its top or under
+// model.transformer_subfolder), or "" when model.path is empty.
+std::string pretrained_sd3_dir(const json& c) {
+  const std::string m = "actor_rollout_ref.model";
+  const auto path = get<std::string>(c, m + ".path");
+  if (path.empty()) return path;
+  for (const auto& dir :
+       {fs::path(path), fs::path(path) / get<std::string>(c, m + ".transformer_subfolder")}) {
+    if (fs::exists(dir / "config.json")) return dir.string();
+  }
+  throw std::invalid_argument(fmt::format(
+      "config key '{}.path': '{}' holds no diffusers transformer config.json (at its top or under "
+      "{}.transformer_subfolder)",
+      m, path, m));
+}
+
 struct Options {
   std::string data_dir, run_dir, cache_dir, text_encoder_path, model_type;
   uint64_t seed = 0;
@@ -83,6 +101,8 @@ struct Options {
   algos::SamplerConfig sampler, validation;
   algos::DiffusionLossConfig loss;
   int64_t eval_per_class;
+  int64_t test_freq;  // evaluate every test_freq RL steps (<= 0: at the last only)
+  bool val_before_train;
 
   // data_parallel_size: the ranks that sample different prompts (the world / Ulysses sp).
   Options(const json& c, int data_parallel_size) {
@@ -106,6 +126,7 @@ struct Options {
     text_encoder_path = get<std::string>(c, m + ".text_encoder_path");
     model_config = at(c, m + ".config");
     lora_rank = get<int64_t>(c, m + ".lora_rank");
+    pretrained_dir = pretrained_sd3_dir(c);
 
     const std::string r = "actor_rollout_ref.rollout";
     group_size = get<int64_t>(c, r + ".n");
@@ -132,7 +153,7 @@ struct Options {
     sampler.shift = get<double>(c, r + ".pipeline.shift");
     sampler.height = nullable(c, r + ".pipeline.height", image_size);
     sampler.width = nullable(c, r + ".pipeline.width", image_size);
-    if (sampler.height != image_size || sampler.width != image_size) {
+    if (!latent_model() && (sampler.height != image_size || sampler.width != image_size)) {
       throw std::invalid_argument(fmt::format(
           "config keys '{0}.pipeline.height' / 'width' ({1}x{2}) must equal data.image_size ({3}): "
           "the model works on the image pixels and the reward classifier reads {3}x{3}",
@@ -173,6 +194,8 @@ struct Options {
     advantage.normalize_by_std = get<bool>(c, "algorithm.norm_adv_by_std_in_grpo");
     advantage.global_std = get<bool>(c, "algorithm.global_std");
     eval_per_class = get<int64_t>(c, "evaluation.per_class");
+    test_freq = get<int64_t>(c, "trainer.test_freq");
+    val_before_train = get<bool>(c, "trainer.val_before_train");
     // verl-omni: the loss mode defaults to the model's algorithm; the registry refuses a mismatch.
     if (at(c, dl + ".loss_mode").is_null()) {
       loss.loss_mode = loss_mode();
@@ -187,6 +210,14 @@ struct Options {
   // The loss's mode from the engine the model type names (verl-omni's registry).
   std::string loss_mode() const { return algos::loss_mode_of(model_type); }
   bool lora() const { return lora_rank > 0; }
+  // A pretrained diffusers transformer (model.path) replaces the supervised stage; one with
+  // latent channels (in_channels != 1, e.g. SD3.5's 16) samples latents of pipeline.height x
+  // width, and the reward reads their channel mean at the classifier's size (no VAE here).
+  std::string pretrained_dir;
+  bool latent_model() const {
+    return !pretrained_dir.empty() &&
+           models::SD3Config::load(pretrained_dir + "/config.json").in_channels != 1;
+  }
 
  private:
   static int64_t nullable(const json& c, const std::string& key, int64_t fallback) {
@@ -222,14 +253,18 @@ models::ImageClassifier reward_model(const Options& o, const data::ImageDataset&
     fit.steps = o.classifier_steps;
     fit.global_batch = o.classifier_batch;
     fit.seed = o.seed;
+    if (lead) {
+      std::cout << fmt::format("training the reward classifier: {} steps, batch {}\n", fit.steps,
+                               fit.global_batch)
+                << std::flush;
+    }
+    Progress progress("reward classifier", fit.steps, {.unit = "steps", .enabled = lead});
+    fit.log_every = 10;  // the loss and accuracy are all-reduced: not every step
     fit.log = [&](int64_t step, double loss, double acc) {
-      if (lead) {
-        std::cout << fmt::format("classifier step {:4d}/{}  loss {:.4f}  batch acc {:.3f}\n", step,
-                                 fit.steps, loss, acc)
-                  << std::flush;
-      }
+      progress.update(step, fmt::format("loss {:.4f}, batch accuracy {:.3f}", loss, acc));
     };
     models::fit_classifier(net, train.images, train.labels, fit);
+    progress.finish();
     auto params = net.fsdp().full_parameters();
     if (lead) {
       fs::create_directories(dir);
@@ -258,6 +293,20 @@ struct PromptTable {
   torch::Tensor pooled;         // [num_prompts + 1, D]
   std::string encoder;          // the text encoder's fingerprint
   int64_t width() const { return prompt_embeds.size(2); }
+
+  // Zero-padded to a model's text widths, as SD3 pads its CLIP embeddings to T5's width.
+  void fit(const models::SD3Config& model) {
+    const auto pad = [](const torch::Tensor& t, int64_t width, const char* field) {
+      if (t.size(-1) > width) {
+        throw std::invalid_argument(
+            fmt::format("the text encoder's width {} exceeds the transformer's {} ({})", t.size(-1),
+                        width, field));
+      }
+      return torch::constant_pad_nd(t, {0, width - t.size(-1)});
+    };
+    prompt_embeds = pad(prompt_embeds, model.joint_attention_dim, "joint_attention_dim");
+    pooled = pad(pooled, model.pooled_projection_dim, "pooled_projection_dim");
+  }
 
   // The conditioning of prompts `ids` [B], with the negative prompt's rows beside them.
   algos::Conditioning rows(const torch::Tensor& ids) const {
@@ -296,13 +345,14 @@ int64_t sd3_heads(const Options& o) {
 
 // The MMDiT's diffusers config: the YAML's actor_rollout_ref.model.config (width, depth, patch)
 // completed by what the data and the text encoder fix.
-models::SD3Config sd3_config(const Options& o, const PromptTable& prompts) {
+models::SD3Config sd3_config(const Options& o, int64_t text_width, int64_t pooled_width) {
+  if (!o.pretrained_dir.empty()) return models::SD3Config::load(o.pretrained_dir + "/config.json");
   json j = model_config_json(o);
   j["in_channels"] = 1;
   j["out_channels"] = 1;
   j["sample_size"] = o.image_size;
-  j["joint_attention_dim"] = prompts.width();
-  j["pooled_projection_dim"] = prompts.pooled.size(1);
+  j["joint_attention_dim"] = text_width;
+  j["pooled_projection_dim"] = pooled_width;
   const auto heads = sd3_heads(o);
   const auto head_dim = j.value("attention_head_dim", int64_t{16});
   j["caption_projection_dim"] = heads * head_dim;
@@ -339,6 +389,10 @@ std::string pretrained_transformer(const Options& o, const json& config,
                   std::hash<std::string>{}(sd3.to_json().dump()), prompts.encoder, o.pretrain_steps,
                   o.pretrain_batch, o.pretrain_lr, o.caption_dropout, o.seed);
   const std::string dir = o.cache_dir + "/" + key;
+  if (!o.pretrained_dir.empty()) {
+    if (lead) std::cout << "pretrained MMDiT: " << o.pretrained_dir << "\n";
+    return o.pretrained_dir;
+  }
   if (fs::exists(dir + "/config.json")) {
     if (lead) std::cout << "pretrained MMDiT: cached " << dir << "\n";
     return dir;
@@ -385,7 +439,8 @@ std::string pretrained_transformer(const Options& o, const json& config,
                      prompts.prompt_embeds.size(1), o.pretrain_steps, o.pretrain_batch)
               << std::flush;
   }
-  double window = 0;
+  Progress progress("pretraining the MMDiT", o.pretrain_steps, {.unit = "steps", .enabled = lead});
+  RecentMean loss;
   const int64_t templates = static_cast<int64_t>(caption_templates().size());
   for (int64_t step = 0; step < o.pretrain_steps; ++step) {
     auto idx = sampler.indices(step);
@@ -395,27 +450,35 @@ std::string pretrained_transformer(const Options& o, const json& config,
     engine::Batch batch{{"images", train.images.index_select(0, idx)}};
     prompts.rows(ids).add_to(batch);
     auto metrics = engine->train_batch(batch, flow_matching);
-    window += metrics["loss"];
-    if ((step + 1) % 100 == 0 || step + 1 == o.pretrain_steps) {
-      if (lead) {
-        std::cout << fmt::format(
-                         "pretrain step {:5d}/{}  loss {:.4f}  grad_norm {:.3f}  {:.1f} s\n",
-                         step + 1, o.pretrain_steps, window / ((step % 100) + 1),
-                         metrics["grad_norm"], since(start))
-                  << std::flush;
-      }
-      window = 0;
-    }
+    loss.add(metrics["loss"]);
+    progress.update(
+        step + 1, fmt::format("loss {:.4f}, grad_norm {:.3f}", loss.mean(), metrics["grad_norm"]));
   }
+  progress.finish();
   auto params = engine->fsdp().full_parameters();
   if (lead) {
     models::save_sd3(params, sd3, dir + ".tmp");
     fs::remove_all(dir);
     fs::rename(dir + ".tmp", dir);
-    std::cout << fmt::format("pretraining took {:.1f} s -> {}\n", since(start), dir) << std::flush;
+    std::cout << fmt::format(
+                     "pretraining took {:.1f} s, final loss {:.4f} (mean of the last {}) -> {}\n",
+                     since(start), loss.mean(), loss.count(), dir)
+              << std::flush;
   }
   world->group().barrier();
   return dir;
+}
+
+// What the reward classifier reads of samples [B, C, H, W]: a latent model's channel mean at the
+// classifier's size; the demo's pixel model's samples as they are.
+torch::Tensor reward_images(const torch::Tensor& samples, const Options& o) {
+  if (samples.size(1) == 1 && samples.size(2) == o.image_size) return samples;
+  namespace F = torch::nn::functional;
+  return F::interpolate(samples.mean(1, /*keepdim=*/true),
+                        F::InterpolateFuncOptions()
+                            .size(std::vector<int64_t>{o.image_size, o.image_size})
+                            .mode(torch::kBilinear)
+                            .align_corners(false));
 }
 
 // The fixed evaluation set: eval_per_class ODE samples of every class's evaluation prompt, split
@@ -434,8 +497,10 @@ Evaluation evaluate(models::SD3Transformer2DModel& model, models::ImageClassifie
   auto mine = all_labels.narrow(0, world.rank() * local, local);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed + 4242 + world.rank());
   const algos::SdeWindow every_step{0, o.validation.num_inference_steps};
-  auto images = algos::sample_with_logprob(model, prompts.rows(mine), o.validation, every_step, gen)
-                    .images()
+  auto images = reward_images(algos::sample_with_logprob(model, prompts.rows(mine), o.validation,
+                                                         every_step, gen)
+                                  .images(),
+                              o)
                     .contiguous();
   auto gathered =
       torch::empty({world.size() * local, images.size(1), images.size(2), images.size(3)});
@@ -449,10 +514,18 @@ Evaluation evaluate(models::SD3Transformer2DModel& model, models::ImageClassifie
   return e;
 }
 
-void write_samples(const std::string& path, const Evaluation& e, const Options& o) {
+// The evaluation samples, a row per class under its prompt: uint8 [H, W, 1].
+torch::Tensor samples_grid(const Evaluation& e, const Options& o) {
   std::vector<std::string> captions;
   for (int64_t c = 0; c < kClasses; ++c) captions.push_back(prompt_text(c));
-  data::write_png(path, data::captioned_grid(e.images, o.eval_per_class, captions, 2, 3));
+  return data::captioned_grid(e.images, o.eval_per_class, captions, 2, 3);
+}
+
+// An evaluation as metrics.jsonl and TensorBoard keep it: val/reward (the mean p(class) of the
+// samples), val/accuracy (how often the classifier agrees), and the grid as "val/generations".
+engine::Metrics log_evaluation(Run& run, int64_t step, const Evaluation& e, const Options& o) {
+  run.log_image(step, "val/generations", samples_grid(e, o));
+  return {{"val/reward", e.reward}, {"val/accuracy", e.accuracy}};
 }
 
 // Per-sample outputs of a frozen policy over the rows, joined to them as columns.
@@ -495,8 +568,9 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   auto t_stage = Clock::now();
   auto classifier = reward_model(o, train, test, mesh, *world);
   const double classifier_seconds = since(t_stage);
-  const auto prompts = encode_prompts(o, *world);
-  const auto sd3 = sd3_config(o, prompts);
+  auto prompts = encode_prompts(o, *world);
+  const auto sd3 = sd3_config(o, prompts.width(), prompts.pooled.size(1));
+  prompts.fit(sd3);
   t_stage = Clock::now();
   const auto transformer_dir = pretrained_transformer(o, config, sd3, prompts, train, world);
   const double pretrain_seconds = since(t_stage);
@@ -536,13 +610,32 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   // rollout the weight sync streams the trainer's params into it, with the behaviour policy's
   // adapter merged under LoRA (as verl syncs a LoRA actor into a rollout engine without LoRA
   // support), or the full weights.
-  models::SD3Transformer2DModel rollout_model(sd3);
-  for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+  // With rollout.name=hf the actor's sharded module samples (the usual FSDP forward, unit by
+  // unit: a sampling step is a whole batch's forward, as in training), and the weight sync is
+  // only the choice of its adapter.
+  const bool actor_samples = rollout_engine(config, engine::Workload::Rollout::kActorPerUnit) !=
+                             engine::Workload::Rollout::kReplica;
   const bool nft = o.loss_mode() == "diffusion_nft";
+  if (actor_samples && nft && !o.lora()) {
+    throw std::invalid_argument(
+        "config key 'actor_rollout_ref.rollout.name' is hf: DiffusionNFT without LoRA samples "
+        "with the weights before each update, which only a rollout replica keeps");
+  }
+  models::SD3Transformer2DModel rollout_model{nullptr};
+  if (actor_samples) {
+    rollout_model = engine->model<models::SD3Transformer2DModel>();
+  } else {
+    rollout_model = models::SD3Transformer2DModel(sd3);
+    for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+  }
   // NFT samples with its behaviour policy, the "old" adapter; evaluation always reads "default".
   const std::string behaviour = nft ? "old" : "default";
   auto sync_weights = [&](const std::string& adapter) {
-    sync_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
+    if (!actor_samples) {
+      sync_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
+    } else if (o.lora()) {
+      models::lora::set_active_adapter(*rollout_model, adapter);
+    }
   };
 
   // What the loss reads from the reference, computed micro-batch by micro-batch on the engine
@@ -560,14 +653,17 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     return holder.infer_batch(rows, frozen);
   };
 
-  Run run(config, *world);
+  // Images sampled and trained on a step (train_batch_size prompts x rollout.n), per second.
+  Run run(config, *world, {"perf/images_per_s", "img/s"});
+  auto& data_parallel = engine->mesh().data_parallel_group();
   const int64_t first_step = run.resume(*engine) + 1;
   std::optional<Evaluation> before;
-  if (first_step == 1) {
+  if (first_step == 1 && o.val_before_train) {
     sync_weights("default");
     before = evaluate(rollout_model, classifier, prompts, o, *world);
+    run.log(0, log_evaluation(run, 0, *before, o));
     if (lead) {
-      write_samples(o.run_dir + "/samples_before.png", *before, o);
+      data::write_png(o.run_dir + "/samples_before.png", samples_grid(*before, o));
       std::cout << fmt::format(
                        "before RL: eval reward (p(class)) {:.4f}, classifier agrees {:.3f}  -> "
                        "{}\n",
@@ -591,6 +687,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   const int64_t mini_batches = optimizer_steps_per_rl_step;
   const auto decay = algos::ema_decay_schedule("linear_to_0_5");
   auto rl_start = Clock::now();
+  std::optional<Evaluation> last;  // the latest evaluation in the loop
   for (int64_t step = first_step; step <= o.rl_steps; ++step) {
     const auto step_start = Clock::now();
     std::map<std::string, double> seconds;
@@ -618,9 +715,9 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     seconds["rollout"] = since(t);
 
     t = Clock::now();
-    const auto rewards =
-        models::classifier_reward(classifier, rollout.images(), labels, o.reward_mode)
-            .to(torch::kFloat);
+    const auto rewards = models::classifier_reward(classifier, reward_images(rollout.images(), o),
+                                                   labels, o.reward_mode)
+                             .to(torch::kFloat);
     const auto adv = algos::group_advantages(rewards, o.group_size, o.advantage,
                                              &engine->mesh().data_parallel_group());
     seconds["reward"] = since(t);
@@ -640,6 +737,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     } else {
       rows = algos::dpo_rows(rollout, rewards, adv.group_ids, o.sampler.shift, gen);
     }
+    if (actor_samples && o.lora()) models::lora::set_active_adapter(*rollout_model, "default");
     same_rows_in_group(rows, engine->mesh().sequence_parallel_group().get());
     if (o.loss.needs_reference()) add_columns(rows, reference_outputs(rows));
     seconds["reference"] = since(t);
@@ -669,6 +767,27 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     metrics["reward_mean"] = adv.reward_mean;
     metrics["reward_std"] = adv.reward_std;
     metrics["sde_window_begin"] = static_cast<double>(window.begin);
+    metrics["perf/images_per_s"] =
+        static_cast<double>(o.train_batch_size * o.group_size) / std::max(since(step_start), 1e-9);
+    if (run.dumps_rollouts()) {
+      t = Clock::now();
+      std::vector<json> samples;
+      for (int64_t i = 0; i < mine.size(0); ++i) {
+        const int64_t prompt = mine[i].item<int64_t>();
+        samples.push_back({{"input", prompt_text(prompt)},
+                           {"gts", class_phrases()[prompt % kClasses]},
+                           {"score", rewards[i].item<double>()}});
+      }
+      run.dump_rollouts(step, std::move(samples), data_parallel, rollout.images());
+      seconds["dump_rollouts"] = since(t);
+    }
+    if ((o.test_freq > 0 && step % o.test_freq == 0) || step == o.rl_steps) {
+      t = Clock::now();
+      sync_weights("default");
+      last = evaluate(rollout_model, classifier, prompts, o, *world);
+      for (const auto& [name, value] : log_evaluation(run, step, *last, o)) metrics[name] = value;
+      seconds["validation"] = since(t);
+    }
     for (const auto& [phase, s] : seconds) metrics["time_" + phase] = s;
     metrics["step_time"] = since(step_start);
     run.after_step(*engine, step, metrics);
@@ -676,12 +795,18 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   const double rl_seconds = since(rl_start);
   const int64_t rl_steps_run = std::max<int64_t>(o.rl_steps - first_step + 1, 1);
 
-  sync_weights("default");
-  auto after = evaluate(rollout_model, classifier, prompts, o, *world);
+  // The loop evaluated its last step; a run resumed after its last step evaluates here.
+  if (!last) {
+    sync_weights("default");
+    last = evaluate(rollout_model, classifier, prompts, o, *world);
+  }
+  const Evaluation& after = *last;
   if (lead) {
-    write_samples(o.run_dir + "/samples_after.png", after, o);
+    data::write_png(o.run_dir + "/samples_after.png", samples_grid(after, o));
     const auto curve =
-        summarize_run(o.run_dir, fmt::format("{} reward (p(class)) per step", o.loss_mode()));
+        run.uses("file")
+            ? summarize_run(o.run_dir, fmt::format("{} reward (p(class)) per step", o.loss_mode()))
+            : RunCurve{};
     std::string phase_line;
     for (const auto& [phase, mean] : curve.phase_seconds_per_step.items()) {
       phase_line +=
@@ -708,12 +833,13 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
                      "timings: classifier {:.1f} s, pretrain {:.1f} s, RL {:.1f} s ({:.2f} "
                      "s/step), total {:.1f} s\n"
                      "RL phases, s/step: {}\n"
-                     "wrote {}/samples_before.png, samples_after.png, reward_curve.png, "
-                     "metrics.jsonl\n",
+                     "wrote {}/{}samples_after.png, {}summary.json\n",
                      after.reward,
                      before ? fmt::format(" (before {:.4f})", before->reward) : std::string(),
                      after.accuracy, classifier_seconds, pretrain_seconds, rl_seconds,
-                     rl_seconds / rl_steps_run, since(t0), phase_line, o.run_dir)
+                     rl_seconds / rl_steps_run, since(t0), phase_line, o.run_dir,
+                     before ? "samples_before.png, " : "",
+                     run.uses("file") ? "reward_curve.png, metrics.jsonl, " : "")
               << std::flush;
   }
   world->group().barrier();
@@ -721,6 +847,35 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
 }
 
 }  // namespace
+
+PlanInput diffusion_rl_plan(const json& config, const engine::Layout& layout) {
+  const int sp = ulysses_sequence_parallel_size(config, "actor");
+  const int64_t dp = std::max(1, layout.world_size() / sp);
+  const Options o(config, static_cast<int>(dp));
+  // The text widths the demo's MMDiT is built for are the text encoder's (hidden_size).
+  std::ifstream encoder(o.text_encoder_path + "/config.json");
+  const json encoder_config = json::parse(encoder, nullptr, false);
+  const int64_t width = encoder_config.is_object() ? encoder_config.value("hidden_size", 384) : 384;
+  const auto sd3 = sd3_config(o, width, width);
+  json engine_json = config;
+  engine_json["actor_rollout_ref"]["model"]["config"] = sd3.to_json();
+  PlanInput in{engine_config(engine_json, o.model_type, "actor"), {}};
+  auto& w = in.workload;
+  const int64_t rows_per_mini_batch = o.mini_batch_size / dp * o.group_size;
+  const int64_t micro = in.engine.micro_batch_size_per_gpu;
+  w.micro_batch_rows = micro > 0 ? std::min(micro, rows_per_mini_batch) : rows_per_mini_batch;
+  const int64_t patches = (o.sampler.height / sd3.patch_size) * (o.sampler.width / sd3.patch_size);
+  w.tokens_per_row = patches + o.max_sequence_length;
+  w.gradient_checkpointing =
+      get<bool>(config, "actor_rollout_ref.model.enable_gradient_checkpointing");
+  w.rollout = rollout_engine(config, engine::Workload::Rollout::kActorPerUnit);
+  w.rollout_rows = o.train_batch_size / dp * o.group_size;
+  w.rollout_tokens = w.tokens_per_row;
+  // Full fine-tuning with a loss that reads the reference keeps a forward-only copy, offloaded.
+  w.reference = !o.lora() && o.loss.needs_reference();
+  w.reference_param_offload = true;
+  return in;
+}
 
 int run_diffusion_rl(const json& config, std::shared_ptr<dist::World> world) {
   const Options options(config, world->size() / ulysses_sequence_parallel_size(config, "actor"));
@@ -766,8 +921,9 @@ Task diffusion_rl_task() {
        "the fraction of the SDE window's steps each sample trains on"},
       {"evaluation.per_class", 8, integer().at_least(1),
        "evaluation samples per class, before and after RL (ShardRL's key)"},
-      {m + "path", "", text().one_of({""}),
-       "stays empty: the task pretrains its own MMDiT (pretrain.*) and trains that"},
+      {m + "path", "", text().existing_folder(),
+       "a pretrained diffusers SD3 transformer: its folder, or a pipeline folder holding it under "
+       "transformer_subfolder (empty: the task pretrains its own MMDiT, pretrain.*)"},
       {m + "model_type", "diffusion_model",
        text().one_of({"diffusion_model", "diffusion_nft_model", "diffusion_dpo_model"}),
        "the algorithm, by the engine it picks: Flow-GRPO, DiffusionNFT or Diffusion-DPO"},
@@ -819,6 +975,7 @@ Task diffusion_rl_task() {
       {r + "val_kwargs.noise_level", 0.0, number().at_least(0),
        "evaluation's noise (0: the ODE, clean samples)"},
   };
+  for (auto& row : rollout_task_keys()) task.keys.push_back(std::move(row));
   task.defaults = {
       {"trainer.experiment_name", "fmnist_flow_grpo"},
       {"trainer.default_local_dir", "runs/demo"},
@@ -840,6 +997,7 @@ Task diffusion_rl_task() {
       {a + "ppo_micro_batch_size_per_gpu", 16},
   };
   task.run = run_diffusion_rl;
+  task.plan = diffusion_rl_plan;
   return task;
 }
 

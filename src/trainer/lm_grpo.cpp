@@ -26,9 +26,11 @@
 #include <optional>
 #include <set>
 
+#include "config_table.h"
 #include "shardrl/algos.h"
 #include "shardrl/algos/arithmetic.h"
 #include "shardrl/models/llama.h"
+#include "shardrl/progress.h"
 #include "shardrl/rollout/packed_linear.h"
 #include "shardrl/rollout/sampling.h"
 #include "shardrl/text/bpe_tokenizer.h"
@@ -115,6 +117,8 @@ std::string supervised_stage(const json& config, const std::shared_ptr<dist::Wor
   const int64_t local = batch / engine->data_parallel_size();
   const auto width = algos::make_arithmetic_problems(task, 1, 0).front().prompt.size() +
                      static_cast<size_t>(2 * task.digits + 2);
+  Progress progress("supervised stage", steps, {.unit = "steps", .enabled = lead});
+  RecentMean loss;
   for (int64_t step = 1; step <= steps; ++step) {
     std::vector<std::string> texts;
     for (const auto& p : algos::make_arithmetic_problems(task, batch, seed * 7919 + step)) {
@@ -125,10 +129,15 @@ std::string supervised_stage(const json& config, const std::shared_ptr<dist::Wor
     auto data = engine::slice_batch({{"tokens", encode(texts)}},
                                     engine->data_parallel_rank() * local, local);
     auto metrics = engine->train_batch(data, next_token_loss);
-    if (lead && (step % 50 == 0 || step == steps)) {
-      std::cout << fmt::format("sft step {:4d}/{}  loss {:.4f}\n", step, steps, metrics["loss"])
-                << std::flush;
-    }
+    loss.add(metrics["loss"]);
+    progress.update(step, fmt::format("loss {:.4f}", loss.mean()));
+  }
+  progress.finish();
+  if (lead) {
+    std::cout << fmt::format(
+                     "supervised stage: {} steps, final loss {:.4f} (mean of the last {})\n", steps,
+                     loss.mean(), loss.count())
+              << std::flush;
   }
   auto params = engine->fsdp().full_parameters();
   if (lead) {
@@ -149,6 +158,8 @@ class TaskText {
       const std::vector<algos::ArithmeticProblem>& problems) const = 0;
   // A response's text: its tokens under the response mask.
   virtual std::string response(const torch::Tensor& ids, const torch::Tensor& mask) const = 0;
+  // The prompt's text as the model reads it, special tokens left out (verl's "input").
+  virtual std::string prompt(const algos::ArithmeticProblem& problem) const = 0;
   virtual algos::AnswerAt answer_at() const = 0;
   int64_t eos = -1, pad = -1;
 };
@@ -165,6 +176,9 @@ class CharacterText : public TaskText {
   }
   std::string response(const torch::Tensor& ids, const torch::Tensor& mask) const override {
     return decode(ids, mask);
+  }
+  std::string prompt(const algos::ArithmeticProblem& problem) const override {
+    return problem.prompt;
   }
   algos::AnswerAt answer_at() const override { return algos::AnswerAt::kStart; }
 };
@@ -207,16 +221,12 @@ class ChatText : public TaskText {
     std::vector<std::vector<int64_t>> rows;
     size_t width = 0;
     for (const auto& p : problems) {
-      const size_t op = p.prompt.find_first_of("+-*", 1);
-      const std::string question =
-          fmt::format("What is {} {} {}?", p.prompt.substr(0, op), p.prompt[op],
-                      p.prompt.substr(op + 1, p.prompt.size() - op - 2));
-      rows.push_back(tokenizer_.encode(chat_.render({{"user", question}}, true)));
+      rows.push_back(tokens(p));
       if (static_cast<int64_t>(rows.back().size()) > prompt_length_) {
         throw std::invalid_argument(fmt::format(
             "config key 'actor_rollout_ref.rollout.prompt_length' ({}) is shorter than the "
             "prompt of \"{}\" ({} tokens)",
-            prompt_length_, question, rows.back().size()));
+            prompt_length_, question(p), rows.back().size()));
       }
       width = std::max(width, rows.back().size());
     }
@@ -239,8 +249,22 @@ class ChatText : public TaskText {
         /*skip_special_tokens=*/true);
   }
   algos::AnswerAt answer_at() const override { return algos::AnswerAt::kLastInteger; }
+  std::string prompt(const algos::ArithmeticProblem& problem) const override {
+    return tokenizer_.decode(tokens(problem), /*skip_special_tokens=*/true);
+  }
 
  private:
+  // "23+19=" as the user's question "What is 23 + 19?".
+  static std::string question(const algos::ArithmeticProblem& p) {
+    const size_t op = p.prompt.find_first_of("+-*", 1);
+    return fmt::format("What is {} {} {}?", p.prompt.substr(0, op), p.prompt[op],
+                       p.prompt.substr(op + 1, p.prompt.size() - op - 2));
+  }
+  // The question as a user turn in the chat template, tokenized.
+  std::vector<int64_t> tokens(const algos::ArithmeticProblem& p) const {
+    return tokenizer_.encode(chat_.render({{"user", question(p)}}, true));
+  }
+
   text::ByteLevelBpeTokenizer tokenizer_;
   text::ChatTemplate chat_;
   int64_t prompt_length_;
@@ -280,9 +304,14 @@ class Problems {
   std::set<std::string> held_out_;
 };
 
+struct Validation {
+  double accuracy = 0;                  // over every rank's share
+  std::vector<nlohmann::json> samples;  // this rank's: {"input", "output", "score"}
+};
+
 // Greedy accuracy on this rank's share of the held-out problems, averaged over the ranks.
-double validate(engine::Engine& actor, const TaskText& text, const Problems& problems,
-                int64_t response_length) {
+Validation validate(engine::Engine& actor, const TaskText& text, const Problems& problems,
+                    int64_t response_length) {
   const auto& all = problems.validation();
   const int64_t dp = actor.data_parallel_size();
   const int64_t share = static_cast<int64_t>(all.size()) / dp;
@@ -296,13 +325,17 @@ double validate(engine::Engine& actor, const TaskText& text, const Problems& pro
   greedy.pad_token_id = text.pad;
   const auto rollout =
       rollout::sample(actor.model<models::LlamaForCausalLM>(), tokens, greedy, mask);
+  Validation v;
   double correct = 0;
   for (int64_t i = 0; i < share; ++i) {
-    correct +=
-        algos::arithmetic_reward(text.response(rollout.responses[i], rollout.response_mask[i]),
-                                 mine[i].answer, text.answer_at());
+    const std::string output = text.response(rollout.responses[i], rollout.response_mask[i]);
+    const double score = algos::arithmetic_reward(output, mine[i].answer, text.answer_at());
+    correct += score;
+    v.samples.push_back({{"input", text.prompt(mine[i])}, {"output", output}, {"score", score}});
   }
-  return actor.average_over_ranks({{"accuracy", correct / static_cast<double>(share)}})["accuracy"];
+  v.accuracy =
+      actor.average_over_ranks({{"accuracy", correct / static_cast<double>(share)}})["accuracy"];
+  return v;
 }
 
 // `rollout` as the first rank of `group` made it (no group: as it is).
@@ -332,6 +365,36 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 }  // namespace
+
+PlanInput lm_grpo_plan(const json& config, const engine::Layout& layout) {
+  json rl = config;
+  const auto path = get<std::string>(config, "actor_rollout_ref.model.path");
+  rl["actor_rollout_ref"]["model"]["config"] =
+      path.empty() ? llama_json(config)
+                   : models::LlamaConfig::load(path + "/config.json").to_json();
+  PlanInput in{engine_config(rl, "language_model", "actor"), {}};
+  auto& w = in.workload;
+  const std::string r = "actor_rollout_ref.rollout.";
+  const int64_t dp = layout.world_size() / ulysses_sequence_parallel_size(config, "actor");
+  const int64_t rows = std::max<int64_t>(1, get<int64_t>(config, "data.train_batch_size") / dp) *
+                       get<int64_t>(config, r + "n");
+  const int64_t micro = in.engine.micro_batch_size_per_gpu;
+  w.micro_batch_rows = micro > 0 ? std::min(micro, rows) : rows;
+  w.tokens_per_row =
+      get<int64_t>(config, r + "prompt_length") + get<int64_t>(config, r + "response_length");
+  w.gradient_checkpointing =
+      get<bool>(config, "actor_rollout_ref.model.enable_gradient_checkpointing");
+  w.logits = true;
+  // The actor decodes token by token: gathered once for the whole rollout, not once a token.
+  w.rollout = rollout_engine(config, engine::Workload::Rollout::kActorGathered);
+  w.rollout_dtype =
+      get<std::string>(config, r + "dtype") == "float16" ? torch::kHalf : torch::kFloat;
+  w.rollout_rows = rows;
+  w.rollout_tokens = w.tokens_per_row;
+  w.reference = get<bool>(config, "actor_rollout_ref.actor.use_kl_loss");
+  w.reference_param_offload = get<bool>(config, "actor_rollout_ref.ref.fsdp_config.param_offload");
+  return in;
+}
 
 int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -401,15 +464,26 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   }
   const int64_t local = prompts_global / dp;
   const Problems problems(task, val_size, seed);
-  const bool rollout_in_fp16 =
-      get<std::string>(config, "actor_rollout_ref.rollout.dtype") == "float16";
+  const auto rollout_dtype = get<std::string>(config, "actor_rollout_ref.rollout.dtype");
+  const bool rollout_in_fp16 = rollout_dtype == "float16";
+  // verl's rollout.name: the replica (fed by the weight sync), or the actor itself (hf).
+  const bool actor_samples = rollout_engine(config, engine::Workload::Rollout::kActorGathered) !=
+                             engine::Workload::Rollout::kReplica;
+  if (actor_samples && rollout_in_fp16) {
+    throw std::invalid_argument(
+        "config key 'actor_rollout_ref.rollout.dtype' float16 packs a rollout replica's weights; "
+        "with actor_rollout_ref.rollout.name=hf the actor samples in its own fp32 weights");
+  }
   // The rollout replica: unsharded on every rank, so sampling runs without collectives.
-  models::LlamaForCausalLM rollout_model(
-      models::LlamaConfig::from_json(at(rl, "actor_rollout_ref.model.config")));
-  for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
-  rollout_model->eval();
+  models::LlamaForCausalLM rollout_model{nullptr};
+  if (!actor_samples) {
+    rollout_model = models::LlamaForCausalLM(
+        models::LlamaConfig::from_json(at(rl, "actor_rollout_ref.model.config")));
+    for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+    rollout_model->eval();
+  }
   const bool lora = get<int64_t>(config, "actor_rollout_ref.model.lora_rank") > 0;
-  if (lora) {
+  if (lora && !actor_samples) {
     models::lora::apply_lora(
         *rollout_model,
         models::lora::config_from_peft(actor->export_info().at("lora").at("default"),
@@ -427,14 +501,17 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   };
   const bool lead = world->rank() == 0;
 
-  Run run(config, *world);
+  // Response tokens sampled and trained on a step, all ranks together, per second of the step.
+  Run run(config, *world, {"perf/response_tokens_per_s", "response tok/s"});
+  auto& data_parallel = actor->mesh().data_parallel_group();
   const int64_t first_step = run.resume(*actor) + 1;
   if (val_size > 0 && first_step == 1 && get<bool>(config, "trainer.val_before_train")) {
-    const double accuracy = validate(*actor, *text, problems, response_length);
-    run.log(0, {{"val/accuracy", accuracy}});
+    const auto before = validate(*actor, *text, problems, response_length);
+    run.log(0, {{"val/accuracy", before.accuracy}});
+    run.log_val_generations(0, before.samples, data_parallel);
     if (lead) {
       std::cout << fmt::format("before RL: greedy accuracy on {} held-out problems {:.3f}\n",
-                               val_size, accuracy)
+                               val_size, before.accuracy)
                 << std::flush;
     }
   }
@@ -450,7 +527,14 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       for (int64_t k = 0; k < n; ++k) answers.push_back(all[i].answer);
     }
     const auto sync_start = std::chrono::steady_clock::now();
-    sync_rollout_weights();
+    // hf: the weight sync is the all-gather of every unit, held for the whole rollout (one
+    // gather, not one a token), as verl's HFRollout samples under summon_full_params.
+    std::optional<fsdp::UnshardScope> gathered;
+    if (actor_samples) {
+      gathered.emplace(actor->fsdp());
+    } else {
+      sync_rollout_weights();
+    }
     const double sync_seconds = seconds_since(sync_start);
     rollout::SamplingOptions sampling;
     sampling.max_new_tokens = response_length;
@@ -465,9 +549,11 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     // The sequence-parallel ranks of a group sample the same prompts from the same seed; the
     // group's first rank's rollout is the one all of them train on (verl hands the group one
     // batch), whatever their kernels' last bits.
+    auto& sampler = actor_samples ? actor->model<models::LlamaForCausalLM>() : rollout_model;
     const auto rollout =
-        same_in_group(rollout::sample(rollout_model, prompt_tokens, sampling, prompt_mask),
+        same_in_group(rollout::sample(sampler, prompt_tokens, sampling, prompt_mask),
                       actor->mesh().sequence_parallel_group().get());
+    gathered.reset();  // resharded before the update
     const double rollout_seconds = seconds_since(start);
 
     std::vector<std::string> responses;
@@ -523,12 +609,14 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       return engine::LossOutput{loss / mb.count, metrics, {}};
     };
     auto metrics = actor->train_batch(batch, grpo_loss);
+    const double update_end = seconds_since(start);
     const double tokens = rollout.response_mask.sum().item<double>();
     // Every rank holds as many samples, so means of means are global means.
     auto stats = actor->average_over_ranks(
         {{"reward_mean", rewards.mean().item<double>()},
          {"reward_sq", rewards.square().mean().item<double>()},
          {"response_length", rollout.response_mask.sum(1).mean().item<double>()},
+         {"response_tokens", tokens},
          {"rollout_tokens_per_s", tokens / rollout_seconds}});
     metrics["reward_mean"] = stats["reward_mean"];
     metrics["reward_std"] =
@@ -536,17 +624,34 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     metrics["response_length"] = stats["response_length"];
     // Per rank, as verl's perf/throughput is per GPU.
     metrics["perf/rollout_tokens_per_s"] = stats["rollout_tokens_per_s"];
+    // Every data-parallel rank's (the mean times their count), over the rollout and the update.
+    metrics["perf/response_tokens_per_s"] =
+        stats["response_tokens"] * static_cast<double>(dp) / std::max(update_end, 1e-9);
     metrics["time_rollout"] = rollout_seconds;  // the weight sync included
     metrics["time_weight_sync"] = sync_seconds;
-    metrics["time_update"] = seconds_since(start) - rollout_seconds;
+    metrics["time_update"] = update_end - rollout_seconds;
+    if (run.dumps_rollouts()) {
+      std::vector<nlohmann::json> samples;
+      for (size_t i = 0; i < responses.size(); ++i) {
+        samples.push_back({{"input", text->prompt(mine[i / n])},
+                           {"output", responses[i]},
+                           {"gts", answers[i]},
+                           {"score", rewards[static_cast<int64_t>(i)].item<double>()}});
+      }
+      run.dump_rollouts(step, std::move(samples), data_parallel);
+    }
     if (val_size > 0 && ((test_freq > 0 && step % test_freq == 0) || step == run.total_steps())) {
-      metrics["val/accuracy"] = validate(*actor, *text, problems, response_length);
+      const auto validation = validate(*actor, *text, problems, response_length);
+      metrics["val/accuracy"] = validation.accuracy;
+      run.log_val_generations(step, validation.samples, data_parallel);
     }
     metrics["step_time"] = seconds_since(start);
     run.after_step(*actor, step, metrics);
   }
   if (lead) {
-    const auto curve = summarize_run(run.dir(), "GRPO reward (exact answer) per step");
+    const auto curve = run.uses("file")
+                           ? summarize_run(run.dir(), "GRPO reward (exact answer) per step")
+                           : RunCurve{};
     // From metrics.jsonl, so that a run resumed in parts reports its whole span.
     json summary = {{"rl_seconds", seconds_since(rl_start)},
                     {"total_seconds", seconds_since(t0)},
@@ -563,8 +668,8 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       }
     }
     write_json(run.dir() + "/summary.json", summary);
-    std::cout << fmt::format("{}wrote {}/metrics.jsonl, summary.json, reward_curve.png\n", after,
-                             run.dir())
+    std::cout << fmt::format("{}wrote {}/{}summary.json\n", after, run.dir(),
+                             run.uses("file") ? "metrics.jsonl, reward_curve.png, " : "")
               << std::flush;
   }
   world->group().barrier();
@@ -579,10 +684,9 @@ Task lm_grpo_task() {
       "GRPO for a LLaMA-style decoder on arithmetic: a model trained here after a short "
       "supervised stage, or a pretrained chat model (model.path)";
   task.keys = {
-      {"trainer.test_freq", -1, integer().at_least(-1),
-       "greedy accuracy on the held-out problems every this many steps (-1 or 0: only at the "
-       "last step)"},
-      {"trainer.val_before_train", true, boolean(), "validate before the first step too"},
+      {"trainer.log_val_generations", 0, integer().at_least(0),
+       "validation answers (prompt, answer, score) logged to TensorBoard as text at each "
+       "validation (with the tensorboard logger)"},
       {"data.digits", 1, integer().at_least(1).at_most(9), "digits of each operand"},
       {"data.operators", "+", text().matching("[-+*]+", "+, - and * (at least one)"),
        "the operators problems draw from"},
@@ -627,6 +731,7 @@ Task lm_grpo_task() {
        "tokens a prompt may have (a chat model's prompt is an error beyond it)"},
       {r + "response_length", 4, integer().at_least(1), "tokens an answer may have"},
   };
+  for (auto& row : rollout_task_keys()) task.keys.push_back(std::move(row));
   task.defaults = {
       {"trainer.experiment_name", "arithmetic_grpo"},
       {"trainer.default_local_dir", "runs/lm_grpo"},
@@ -646,6 +751,7 @@ Task lm_grpo_task() {
       {a + "optim.weight_decay", 0.0},
   };
   task.run = run_lm_grpo;
+  task.plan = lm_grpo_plan;
   return task;
 }
 

@@ -99,8 +99,18 @@ std::vector<ConfigKey> shared_keys() {
       {"trainer.default_local_dir", "runs/run", text(),
        "the run's folder: config.yaml, metrics.jsonl, checkpoints/ (verl: "
        "checkpoints/${project_name}/${experiment_name})"},
-      {"trainer.nproc_per_node", 2, integer().at_least(1),
-       "ranks `shardrl train` starts on this host when no launcher did (torchrun's name)"},
+      {"trainer.nnodes", 1, integer().at_least(1),
+       "nodes the job runs on: the memory plan's world (`shardrl train` alone starts one node's "
+       "ranks; more need a launcher)"},
+      {"trainer.n_gpus_per_node", nullptr,
+       integer().at_least(1).or_null("trainer.nproc_per_node, else 2"),
+       "ranks a node runs: those `shardrl train` starts when no launcher did (verl counts GPUs; "
+       "here CPU ranks count too)"},
+      {"trainer.nproc_per_node", nullptr, integer().at_least(1).or_null("2"),
+       "the older name of n_gpus_per_node (torchrun's); set one of the two"},
+      {"trainer.memory_plan_check", true, boolean(),
+       "stop before any rank allocates when the memory plan exceeds what the host has (ShardRL's "
+       "key; `shardrl plan` prints the plan)"},
       {"trainer.total_training_steps", 100, integer().at_least(1),
        "training steps of the run (verl: null, then total_epochs; ShardRL's tasks count steps)"},
       {"trainer.save_freq", -1, integer().at_least(-1),
@@ -117,8 +127,11 @@ std::vector<ConfigKey> shared_keys() {
        "GiB the kept checkpoints may take on disk, the oldest removed first (0: no limit; "
        "ShardRL's key)"},
       {"trainer.seed", 0, integer().at_least(0), "seeds the weights, the data and the sampling"},
-      {"trainer.logger", "console", text().one_of({"console"}),
-       "where metrics go besides metrics.jsonl (verl: a list)"},
+      {"trainer.logger",
+       {"console", "file"},
+       list().of(text().one_of({"console", "file", "tensorboard"})),
+       "where metrics go: console step lines, file (metrics.jsonl), tensorboard (event files under "
+       "$TENSORBOARD_DIR, else tensorboard_log/<project>/<experiment>); one name is a list of one"},
       {"actor_rollout_ref.nccl_timeout", 600,
        integer().at_least(1).at_most(kMaxCollectiveTimeoutSeconds),
        "seconds any collective and the rendezvous may take before the run stops naming it (Gloo "
@@ -148,6 +161,19 @@ std::vector<ConfigKey> shared_keys() {
     for (auto& row : role_keys(role)) rows.push_back(std::move(row));
   }
   return rows;
+}
+
+std::vector<ConfigKey> rollout_task_keys() {
+  return {
+      {"trainer.test_freq", -1, integer().at_least(-1),
+       "validate every this many steps (-1 or 0: only at the last step)"},
+      {"trainer.val_before_train", true, boolean(), "validate before the first step too"},
+      {"trainer.rollout_data_dir", nullptr, text().or_null("off"),
+       "each step's rollouts as <dir>/<step>.jsonl, one JSON object a sample (empty or null: off)"},
+      {"actor_rollout_ref.rollout.name", "replica", text().one_of({"replica", "hf"}),
+       "who samples: replica (an unsharded rollout model on each rank, fed by the weight sync, in "
+       "the role verl gives vLLM) or hf (the actor's own sharded module, no second copy)"},
+  };
 }
 
 void check_shared_relations(const json& config) {

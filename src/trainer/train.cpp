@@ -1,9 +1,11 @@
 // `shardrl train`: picks the task, loads and checks the config, starts the ranks, runs.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <sstream>
@@ -18,6 +20,7 @@ namespace shardrl::trainer {
 namespace {
 
 using nlohmann::json;
+namespace fs = std::filesystem;
 
 std::chrono::seconds collective_timeout(const json& config) {
   return std::chrono::seconds(get<int64_t>(config, "actor_rollout_ref.nccl_timeout"));
@@ -33,6 +36,16 @@ struct TaskTable {
   }
 };
 
+}  // namespace
+
+std::vector<std::string> task_names() {
+  auto& table = TaskTable::get();
+  std::lock_guard lock(table.mutex);
+  std::vector<std::string> names;
+  for (const auto& [name, unused] : table.tasks) names.push_back(name);
+  return names;
+}
+
 Task find_task(const std::string& name, const std::string& source) {
   auto& table = TaskTable::get();
   std::lock_guard lock(table.mutex);
@@ -45,6 +58,8 @@ Task find_task(const std::string& name, const std::string& source) {
   }
   return it->second;
 }
+
+namespace {
 
 // trainer.task decides which defaults the rest of the config is checked against, so it is read
 // first, from the file and then the overrides.
@@ -68,6 +83,39 @@ std::string task_name(const std::string& path, const std::vector<std::string>& o
 
 ConfigTable table_of(const std::string& name, const std::string& source) {
   return ConfigTable(name, find_task(name, source));
+}
+
+// Set for the ranks `shardrl train` starts itself, once it has checked the plan for them.
+constexpr const char* kPlannedEnv = "SHARDRL_MEMORY_PLANNED";
+
+void log_and_check_plan(const json& config, const engine::Layout& layout, bool check) {
+  const auto plan = memory_plan(config, layout);
+  spdlog::info("{}", plan.describe());
+  if (check && layout.device == torch::kCPU) {
+    check_memory_plan(config, layout, engine::host_available_bytes());
+  }
+  ::setenv(kPlannedEnv, "1", 1);
+}
+
+// The resolved config as <trainer.default_local_dir>/config.yaml, which `shardrl train` runs
+// again as it is; a resumed run overwrites it with the config it resumes under. Written whole or
+// not at all (a temp file renamed). Returns its path.
+std::string write_run_config(const ConfigTable& table, const json& config) {
+  const fs::path dir = get<std::string>(config, "trainer.default_local_dir");
+  fs::create_directories(dir);
+  const fs::path path = dir / "config.yaml", temp = dir / "config.yaml.tmp";
+  {
+    std::ofstream out(temp);
+    out << fmt::format("# The config of this run, resolved: `shardrl train {}` runs it again.\n\n",
+                       path.string())
+        << config_yaml(table, config, /*comments=*/true);
+    if (!out.flush()) {
+      throw std::runtime_error(
+          fmt::format("cannot write {} (trainer.default_local_dir)", temp.string()));
+    }
+  }
+  fs::rename(temp, path);
+  return path.string();
 }
 
 }  // namespace
@@ -100,9 +148,25 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
   const std::string task = get<std::string>(config, "trainer.task");
   dist::InitOptions init;
   init.timeout = collective_timeout(config);
-  const int nproc = get<int>(config, "trainer.nproc_per_node");
-  if (std::getenv("RANK") == nullptr && nproc > 1) {
-    check_sequence_parallel(config, nproc);  // once, before any rank starts
+  const int nproc = ranks_per_node(config);
+  const auto layout = layout_of(config, torch::cuda::is_available() ? torch::kCUDA : torch::kCPU);
+  const bool launched = std::getenv("RANK") != nullptr;
+  if (!launched && layout.nnodes > 1) {
+    throw std::invalid_argument(fmt::format(
+        "{}: config key 'trainer.nnodes' is {}: `shardrl train` starts the ranks of one node; run "
+        "it on every node under a launcher that sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT (torchrun's environment), or `shardrl plan` to size the job",
+        config_path, layout.nnodes));
+  }
+  // Before any rank allocates: the plan is logged, and a job it says cannot fit this host stops
+  // here, naming the settings that would make it fit, rather than meet the OOM killer. Under
+  // another launcher every node's ranks check their own host (below).
+  const bool check_plan = get<bool>(config, "trainer.memory_plan_check");
+  if (!launched) {
+    check_sequence_parallel(config, nproc);
+    log_and_check_plan(config, layout, check_plan);
+  }
+  if (!launched && nproc > 1) {
     dist::LaunchOptions launch;
     launch.nproc = nproc;
     launch.command = {self_exe, "train", config_path};
@@ -111,9 +175,36 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
   }
   auto world = dist::World::init_from_env(init);
   check_sequence_parallel(config, world->size());
+  if (launched && std::getenv(kPlannedEnv) == nullptr) {
+    // Started by another launcher: the plan for the world it made, checked on every host.
+    engine::Layout actual = layout;
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    actual.ranks_per_node = local ? std::max(1, std::atoi(local)) : world->size();
+    actual.nnodes = std::max(1, world->size() / actual.ranks_per_node);
+    std::string problem;
+    try {
+      if (world->rank() == 0) spdlog::info("{}", memory_plan(config, actual).describe());
+      if (check_plan && world->local_rank() == 0 && actual.device == torch::kCPU) {
+        check_memory_plan(config, actual, engine::host_available_bytes());
+      }
+    } catch (const std::invalid_argument& e) {
+      problem = e.what();
+    }
+    auto failed = torch::tensor({problem.empty() ? 0.0 : 1.0}, torch::kDouble);
+    world->group().all_reduce(failed, dist::ReduceOp::kMax);
+    if (failed.item<double>() > 0) {
+      throw std::invalid_argument(
+          problem.empty() ? "the memory plan does not fit another rank's host (see its error)"
+                          : problem);
+    }
+  }
   if (world->rank() == 0) {
-    spdlog::info("task {} on {} rank(s), bulk collectives over {}; config:\n{}", task,
-                 world->size(), world->group().bulk_transport(), config.dump(2));
+    const ConfigTable table = table_of(task, config_path);
+    const auto changed = changed_keys(table, config);
+    spdlog::info(
+        "task {} on {} rank(s), bulk collectives over {}; config {}: {}", task, world->size(),
+        world->group().bulk_transport(), write_run_config(table, config),
+        changed.empty() ? "the task's defaults" : fmt::format("{}", fmt::join(changed, ", ")));
   }
   try {
     return find_task(task, config_path).run(config, world);

@@ -44,6 +44,7 @@ struct LlamaConfig {
   // Reads HF field names; absent optional fields take HF's defaults, absent required ones and
   // wrong types are errors naming the field.
   static LlamaConfig from_json(const nlohmann::json& j);
+  // A config.json; its errors name the file (and the field).
   static LlamaConfig load(const std::string& config_json_path);
   void save(const std::string& config_json_path) const;
 };
