@@ -49,7 +49,8 @@ TEST(TrainerConfig, LoggerIsAListAndASingleNameIsAListOfOne) {
       ADD_FAILURE() << bad << ": no error";
     } catch (const std::invalid_argument& e) {
       const std::string what = e.what();
-      for (const char* expected : {"lm.yaml", "'trainer.logger'", "console, file, tensorboard"}) {
+      for (const char* expected :
+           {"override 'trainer.logger=", "'trainer.logger'", "console, file, tensorboard"}) {
         EXPECT_NE(what.find(expected), std::string::npos) << bad << ": " << what;
       }
     }

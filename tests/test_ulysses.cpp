@@ -236,7 +236,8 @@ TEST(Ulysses, SizesThatDoNotSplitAreErrorsNamingTheKey) {
       {"arithmetic_grpo.yaml", {actor_key + "=0"}, "'" + actor_key + "' must be an integer >= 1"},
       {"arithmetic_grpo.yaml",
        {"actor_rollout_ref.ref.ulysses_sequence_parallel_size=2.5"},
-       "'actor_rollout_ref.ref.ulysses_sequence_parallel_size' must be an integer >= 1, got 2.5"},
+       "'actor_rollout_ref.ref.ulysses_sequence_parallel_size' must be an integer >= 1, or null "
+       "(the actor's), got 2.5"},
       // A ref group splitting samples of two actor groups (the actor does not split at all).
       {"arithmetic_grpo.yaml",
        {"actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"},

@@ -268,6 +268,19 @@ int main(int argc, char** argv) {
   train_cmd->add_option("config", train_config, "YAML config file")->required();
   train_cmd->add_option("overrides", train_overrides, "dotted.key=value overrides");
 
+  std::string config_task;
+  bool config_list = false, config_markdown = false;
+  auto* config_cmd = app.add_subcommand(
+      "config",
+      "Print every config key of a task with its default and what it does, as YAML (a config to "
+      "start from)");
+  auto* config_task_opt = config_cmd->add_option("task", config_task, "The task (trainer.task)");
+  auto* config_list_opt = config_cmd->add_flag("--list", config_list, "List the tasks");
+  auto* config_markdown_opt = config_cmd->add_flag(
+      "--markdown", config_markdown, "Every task's keys as markdown tables (docs/config.md)");
+  config_task_opt->excludes(config_list_opt)->excludes(config_markdown_opt);
+  config_list_opt->excludes(config_markdown_opt);
+
   std::string plan_config, plan_device;
   std::vector<std::string> plan_overrides;
   double plan_memory_gb = 0;
@@ -294,6 +307,13 @@ int main(int argc, char** argv) {
     if (app.got_subcommand(train_cmd)) {
       return shardrl::trainer::train_main(train_config, train_overrides,
                                           std::filesystem::read_symlink("/proc/self/exe"));
+    }
+    if (app.got_subcommand(config_cmd)) {
+      if (config_task.empty() && !config_list && !config_markdown) {
+        std::cerr << "shardrl config: name a task, or --list them\n";
+        return 2;
+      }
+      return shardrl::trainer::config_main(config_task, config_list, config_markdown);
     }
     if (app.got_subcommand(plan_cmd)) {
       shardrl::trainer::PlanOptions options;

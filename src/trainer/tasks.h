@@ -17,12 +17,19 @@
 namespace shardrl::trainer {
 
 void register_builtin_tasks(std::map<std::string, Task>& tasks);
+// The registered tasks' names, sorted.
+std::vector<std::string> task_names();
 // The task registered as `name`; an error naming trainer.task, `source` and the known tasks.
 Task find_task(const std::string& name, const std::string& source);
 
-// The whole config of a `shardrl train` call: trainer defaults, the task's defaults, the file,
-// then the overrides.
-nlohmann::json task_config(const std::string& path, const std::vector<std::string>& overrides);
+// The whole config of a `shardrl train` call: the task's table (trainer.task, from the file or
+// an override, names the task) gives the defaults, then the file, then the overrides; then every
+// key is checked against the table (kValues: types, ranges and choices; kValuesAndFiles: the
+// files and folders keys name too) and the shared sections' rules between keys. Errors name the
+// key, what it takes, and the file or override it came from.
+enum class ConfigChecks { kValues, kValuesAndFiles };
+nlohmann::json task_config(const std::string& path, const std::vector<std::string>& overrides,
+                           ConfigChecks checks = ConfigChecks::kValuesAndFiles);
 
 // Checkpoints and metrics of one run under trainer.default_local_dir:
 //   checkpoints/global_step_N/, metrics.jsonl (the "file" logger)
@@ -144,15 +151,12 @@ engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& 
 void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
                           const std::string& merge_adapter, bool trainable_only = false);
 
-// Tasks: defaults, entry point, memory plan.
-int run_lm_pretrain(const nlohmann::json& config, std::shared_ptr<dist::World> world);
-nlohmann::json lm_pretrain_defaults();
+// The built-in tasks: each one's config table, entry point and memory plan.
+Task lm_pretrain_task();
+Task diffusion_rl_task();
+Task lm_grpo_task();
 PlanInput lm_pretrain_plan(const nlohmann::json& config, const engine::Layout& layout);
-int run_diffusion_rl(const nlohmann::json& config, std::shared_ptr<dist::World> world);
-nlohmann::json diffusion_rl_defaults();
 PlanInput diffusion_rl_plan(const nlohmann::json& config, const engine::Layout& layout);
-int run_lm_grpo(const nlohmann::json& config, std::shared_ptr<dist::World> world);
-nlohmann::json lm_grpo_defaults();
 PlanInput lm_grpo_plan(const nlohmann::json& config, const engine::Layout& layout);
 
 // actor_rollout_ref.rollout.name, verl's key: "replica" (ShardRL's unsharded rollout model on each

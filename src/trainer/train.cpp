@@ -1,13 +1,16 @@
 // `shardrl train`: picks the task, loads and checks the config, starts the ranks, runs.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <sstream>
 
+#include "config_table.h"
 #include "shardrl/dist.h"
 #include "shardrl/launcher.h"
 #include "shardrl/trainer.h"
@@ -17,46 +20,10 @@ namespace shardrl::trainer {
 namespace {
 
 using nlohmann::json;
+namespace fs = std::filesystem;
 
-json trainer_defaults() {
-  return {{"trainer",
-           {{"task", ""},
-            {"project_name", "shardrl"},
-            {"experiment_name", "run"},
-            {"default_local_dir", "runs/run"},
-            // verl's nnodes and n_gpus_per_node: the plan's world, and the local ranks
-            // `shardrl train` starts; nproc_per_node (torchrun's name) is the older key for the
-            // latter. Null: 2 ranks (ranks_per_node).
-            {"nnodes", 1},
-            {"n_gpus_per_node", nullptr},
-            {"nproc_per_node", nullptr},
-            // Stop before any rank allocates when the memory plan exceeds what the host has.
-            {"memory_plan_check", true},
-            {"total_training_steps", 100},
-            {"save_freq", -1},
-            {"resume_mode", "auto"},
-            {"resume_from_path", ""},
-            {"max_actor_ckpt_to_keep", 2},
-            {"max_mem_gb", 0.0},
-            {"seed", 0},
-            // verl's key: a list of loggers (tracking.h); a single name is a list of one.
-            {"logger", {"console", "file"}}}},
-          // verl's key and default: the bound, in seconds, on every collective and on the
-          // rendezvous, for Gloo and NCCL alike.
-          {"actor_rollout_ref", {{"nccl_timeout", 600}}}};
-}
-
-constexpr int64_t kMaxCollectiveTimeoutSeconds = 30 * 24 * 3600;
-
-std::chrono::seconds collective_timeout(const json& config, const std::string& source) {
-  const auto seconds = get<int64_t>(config, "actor_rollout_ref.nccl_timeout");
-  if (seconds < 1 || seconds > kMaxCollectiveTimeoutSeconds) {
-    throw std::invalid_argument(
-        fmt::format("{}: config key 'actor_rollout_ref.nccl_timeout' must be a number of seconds "
-                    "in [1, {}], got {}",
-                    source, kMaxCollectiveTimeoutSeconds, seconds));
-  }
-  return std::chrono::seconds(seconds);
+std::chrono::seconds collective_timeout(const json& config) {
+  return std::chrono::seconds(get<int64_t>(config, "actor_rollout_ref.nccl_timeout"));
 }
 
 struct TaskTable {
@@ -70,6 +37,14 @@ struct TaskTable {
 };
 
 }  // namespace
+
+std::vector<std::string> task_names() {
+  auto& table = TaskTable::get();
+  std::lock_guard lock(table.mutex);
+  std::vector<std::string> names;
+  for (const auto& [name, unused] : table.tasks) names.push_back(name);
+  return names;
+}
 
 Task find_task(const std::string& name, const std::string& source) {
   auto& table = TaskTable::get();
@@ -106,16 +81,8 @@ std::string task_name(const std::string& path, const std::vector<std::string>& o
   return raw["trainer"]["task"].get<std::string>();
 }
 
-// Lays a task's defaults over the trainer's. Unlike JSON merge-patch, a null default stays a key:
-// verl's `clip_ratio_low: null` means "use clip_ratio", and the key must still be settable.
-void overlay_defaults(json& base, const json& over) {
-  for (const auto& [key, value] : over.items()) {
-    if (base.contains(key) && base[key].is_object() && value.is_object()) {
-      overlay_defaults(base[key], value);
-    } else {
-      base[key] = value;
-    }
-  }
+ConfigTable table_of(const std::string& name, const std::string& source) {
+  return ConfigTable(name, find_task(name, source));
 }
 
 // Set for the ranks `shardrl train` starts itself, once it has checked the plan for them.
@@ -131,6 +98,27 @@ void log_and_check_plan(const json& config, const engine::Layout& layout, bool c
   ::setenv(kPlannedEnv, "1", 1);
 }
 
+// The resolved config as <trainer.default_local_dir>/config.yaml, which `shardrl train` runs
+// again as it is; a resumed run overwrites it with the config it resumes under. Written whole or
+// not at all (a temp file renamed). Returns its path.
+std::string write_run_config(const ConfigTable& table, const json& config) {
+  const fs::path dir = get<std::string>(config, "trainer.default_local_dir");
+  fs::create_directories(dir);
+  const fs::path path = dir / "config.yaml", temp = dir / "config.yaml.tmp";
+  {
+    std::ofstream out(temp);
+    out << fmt::format("# The config of this run, resolved: `shardrl train {}` runs it again.\n\n",
+                       path.string())
+        << config_yaml(table, config, /*comments=*/true);
+    if (!out.flush()) {
+      throw std::runtime_error(
+          fmt::format("cannot write {} (trainer.default_local_dir)", temp.string()));
+    }
+  }
+  fs::rename(temp, path);
+  return path.string();
+}
+
 }  // namespace
 
 void register_task(const std::string& name, Task task) {
@@ -139,26 +127,28 @@ void register_task(const std::string& name, Task task) {
   table.tasks[name] = std::move(task);
 }
 
-json task_config(const std::string& path, const std::vector<std::string>& overrides) {
+json task_config(const std::string& path, const std::vector<std::string>& overrides,
+                 ConfigChecks checks) {
   const std::string name = task_name(path, overrides);
-  const Task task = find_task(name, path);
-  json defaults = trainer_defaults();
-  overlay_defaults(defaults, task.defaults());
-  json config = load_config(path, overrides, defaults);
-  try {
-    configured_loggers(config);  // before any stage runs: a wrong logger fails at once
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(fmt::format("{}: {}", path, e.what()));
-  }
+  const ConfigTable table = table_of(name, path);
+  ConfigOrigins origins;
+  const json config = load_config(path, overrides, table, &origins);
+  table.check(config, origins, checks == ConfigChecks::kValuesAndFiles);
+  check_shared_relations(config);
   return config;
+}
+
+ConfigTable task_table(const std::string& task) {
+  return table_of(task, "shardrl config");
 }
 
 int train_main(const std::string& config_path, const std::vector<std::string>& overrides,
                const std::string& self_exe) {
   // Every rank checks the config, so a bad key fails before any rank waits for another.
   const json config = task_config(config_path, overrides);
+  const std::string task = get<std::string>(config, "trainer.task");
   dist::InitOptions init;
-  init.timeout = collective_timeout(config, config_path);
+  init.timeout = collective_timeout(config);
   const int nproc = ranks_per_node(config);
   const auto layout = layout_of(config, torch::cuda::is_available() ? torch::kCUDA : torch::kCPU);
   const bool launched = std::getenv("RANK") != nullptr;
@@ -213,12 +203,15 @@ int train_main(const std::string& config_path, const std::vector<std::string>& o
     }
   }
   if (world->rank() == 0) {
-    spdlog::info("task {} on {} rank(s), bulk collectives over {}; config:\n{}",
-                 get<std::string>(config, "trainer.task"), world->size(),
-                 world->group().bulk_transport(), config.dump(2));
+    const ConfigTable table = table_of(task, config_path);
+    const auto changed = changed_keys(table, config);
+    spdlog::info(
+        "task {} on {} rank(s), bulk collectives over {}; config {}: {}", task, world->size(),
+        world->group().bulk_transport(), write_run_config(table, config),
+        changed.empty() ? "the task's defaults" : fmt::format("{}", fmt::join(changed, ", ")));
   }
   try {
-    return find_task(get<std::string>(config, "trainer.task"), config_path).run(config, world);
+    return find_task(task, config_path).run(config, world);
   } catch (const dist::CollectiveError& e) {
     throw dist::CollectiveError(
         fmt::format("{} (the timeout is actor_rollout_ref.nccl_timeout={})", e.what(),
