@@ -26,12 +26,15 @@
 #include <limits>
 
 #include "rss.h"
+#include "stats.h"
 #include "shardrl/models/llama.h"
 
 using namespace shardrl;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+using shardrl::bench::median;
 
 struct Args {
   std::string attention = "sdpa";
@@ -91,11 +94,6 @@ std::pair<torch::Tensor, torch::Tensor> step(std::vector<models::LlamaAttention>
   }
   (h * weights).sum().backward();
   return {h.detach(), x.grad()};
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace

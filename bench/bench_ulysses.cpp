@@ -21,6 +21,7 @@
 #include <iostream>
 
 #include "rss.h"
+#include "stats.h"
 #include "shardrl/algos.h"
 #include "shardrl/engine.h"
 #include "shardrl/models/llama.h"
@@ -76,11 +77,6 @@ uint64_t expected_sd3_exchange_bytes(const Args& a) {
     elements += 2 * a.hidden * (2 * queries + 2 * joint);
   }
   return static_cast<uint64_t>(elements * 4 / a.sp * (a.sp - 1) + (a.sp - 1) * image * 64 * 4);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace
