@@ -26,8 +26,8 @@
 #include <limits>
 
 #include "rss.h"
-#include "stats.h"
 #include "shardrl/models/llama.h"
+#include "stats.h"
 
 using namespace shardrl;
 using Clock = std::chrono::steady_clock;

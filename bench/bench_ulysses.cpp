@@ -21,12 +21,12 @@
 #include <iostream>
 
 #include "rss.h"
-#include "stats.h"
 #include "shardrl/algos.h"
 #include "shardrl/engine.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/sd3.h"
 #include "shardrl/rollout/sampling.h"
+#include "stats.h"
 
 using namespace shardrl;
 using namespace shardrl::bench;
