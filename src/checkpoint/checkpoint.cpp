@@ -469,6 +469,27 @@ void finish_load(const json& index, CheckpointReader& reader, int rank, const st
   result.extra = index.value("extra", json::object());
 }
 
+// One param's AdamW state as a checkpoint saved it (`saved`: its entry under optimizer.state), its
+// padding rows zero, as a fresh AdamW state would have them.
+std::unique_ptr<torch::optim::AdamWParamState> read_adamw_state(CheckpointReader& reader,
+                                                                const json& saved,
+                                                                const fsdp::ShardedParameter& p,
+                                                                Progress& progress) {
+  auto state = std::make_unique<torch::optim::AdamWParamState>();
+  state->step(saved.at("step").get<int64_t>());
+  for (const char* moment : kMoments) {
+    if (!saved.contains(moment)) continue;
+    torch::Tensor t = empty_with_zero_padding(p);
+    reader.read_rows(saved[moment], p.name + "." + moment, p.row_offset, p.valid_rows,
+                     t.narrow(0, 0, p.valid_rows));
+    progress.advance(valid_bytes(p));
+    if (std::string(moment) == "exp_avg") state->exp_avg(t);
+    if (std::string(moment) == "exp_avg_sq") state->exp_avg_sq(t);
+    if (std::string(moment) == "max_exp_avg_sq") state->max_exp_avg_sq(t);
+  }
+  return state;
+}
+
 }  // namespace
 
 LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::Optimizer* optimizer,
@@ -523,19 +544,7 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
           const auto key = compat::optimizer_state_key(p.shard);
           owner->second->state().erase(key);
           if (!saved.contains(p.name)) continue;
-          auto state = std::make_unique<torch::optim::AdamWParamState>();
-          state->step(saved[p.name].at("step").get<int64_t>());
-          for (const char* moment : kMoments) {
-            if (!saved[p.name].contains(moment)) continue;
-            torch::Tensor t = empty_with_zero_padding(p);
-            reader.read_rows(saved[p.name][moment], p.name + "." + moment, p.row_offset,
-                             p.valid_rows, t.narrow(0, 0, p.valid_rows));
-            progress.advance(valid_bytes(p));
-            if (std::string(moment) == "exp_avg") state->exp_avg(t);
-            if (std::string(moment) == "exp_avg_sq") state->exp_avg_sq(t);
-            if (std::string(moment) == "max_exp_avg_sq") state->max_exp_avg_sq(t);
-          }
-          owner->second->state()[key] = std::move(state);
+          owner->second->state()[key] = read_adamw_state(reader, saved[p.name], p, progress);
         }
       });
       model.mark_loaded(names_of(params));
@@ -565,20 +574,8 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
       for (const auto& p : params) {
         const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
         if (owner == owners.end() || !saved.contains(p.name)) continue;
-        auto state = std::make_unique<torch::optim::AdamWParamState>();
-        state->step(saved[p.name].at("step").get<int64_t>());
-        for (const char* moment : kMoments) {
-          if (!saved[p.name].contains(moment)) continue;
-          // Zero padding rows, as a fresh AdamW state would have.
-          torch::Tensor t = empty_with_zero_padding(p);
-          reader.read_rows(saved[p.name][moment], p.name + "." + moment, p.row_offset, p.valid_rows,
-                           t.narrow(0, 0, p.valid_rows));
-          progress.advance(valid_bytes(p));
-          if (std::string(moment) == "exp_avg") state->exp_avg(t);
-          if (std::string(moment) == "exp_avg_sq") state->exp_avg_sq(t);
-          if (std::string(moment) == "max_exp_avg_sq") state->max_exp_avg_sq(t);
-        }
-        states.push_back({owner->second, compat::optimizer_state_key(p.shard), std::move(state)});
+        states.push_back({owner->second, compat::optimizer_state_key(p.shard),
+                          read_adamw_state(reader, saved[p.name], p, progress)});
       }
     }
     // The RNG state is read before anything changes, too.
