@@ -646,6 +646,16 @@ TEST(Trainer, LmGrpoWithAGroupedOptimizerResumesAfterAKillBitwise) {
        "actor_rollout_ref.actor.optim.loraplus_lr_ratio=8"});
 }
 
+// With FSDP2's offload policy to the file tier (params, grads and AdamW state out of memory during
+// the update too), the checkpoint saves and loads unit by unit, each unit in memory only while it
+// is written or read; the resumed run still equals the straight one.
+TEST(Trainer, LmGrpoWithItsStateInFilesResumesAfterAKillBitwise) {
+  const std::string f = "actor_rollout_ref.actor.fsdp_config.";
+  expect_lm_grpo_resumes_after_a_kill(
+      make_temp_dir("trainer_grpo_offload_kill"),
+      {f + "param_offload=true", f + "optimizer_offload=true", f + "offload_policy=true"});
+}
+
 // With LoRA the rollout replica gets the frozen base once and then the adapter alone each step. At
 // a large lr the adapter moves far in each step, so a replica that missed an update would sample
 // from another policy; one that keeps up matches the actor to fp32 rounding at every step.
