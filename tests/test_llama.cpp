@@ -635,6 +635,66 @@ TEST(Llama, LeftPaddedRowsContinueAsTheyWouldAlone) {
       [&] { rollout::sample(model, prompts, greedy, mask.narrow(1, 0, 5)); }, "prompt_mask");
 }
 
+// verl's use_remove_padding: the packed log-probs, and their gradients, are the padded rows' at
+// every response token that counts, for each family (per-head q/k norms, head_dim apart, GQA,
+// rope scaling), with activation checkpointing; responses ending early (EOS) leave padding that
+// the packed pass never computes. Attention that crosses into the sequence before changes every
+// row but the first. RoPE sees only the distance between a query and a key, so positions that
+// do not restart at each sequence would pass here (up to rounding): pack_sequences' positions
+// are checked as such below.
+TEST(Llama, PackedLogProbsAndGradsEqualThePaddedRows) {
+  for (const std::string family : {"llama", "qwen3", "llama3"}) {
+    SCOPED_TRACE(family);
+    const auto c = family_config(family);
+    auto model = random_model(c);
+    model->set_activation_checkpointing(true);
+    const std::vector<int64_t> prompt_lengths = {3, 6, 1, 4}, response_lengths = {5, 2, 5, 1};
+    const int64_t P = 6, L = 5, B = 4;
+    auto sequences = tokens_for(c, B, P + L);
+    auto attention_mask = torch::ones({B, P + L}, torch::kLong);
+    auto response_mask = torch::zeros({B, L});
+    for (int64_t r = 0; r < B; ++r) {
+      attention_mask[r].narrow(0, 0, P - prompt_lengths[r]).zero_();
+      sequences[r].narrow(0, 0, P - prompt_lengths[r]).fill_(0);  // the pad token
+      response_mask[r].narrow(0, 0, response_lengths[r]).fill_(1);
+    }
+    const double temperature = 0.7;
+    auto grads_of = [&](const torch::Tensor& log_probs) {
+      model->zero_grad();
+      ((log_probs * response_mask).sum()).backward();
+      std::vector<torch::Tensor> grads;
+      for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
+      return std::make_pair(log_probs.detach(), grads);
+    };
+    const auto [padded, padded_grads] =
+        grads_of(rollout::response_log_probs(model, sequences, P, temperature, attention_mask));
+    const auto [packed, packed_grads] = grads_of(rollout::packed_response_log_probs(
+        model, sequences, P, temperature, attention_mask, response_mask));
+    EXPECT_LE(((packed - padded) * response_mask).abs().max().item<double>(), 1e-5);
+    EXPECT_TRUE(torch::equal(packed * (1 - response_mask), torch::zeros_like(packed)));
+    EXPECT_LT(packed.masked_select(response_mask > 0).max().item<double>(), 0);
+    for (size_t i = 0; i < padded_grads.size(); ++i) {
+      const double scale = padded_grads[i].abs().max().item<double>();
+      ASSERT_GT(scale, 0) << "param " << i;
+      EXPECT_LE((packed_grads[i] - padded_grads[i]).abs().max().item<double>(), 1e-5 * scale)
+          << "param " << i;
+    }
+  }
+
+  // The packed row holds the valid tokens only, each at its position within its sequence.
+  const auto tokens = torch::arange(12, torch::kLong).view({3, 4});
+  const auto valid = torch::tensor({0, 1, 1, 0, 1, 1, 1, 1, 0, 0, 1, 0}).view({3, 4});
+  const auto packed = models::pack_sequences(tokens, valid);
+  EXPECT_TRUE(torch::equal(packed.tokens, torch::tensor({1, 2, 4, 5, 6, 7, 10}).unsqueeze(0)));
+  EXPECT_TRUE(torch::equal(packed.position_ids, torch::tensor({0, 1, 0, 1, 2, 3, 0}).unsqueeze(0)));
+  EXPECT_EQ(packed.lengths, (std::vector<int64_t>{2, 4, 1}));
+  expect_invalid_argument_naming(
+      [&] {
+        models::pack_sequences(tokens, valid * torch::tensor({1, 0, 1}).unsqueeze(1));
+      },
+      "row 1", "no valid token");
+}
+
 // num_return_sequences (GRPO's rollout.n): each prompt is prefilled once and its rows continue
 // from copies of its cache; they are what the prompt repeated n times gives. Rows that end leave
 // the batch, and the rows still running continue as they would alone.

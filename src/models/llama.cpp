@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numbers>
+#include <numeric>
 #include <optional>
 #include <regex>
 #include <set>
@@ -413,9 +414,27 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   if (mask.allowed.defined()) {
     allowed = mask.allowed.is_floating_point() ? mask.allowed.to(q.scalar_type()) : mask.allowed;
   }
-  auto out = at::scaled_dot_product_attention(q, k, v, allowed, /*dropout_p=*/0.0,
-                                              /*is_causal=*/!allowed && mask.causal,
-                                              /*scale=*/std::nullopt, /*enable_gqa=*/true);
+  torch::Tensor out;
+  if (mask.sequence_lengths.empty()) {
+    out = at::scaled_dot_product_attention(q, k, v, allowed, /*dropout_p=*/0.0,
+                                           /*is_causal=*/!allowed && mask.causal,
+                                           /*scale=*/std::nullopt, /*enable_gqa=*/true);
+  } else {
+    // Packed sequences: one causal call per sequence, so the work is the sum of their squared
+    // lengths. A block-diagonal mask over all N tokens would compute N^2 scores and hold the
+    // mask; BENCHMARKS compares the two.
+    TORCH_CHECK(!cache && !allowed, "packed sequences take no cache and no mask");
+    const c10::IntArrayRef lengths(mask.sequence_lengths);
+    auto qs = q.split_with_sizes(lengths, 2), ks = k.split_with_sizes(lengths, 2),
+         vs = v.split_with_sizes(lengths, 2);
+    std::vector<torch::Tensor> outs;
+    outs.reserve(lengths.size());
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      outs.push_back(at::scaled_dot_product_attention(qs[i], ks[i], vs[i], std::nullopt, 0.0,
+                                                      /*is_causal=*/true, std::nullopt, true));
+    }
+    out = torch::cat(outs, 2);
+  }
   if (sequence_parallel) {
     out =
         ulysses::gather_heads_scatter_seq(out, /*head_dim=*/1, /*seq_dim=*/2, *sequence_parallel_);
@@ -520,6 +539,35 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens_in, KVCache* c
     mask.allowed = ((~future().unsqueeze(0) & valid.unsqueeze(1)) | itself.unsqueeze(0))
                        .unsqueeze(1);  // [B, 1, T, past + T]: one mask for every head
   }
+  return run(tokens, positions, std::move(mask), cache, slice);
+}
+
+torch::Tensor LlamaModelImpl::forward_packed(const PackedSequences& packed) {
+  const int64_t N = packed.tokens.numel();
+  TORCH_CHECK(packed.tokens.dim() == 2 && packed.tokens.size(0) == 1 &&
+                  packed.position_ids.sizes() == packed.tokens.sizes(),
+              "packed sequences: tokens and position_ids must be [1, N], got ",
+              packed.tokens.sizes(), " and ", packed.position_ids.sizes());
+  TORCH_CHECK(std::accumulate(packed.lengths.begin(), packed.lengths.end(), int64_t{0}) == N,
+              "packed sequences: the lengths do not sum to the ", N, " tokens");
+  AttentionMask mask;
+  mask.sequence_lengths = packed.lengths;
+  torch::Tensor tokens = packed.tokens, positions = packed.position_ids;
+  std::optional<ulysses::SequenceSlice> slice;
+  if (sequence_parallel) {
+    // The group's padding is one more sequence at the end, which no real token sees.
+    slice = ulysses::sequence_slice(N, *sequence_parallel);
+    const int64_t pad = slice->padded_length - N;
+    tokens = at::constant_pad_nd(tokens, {0, pad}, 0);
+    positions = at::constant_pad_nd(positions, {0, pad}, 0);
+    if (pad > 0) mask.sequence_lengths.push_back(pad);
+  }
+  return run(tokens, positions, std::move(mask), nullptr, slice);
+}
+
+torch::Tensor LlamaModelImpl::run(torch::Tensor tokens, const torch::Tensor& positions,
+                                  AttentionMask mask, KVCache* cache,
+                                  const std::optional<ulysses::SequenceSlice>& slice) {
   auto [cos, sin] = rotary(config_, positions);
   if (cos.dim() == 3) cos = cos.unsqueeze(1), sin = sin.unsqueeze(1);  // [B, 1, T, head_dim]
   if (slice) {
@@ -585,29 +633,77 @@ torch::Tensor LlamaForCausalLMImpl::forward(torch::Tensor tokens, KVCache* cache
     return next_tokens.defined() ? target_log_probs(logits, next_tokens, temperature) : logits;
   }
   // h is this rank's slice of the padded sequence.
-  auto& group = *model->sequence_parallel;
-  const auto slice = ulysses::sequence_slice(T, group);
   if (!next_tokens.defined()) {
+    auto& group = *model->sequence_parallel;
     auto logits = ulysses::gather_outputs_and_unpad(head(h), 1, T, group);
     return keep < T ? logits.narrow(1, T - keep, keep) : logits;
   }
-  // The head runs on this rank's kept positions [lo, hi) only, so no rank holds more than its
-  // share of the logits. A rank with none runs it on one position at weight 0: every rank must
-  // run every FSDP unit and every all-to-all of the backward, whatever its slice holds.
-  const int64_t lo = std::clamp(T - keep - slice.begin, int64_t{0}, slice.local_length);
-  const int64_t hi = std::clamp(T - slice.begin, int64_t{0}, slice.local_length);
+  return log_probs_at(h, T, torch::arange(T - keep, T, torch::dtype(torch::kLong)), next_tokens,
+                      temperature);
+}
+
+torch::Tensor LlamaForCausalLMImpl::forward(const PackedSequences& packed, torch::Tensor scored,
+                                            torch::Tensor next_tokens, double temperature) {
+  TORCH_CHECK(scored.dim() == 1 && next_tokens.sizes() == scored.sizes(),
+              "LlamaForCausalLM: scored positions and next_tokens must both be [K], got ",
+              scored.sizes(), " and ", next_tokens.sizes());
+  auto h = model->forward_packed(packed);
+  return log_probs_at(h, packed.tokens.size(1), scored, next_tokens.unsqueeze(0), temperature)
+      .squeeze(0);
+}
+
+torch::Tensor LlamaForCausalLMImpl::log_probs_at(const torch::Tensor& h, int64_t T,
+                                                 const torch::Tensor& positions,
+                                                 const torch::Tensor& next_tokens,
+                                                 double temperature) {
+  const auto group = model->sequence_parallel;
+  std::optional<ulysses::SequenceSlice> slice;
+  if (group) slice = ulysses::sequence_slice(T, *group);
+  const int64_t begin = slice ? slice->begin : 0, local_length = slice ? slice->local_length : T;
+  // The head runs on this rank's scored positions only, so no rank holds more than its share of
+  // the logits. A rank with none runs it on one position at weight 0: every rank must run every
+  // FSDP unit and every all-to-all of the backward, whatever its slice holds.
+  const auto scored = positions.to(h.device());
+  const auto here = (scored >= begin) & (scored < begin + local_length);
+  const auto local_positions = scored.masked_select(here) - begin;
+  const auto targets = next_tokens.to(h.device()).index({torch::indexing::Slice(), here});
   torch::Tensor local;
-  if (hi > lo) {
-    const auto targets = next_tokens.narrow(1, slice.begin + lo - (T - keep), hi - lo);
-    local =
-        at::constant_pad_nd(target_log_probs(head(h.narrow(1, lo, hi - lo)), targets, temperature),
-                            {lo, slice.local_length - hi}, 0);
+  if (local_positions.numel() > 0) {
+    local = target_log_probs(head(h.index_select(1, local_positions)), targets, temperature);
   } else {
-    const auto unused =
-        target_log_probs(head(h.narrow(1, 0, 1)), next_tokens.narrow(1, 0, 1) * 0, temperature);
-    local = torch::zeros({h.size(0), slice.local_length}, unused.options()) + 0.0 * unused.sum();
+    const auto unused = target_log_probs(head(h.narrow(1, 0, 1)),
+                                         targets.new_zeros({next_tokens.size(0), 1}), temperature);
+    local = torch::zeros({h.size(0), 0}, unused.options()) + 0.0 * unused.sum();
   }
-  return ulysses::gather_outputs_and_unpad(local, 1, T, group).narrow(1, T - keep, keep);
+  if (!slice) return local;
+  const auto index = local_positions.unsqueeze(0).expand({h.size(0), -1});
+  const auto row =
+      torch::zeros({h.size(0), local_length}, local.options()).scatter(1, index, local);
+  return ulysses::gather_outputs_and_unpad(row, 1, T, *group).index_select(1, scored);
+}
+
+PackedSequences pack_sequences(const torch::Tensor& tokens, const torch::Tensor& valid_in) {
+  if (tokens.dim() != 2 || valid_in.sizes() != tokens.sizes()) {
+    throw std::invalid_argument(
+        fmt::format("pack_sequences: tokens and valid must both be [B, T], got {} and {}",
+                    c10::str(tokens.sizes()), c10::str(valid_in.sizes())));
+  }
+  const auto valid = valid_in.to(torch::kBool);
+  const auto lengths = valid.sum(1).to(torch::kLong).cpu().contiguous();
+  PackedSequences packed;
+  packed.lengths.assign(lengths.data_ptr<int64_t>(), lengths.data_ptr<int64_t>() + lengths.numel());
+  for (size_t row = 0; row < packed.lengths.size(); ++row) {
+    if (packed.lengths[row] == 0) {
+      throw std::invalid_argument(fmt::format("pack_sequences: row {} has no valid token", row));
+    }
+  }
+  packed.indices = valid.flatten().nonzero().squeeze(1);
+  packed.tokens = tokens.flatten().index_select(0, packed.indices).unsqueeze(0);
+  // Each token's position in its sequence: HF's position_ids of the padded row,
+  // cumsum(mask) - 1, at the valid tokens.
+  packed.position_ids =
+      (valid.to(torch::kLong).cumsum(1) - 1).flatten().index_select(0, packed.indices).unsqueeze(0);
+  return packed;
 }
 
 void LlamaForCausalLMImpl::set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group) {

@@ -411,6 +411,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   const auto kl_coef = use_kl_loss ? get<double>(config, actor_key + "kl_loss_coef") : 0.0;
   const auto kl_type = get<std::string>(config, actor_key + "kl_loss_type");
   const bool norm_by_std = get<bool>(config, "algorithm.norm_adv_by_std_in_grpo");
+  const bool use_remove_padding = get<bool>(config, "actor_rollout_ref.model.use_remove_padding");
   algos::PolicyLossConfig policy;
   const auto clip_ratio = get<double>(config, actor_key + "clip_ratio");
   const auto clip_or_default = [&](const std::string& key) {
@@ -575,17 +576,22 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
          algos::grpo_outcome_advantages(token_rewards, rollout.response_mask, uids, norm_by_std)},
         {"response_mask", rollout.response_mask}};
     const int64_t prompt_length = rollout.prompts.size(1);
+    const auto log_probs_of = [&](engine::Engine& e, const engine::Batch& d) {
+      auto& model = e.model<models::LlamaForCausalLM>();
+      return use_remove_padding
+                 ? rollout::packed_response_log_probs(model, d.at("sequences"), prompt_length,
+                                                      temperature, d.at("attention_mask"),
+                                                      d.at("response_mask"))
+                 : rollout::response_log_probs(model, d.at("sequences"), prompt_length, temperature,
+                                               d.at("attention_mask"));
+    };
     if (ref) {
       torch::NoGradGuard no_grad;
-      batch["ref_log_probs"] =
-          rollout::response_log_probs(ref->model<models::LlamaForCausalLM>(), rollout.sequences,
-                                      prompt_length, temperature, rollout.attention_mask);
+      batch["ref_log_probs"] = log_probs_of(*ref, batch);
     }
     const engine::LossFn grpo_loss = [&](engine::Engine& e, const engine::MicroBatch& mb) {
       const auto& d = mb.data;
-      auto log_probs =
-          rollout::response_log_probs(e.model<models::LlamaForCausalLM>(), d.at("sequences"),
-                                      prompt_length, temperature, d.at("attention_mask"));
+      auto log_probs = log_probs_of(e, d);
       const auto& mask = d.at("response_mask");
       const auto& rollout_log_probs = d.at("rollout_log_probs");
       // fp32 rollouts came from the actor's weights: their log-probs are the old policy's.
@@ -702,6 +708,9 @@ Task lm_grpo_task() {
        "where the supervised model is cached (empty: <default_local_dir>/cache)"},
       {"algorithm.norm_adv_by_std_in_grpo", true, boolean(),
        "divide each group's advantages by its reward std (Dr. GRPO: false)"},
+      {m + "use_remove_padding", false, boolean(),
+       "the update and the reference pass run on packed tokens, each row's prompt and response "
+       "without their padding (verl's; false: on the padded rows)"},
       {m + "path", "", text().existing_folder("config.json"),
        "a pretrained chat model: a Hugging Face folder with config.json, safetensors, "
        "tokenizer.json and a chat template (empty: train one here)"},

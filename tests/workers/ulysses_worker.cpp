@@ -12,6 +12,7 @@
 //   on
 //                   a --image x --image latent of 2 x 2 patches and --text text tokens: Flow-GRPO's
 //                   registered loss on the rows of a rollout the engine's model samples
+// --remove-padding packs the policy loss's sequences (verl's use_remove_padding).
 // --checkpointing turns on activation checkpointing. OUT/metrics.txt: "loss grad_norm" a step;
 // OUT/final: the gathered params; OUT/exchange.json: the bytes this rank sent in its Ulysses
 // group's collectives over the run.
@@ -41,7 +42,7 @@ struct Args {
   int sp = 1, fsdp_size = -1;
   int64_t steps = 2, batch = 4, micro_batch = 1, kv_heads = 2, length = 13, prompt = 9,
           lora_rank = 0, image = 6, text = 5;
-  bool untied = false, checkpointing = false;
+  bool untied = false, checkpointing = false, remove_padding = false;
 };
 
 engine::EngineConfig llama_config(const Args& a) {
@@ -109,6 +110,17 @@ engine::Batch llama_batch(const Args& a, int64_t step) {
           {"advantages", advantages.contiguous()}};
 }
 
+// The response log-probs of the batch's rows: padded, or packed (--remove-padding).
+torch::Tensor llama_log_probs(const Args& a, engine::Engine& e, const engine::Batch& d) {
+  auto& model = e.model<models::LlamaForCausalLM>();
+  if (!a.remove_padding) {
+    return rollout::response_log_probs(model, d.at("sequences"), a.prompt, 1.0,
+                                       d.at("attention_mask"));
+  }
+  return rollout::packed_response_log_probs(model, d.at("sequences"), a.prompt, 1.0,
+                                            d.at("attention_mask"), d.at("response_mask"));
+}
+
 engine::LossOutput llama_loss(const Args& a, engine::Engine& e, const engine::MicroBatch& mb) {
   auto& model = e.model<models::LlamaForCausalLM>();
   const auto& d = mb.data;
@@ -122,8 +134,7 @@ engine::LossOutput llama_loss(const Args& a, engine::Engine& e, const engine::Mi
     auto loss = ((nll * mask).sum(1) / mask.sum(1)).mean();
     return {loss / mb.count, {}, {}};
   }
-  auto log_probs =
-      rollout::response_log_probs(model, d.at("sequences"), a.prompt, 1.0, d.at("attention_mask"));
+  auto log_probs = llama_log_probs(a, e, d);
   algos::PolicyLossConfig policy;
   policy.loss_agg_mode = "seq-mean-token-mean";  // per-sample means: any split of the batch agrees
   auto out = algos::compute_policy_loss(d.at("old_log_probs"), log_probs, d.at("advantages"),
@@ -169,6 +180,8 @@ int main(int argc, char** argv) {
   app.add_option("--text", a.text, "text tokens (sd3)");
   app.add_flag("--untied", a.untied, "an lm_head of its own (llama)");
   app.add_flag("--checkpointing", a.checkpointing, "activation checkpointing");
+  app.add_flag("--remove-padding", a.remove_padding,
+               "policy log-probs on packed sequences (verl's use_remove_padding)");
   CLI11_PARSE(app, argc, argv);
 
   auto world = dist::World::init_from_env();
@@ -197,9 +210,7 @@ int main(int argc, char** argv) {
         // The rollout policy's log-probs: the model as it is, without grad, over the global
         // batch (a forward under sequence parallelism too).
         torch::NoGradGuard no_grad;
-        global["old_log_probs"] = rollout::response_log_probs(
-            engine->model<models::LlamaForCausalLM>(), global.at("sequences"), a.prompt, 1.0,
-            global.at("attention_mask"));
+        global["old_log_probs"] = llama_log_probs(a, *engine, global);
       }
       loss = [&a](engine::Engine& e, const engine::MicroBatch& mb) { return llama_loss(a, e, mb); };
     }

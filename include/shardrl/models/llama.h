@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include "shardrl/models/lora.h"
 #include "shardrl/models/weights.h"
 #include "shardrl/models/wrap_policy.h"
+#include "shardrl/ulysses.h"
 
 namespace shardrl::models {
 
@@ -98,7 +100,26 @@ struct AttentionMask {
   // keys at the same positions: the kernels' is_causal, no mask built); false, every key (one new
   // token after a cache).
   bool causal = true;
+  // Packed sequences (PackedSequences): the tokens of one row are these sequences back to back,
+  // and each query sees the earlier keys of its own sequence only (flash-attn's varlen, as verl's
+  // use_remove_padding runs it). Empty: the row is one sequence.
+  std::vector<int64_t> sequence_lengths;
 };
+
+// Several sequences in one row without their padding (verl's use_remove_padding; flash-attn's
+// unpad_input): tokens [1, N], the valid tokens of every row concatenated, position_ids [1, N]
+// counting from 0 in each sequence, so every token computes what it does in its padded row.
+struct PackedSequences {
+  torch::Tensor tokens;
+  torch::Tensor position_ids;
+  std::vector<int64_t> lengths;  // tokens of each sequence, in order; they sum to N
+  // [N]: where each packed token sits in the padded batch, flattened (row * T + column).
+  torch::Tensor indices;
+};
+
+// The tokens of `tokens` [B, T] where `valid` [B, T] (bool, or 0/1) is set, row by row. A row
+// with no valid token is an error naming it.
+PackedSequences pack_sequences(const torch::Tensor& tokens, const torch::Tensor& valid);
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
@@ -157,6 +178,9 @@ class LlamaModelImpl : public torch::nn::Module {
   // result is this rank's slice of the hidden states (ulysses::sequence_slice of the length).
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache,
                         const torch::Tensor& attention_mask);
+  // -> hidden states [1, N, hidden] of packed sequences (under sequence parallelism, this rank's
+  // slice of them, N padded for the group).
+  torch::Tensor forward_packed(const PackedSequences& packed);
   fsdp::Unit<EmbeddingImpl> embed_tokens{nullptr};
   std::vector<fsdp::Unit<LlamaDecoderLayerImpl>> layers;
   RMSNorm norm{nullptr};
@@ -164,6 +188,9 @@ class LlamaModelImpl : public torch::nn::Module {
   std::shared_ptr<dist::ProcessGroup> sequence_parallel;
 
  private:
+  // The layers on `tokens` at `positions`, this rank's slice of them under sequence parallelism.
+  torch::Tensor run(torch::Tensor tokens, const torch::Tensor& positions, AttentionMask mask,
+                    KVCache* cache, const std::optional<ulysses::SequenceSlice>& slice);
   LlamaConfig config_;
 };
 TORCH_MODULE(LlamaModel);
@@ -191,6 +218,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor tokens, KVCache* cache = nullptr,
                         torch::Tensor attention_mask = {}, int64_t logits_to_keep = 0,
                         torch::Tensor next_tokens = {}, double temperature = 1.0);
+  // Packed sequences (verl's use_remove_padding): the log-probs [K] fp32 of next_tokens [K] at
+  // the packed positions `scored` [K] (increasing), under log_softmax(logits / temperature). The
+  // decoder runs on the N packed tokens only and the head on the K scored positions only. Under
+  // Ulysses every rank of the group passes the same packed sequences and gets the same result.
+  torch::Tensor forward(const PackedSequences& packed, torch::Tensor scored,
+                        torch::Tensor next_tokens, double temperature);
   const LlamaConfig& config() const { return config_; }
   // Activation checkpointing per decoder layer (see activation_checkpoint.h).
   void set_activation_checkpointing(bool enabled);
@@ -209,6 +242,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 
  private:
   torch::Tensor head(const torch::Tensor& hidden);  // lm_head, or the tied embeddings
+  // Log-probs [B, K] of next_tokens [B, K] at positions [K] (increasing) of the length-T rows
+  // whose hidden states are h: all of them, or this rank's slice under sequence parallelism.
+  torch::Tensor log_probs_at(const torch::Tensor& h, int64_t T, const torch::Tensor& positions,
+                             const torch::Tensor& next_tokens, double temperature);
   LlamaConfig config_;
   LinearImpl::InferenceKernel tied_head_kernel_;
 };
