@@ -7,6 +7,11 @@
 //                       weights: scores q k^T / sqrt(head_dim) as [heads, T, T], the future masked,
 //                       softmax, then the values; autograd keeps the [heads, T, T] probabilities of
 //                       every layer for backward.
+//   --sequences K       the T tokens are K packed sequences (verl's use_remove_padding), each
+//                       query seeing its own sequence only, positions restarting in each: sdpa
+//                       runs one causal call per sequence (LlamaAttention with
+//                       AttentionMask::sequence_lengths), --attention block-mask one call over
+//                       all T tokens with a block-diagonal causal mask [T, T].
 // Both give the same output and input gradient (checked at a short length before timing). Run each
 // way in its own process so that one's allocations do not hide the other's peak:
 //   bench_attention --attention sdpa --length 4096 --json-out sdpa_4096.json
@@ -38,17 +43,40 @@ using shardrl::bench::median;
 
 struct Args {
   std::string attention = "sdpa";
-  int64_t length = 2048, hidden = 256, heads = 4, kv_heads = 2, layers = 2;
+  int64_t length = 2048, hidden = 256, heads = 4, kv_heads = 2, layers = 2, sequences = 1;
   int steps = 3, warmup = 1, threads = 2;
   std::string json_out;
 };
 
-// Rotation angles of the standard RoPE (theta 10000) at positions 0 .. T - 1: cos, sin [T, hd].
-std::pair<torch::Tensor, torch::Tensor> rope(int64_t T, int64_t hd) {
+// T tokens as `count` sequences of lengths as equal as they can be.
+std::vector<int64_t> sequence_lengths(int64_t T, int64_t count) {
+  std::vector<int64_t> lengths(count, T / count);
+  for (int64_t i = 0; i < T % count; ++i) ++lengths[i];
+  return lengths;
+}
+
+// Rotation angles of the standard RoPE (theta 10000), positions restarting at 0 in each sequence:
+// cos, sin [T, hd].
+std::pair<torch::Tensor, torch::Tensor> rope(const std::vector<int64_t>& lengths, int64_t hd) {
+  std::vector<torch::Tensor> positions;
+  for (int64_t length : lengths) positions.push_back(torch::arange(length, torch::kDouble));
   const auto inv = 1.0 / torch::pow(10000.0, torch::arange(0, hd, 2, torch::kDouble) / hd);
-  const auto angles = torch::outer(torch::arange(T, torch::kDouble), inv).to(torch::kFloat);
+  const auto angles = torch::outer(torch::cat(positions), inv).to(torch::kFloat);
   const auto both = torch::cat({angles, angles}, -1);
   return {both.cos(), both.sin()};
+}
+
+// Each query sees the keys of its own sequence up to itself: 0 there, -inf elsewhere, [T, T].
+torch::Tensor block_diagonal_causal_mask(const std::vector<int64_t>& lengths) {
+  std::vector<torch::Tensor> ids;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    ids.push_back(torch::full({lengths[i]}, static_cast<int64_t>(i), torch::kLong));
+  }
+  const auto sequence = torch::cat(ids);
+  const int64_t T = sequence.numel();
+  const auto allowed =
+      (sequence.unsqueeze(1) == sequence.unsqueeze(0)) & torch::ones({T, T}, torch::kBool).tril();
+  return torch::zeros({T, T}).masked_fill(~allowed, -std::numeric_limits<float>::infinity());
 }
 
 torch::Tensor rotate_half(const torch::Tensor& t) {
@@ -84,13 +112,16 @@ torch::Tensor matmul_attention(models::LlamaAttention& attn, const torch::Tensor
 std::pair<torch::Tensor, torch::Tensor> step(std::vector<models::LlamaAttention>& layers,
                                              const std::string& way, const torch::Tensor& input,
                                              const torch::Tensor& weights, const Args& a) {
-  const int64_t T = input.size(1);
-  const auto [cos, sin] = rope(T, a.hidden / a.heads);
+  const auto lengths = sequence_lengths(input.size(1), a.sequences);
+  const auto [cos, sin] = rope(lengths, a.hidden / a.heads);
+  models::AttentionMask mask;
+  if (way == "sdpa" && lengths.size() > 1) mask.sequence_lengths = lengths;
+  if (way == "block-mask") mask.allowed = block_diagonal_causal_mask(lengths);
   auto x = input.clone().requires_grad_(true);
   torch::Tensor h = x;
   for (auto& attn : layers) {
-    h = h + (way == "sdpa" ? attn(h, cos, sin, models::AttentionMask{}, nullptr, 0)
-                           : matmul_attention(attn, h, cos, sin, a));
+    h = h + (way == "matmul" ? matmul_attention(attn, h, cos, sin, a)
+                             : attn(h, cos, sin, mask, nullptr, 0));
   }
   (h * weights).sum().backward();
   return {h.detach(), x.grad()};
@@ -101,9 +132,11 @@ std::pair<torch::Tensor, torch::Tensor> step(std::vector<models::LlamaAttention>
 int main(int argc, char** argv) {
   CLI::App app{"The decoder's attention at long sequences: SDPA against the materialised scores"};
   Args a;
-  app.add_option("--attention", a.attention, "sdpa or matmul")
-      ->check(CLI::IsMember({"sdpa", "matmul"}));
+  app.add_option("--attention", a.attention, "sdpa, matmul (one sequence) or block-mask")
+      ->check(CLI::IsMember({"sdpa", "matmul", "block-mask"}));
   app.add_option("--length", a.length, "tokens of the sequence");
+  app.add_option("--sequences", a.sequences, "packed sequences the tokens are")
+      ->check(CLI::PositiveNumber);
   app.add_option("--hidden", a.hidden);
   app.add_option("--heads", a.heads);
   app.add_option("--kv-heads", a.kv_heads);
@@ -129,15 +162,17 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < a.layers; ++i) layers.emplace_back(c);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
 
+  TORCH_CHECK(a.attention != "matmul" || a.sequences == 1, "--attention matmul is one sequence");
   // The two ways agree (output and input gradient) at a short length.
   {
     const auto x = torch::randn({1, 256, a.hidden}, gen), w = torch::randn({1, 256, a.hidden}, gen);
+    const std::string other = a.sequences > 1 ? "block-mask" : "matmul";
     const auto [out, grad] = step(layers, "sdpa", x, w, a);
-    const auto [ref_out, ref_grad] = step(layers, "matmul", x, w, a);
+    const auto [ref_out, ref_grad] = step(layers, other, x, w, a);
     const double out_diff = (out - ref_out).abs().max().item<double>();
     const double grad_diff = (grad - ref_grad).abs().max().item<double>();
-    TORCH_CHECK(out_diff < 1e-4 && grad_diff < 1e-4, "sdpa and matmul differ: output by ", out_diff,
-                ", input gradient by ", grad_diff);
+    TORCH_CHECK(out_diff < 1e-4 && grad_diff < 1e-4, "sdpa and ", other, " differ: output by ",
+                out_diff, ", input gradient by ", grad_diff);
     for (auto& attn : layers) attn->zero_grad();
   }
 
@@ -159,6 +194,7 @@ int main(int argc, char** argv) {
       {"bench", "attention"},
       {"attention", a.attention},
       {"sequence_length", a.length},
+      {"sequences", a.sequences},
       {"model",
        {{"hidden", a.hidden}, {"heads", a.heads}, {"kv_heads", a.kv_heads}, {"layers", a.layers}}},
       {"threads", a.threads},
