@@ -25,28 +25,23 @@ common=("actor_rollout_ref.model.path=$model" "$@")
 hashes() {  # hashes CHECKPOINT_DIR: sha256 of every file, by path inside it
   (cd "$1" && find . -type f | sort | xargs sha256sum)
 }
-timed() {  # timed NAME COMMAND...: output in OUT/NAME.log, GNU time's report in OUT/NAME.time
-  local name=$1
-  shift
-  echo "== $name: $(date -u +%T) $*"
-  /usr/bin/time -v -o "$out/$name.time" "$@" >"$out/$name.log" 2>&1 || {
-    tail -n 30 "$out/$name.log"
-    echo "full_offload_bitwise.sh: $name failed" >&2
-    exit 1
-  }
-  grep -E "step [0-9]+/|saved|resumed from" "$out/$name.log" | cut -c1-200 || true
+# shellcheck source=bench/realsize/timed.sh
+source "$root/bench/realsize/timed.sh"
+run() {  # run NAME COMMAND...: timed, then the run's step, save and resume lines
+  timed "$@"
+  grep -E "step [0-9]+/|saved|resumed from" "$out/$1.log" | cut -c1-200 || true
 }
 df -h "$out" | tee "$out/df_before.txt"
 "$bin" plan "$config" "${common[@]}" trainer.default_local_dir="$out/straight" --json >"$out/plan.json"
 if [ ! -f "$out/straight.sha256" ]; then
   rm -rf "$out/straight"
-  timed straight "$bin" train "$config" "${common[@]}" trainer.default_local_dir="$out/straight" \
+  run straight "$bin" train "$config" "${common[@]}" trainer.default_local_dir="$out/straight" \
     trainer.save_freq=-1
   hashes "$out/straight/checkpoints/global_step_3" >"$out/straight.sha256"
   rm -rf "$out/straight/checkpoints"
 fi
 rm -rf "$out/run"
-timed to_2 "$bin" train "$config" "${common[@]}" trainer.default_local_dir="$out/run" \
+run to_2 "$bin" train "$config" "${common[@]}" trainer.default_local_dir="$out/run" \
   trainer.total_training_steps=2
 du -sb "$out/run/checkpoints/global_step_2" | tee "$out/checkpoint_bytes.txt"
 # The resumed run, with the step-2 checkpoint removed once loaded.
@@ -56,7 +51,7 @@ du -sb "$out/run/checkpoints/global_step_2" | tee "$out/checkpoint_bytes.txt"
   echo "removed global_step_2 after the load: $(date -u +%T)" >"$out/removed.txt"
 ) &
 watcher=$!
-timed resume_to_3 "$bin" train "$config" "${common[@]}" trainer.default_local_dir="$out/run"
+run resume_to_3 "$bin" train "$config" "${common[@]}" trainer.default_local_dir="$out/run"
 wait "$watcher" || true
 hashes "$out/run/checkpoints/global_step_3" >"$out/resumed.sha256"
 if cmp -s "$out/straight.sha256" "$out/resumed.sha256"; then
@@ -65,6 +60,6 @@ else
   echo "NOT bitwise: the step-3 checkpoints differ" | tee "$out/bitwise.txt"
   diff "$out/straight.sha256" "$out/resumed.sha256" | head
 fi
-timed export "$bin" export "$out/run/checkpoints/global_step_3" "$out/export"
+run export "$bin" export "$out/run/checkpoints/global_step_3" "$out/export"
 du -sb "$out/export" | tee "$out/export_bytes.txt"
 rm -rf "$out/run/checkpoints"

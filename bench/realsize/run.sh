@@ -34,16 +34,8 @@ case $kind in
 esac
 args+=("$@")
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-timed() {  # timed NAME COMMAND...: the command's output and GNU time's report in OUT/NAME.log
-  local name=$1
-  shift
-  echo "== $name: $*"
-  /usr/bin/time -v -o "$out/$name.time" "$@" >"$out/$name.log" 2>&1 || {
-    tail -n 30 "$out/$name.log"
-    echo "run.sh: $name failed" >&2
-    exit 1
-  }
-}
+# shellcheck source=bench/realsize/timed.sh
+source "$root/bench/realsize/timed.sh"
 free -g | tee "$out/free.txt"
 "$bin" plan "$config" "${args[@]}" --json >"$out/plan.json" || true
 "$bin" plan "$config" "${args[@]}" | tee "$out/plan.txt" || true
