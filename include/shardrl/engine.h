@@ -211,7 +211,8 @@ class Engine {
   // and goes back after it.
   std::string save_checkpoint(const std::string& root, int64_t step,
                               const nlohmann::json& extra = nlohmann::json::object());
-  checkpoint::LoadResult load_checkpoint(const std::string& dir);
+  // files_checked as checkpoint::load's.
+  checkpoint::LoadResult load_checkpoint(const std::string& dir, bool files_checked = false);
 
   int data_parallel_rank() const { return mesh_.data_parallel_rank(); }
   int data_parallel_size() const { return mesh_.data_parallel_size(); }

@@ -493,18 +493,20 @@ std::unique_ptr<torch::optim::AdamWParamState> read_adamw_state(CheckpointReader
 }  // namespace
 
 LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::Optimizer* optimizer,
-                optim::LRScheduler* scheduler) {
+                optim::LRScheduler* scheduler, bool files_checked) {
   const auto& mesh = model.mesh();
   LoadResult result;
   collectively(mesh, fmt::format("checkpoint load from {}", dir), [&] {
-    // Every file is checked first (size and crc32, one read pass split over the shard group, before
-    // anything that could fail on one rank alone): a damaged file then leaves the model as it was,
-    // and the state loads in place, with no second copy of it in memory. Reading it all into fresh
-    // tensors first once doubled the shards for the load (SD3.5-medium's resume peaked 1.5x its
-    // plan).
-    if (const auto problem = find_damage(dir, mesh.shard_group(), mesh.device());
-        !problem.empty()) {
-      throw std::runtime_error(problem);
+    // Every file is checked first, unless the caller just did (size and crc32, one read pass split
+    // over the shard group, before anything that could fail on one rank alone): a damaged file
+    // then leaves the model as it was, and the state loads in place, with no second copy of it in
+    // memory. Reading it all into fresh tensors first once doubled the shards for the load
+    // (SD3.5-medium's resume peaked 1.5x its plan).
+    if (!files_checked) {
+      if (const auto problem = find_damage(dir, mesh.shard_group(), mesh.device());
+          !problem.empty()) {
+        throw std::runtime_error(problem);
+      }
     }
     CheckpointReader reader(dir);
     const json& index = reader.index();

@@ -396,8 +396,8 @@ std::string Engine::save_checkpoint(const std::string& root, int64_t step,
                           config_.checkpoint);
 }
 
-checkpoint::LoadResult Engine::load_checkpoint(const std::string& dir) {
-  return checkpoint::load(dir, model_.fsdp, optimizer_.get(), scheduler_.get());
+checkpoint::LoadResult Engine::load_checkpoint(const std::string& dir, bool files_checked) {
+  return checkpoint::load(dir, model_.fsdp, optimizer_.get(), scheduler_.get(), files_checked);
 }
 
 }  // namespace shardrl::engine

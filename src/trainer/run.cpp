@@ -85,7 +85,8 @@ int64_t Run::resume(engine::Engine& engine) {
   int64_t step = 0;
   if (!dir.empty()) {
     const auto start = std::chrono::steady_clock::now();
-    step = engine.load_checkpoint(dir).step;
+    // Both modes checked every file of `dir` above.
+    step = engine.load_checkpoint(dir, /*files_checked=*/true).step;
     if (rank0_) {
       spdlog::info("resumed from {} at step {}: {} bytes loaded in {:.2f} s", dir, step,
                    checkpoint::directory_bytes(dir),
