@@ -241,9 +241,11 @@ class Engine {
 
 // Model families by (model_type, backend), as verl's EngineRegistry. The built-in families are
 // registered on first use: language_model (`model.family`: gpt or llama) and the diffusion types
-// of verl-omni, each an SD3 transformer (MMDiT) with its loss: diffusion_model (Flow-GRPO, PPO),
+// of verl-omni, each a diffusers transformer with its loss: diffusion_model (Flow-GRPO, PPO),
 // diffusion_nft_model (DiffusionNFT, with the "old" adapter under LoRA) and diffusion_dpo_model
-// (Diffusion-DPO).
+// (Diffusion-DPO). The transformer is the one its config.json's _class_name names, as diffusers
+// picks it: SD3Transformer2DModel (family "sd3", also when _class_name is absent) or
+// QwenImageTransformer2DModel (family "qwen_image"; the losses still call SD3's model).
 class EngineRegistry {
  public:
   static void register_model(const std::string& model_type, const std::string& backend,

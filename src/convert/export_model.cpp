@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shardrl/models/lora.h"
+#include "shardrl/models/qwen_image.h"
 #include "shardrl/models/sd3.h"
 
 namespace shardrl::convert {
@@ -29,6 +30,16 @@ std::vector<std::string> export_model(const std::string& ckpt_dir, const std::st
           ckpt_dir, e.what()));
     }
     models::add_sd3_export(config, options);
+  } else if (family == "qwen_image") {
+    try {
+      models::QwenImageConfig::from_json(extra.value("config", nlohmann::json()));
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(fmt::format(
+          "export: checkpoint {} (family qwen_image): extra.config is no "
+          "QwenImageTransformer2DModel config.json: {}",
+          ckpt_dir, e.what()));
+    }
+    models::add_qwen_image_export(options);
   }
   return models::lora::export_base(ckpt_dir, out_dir, merge_adapter, std::move(options));
 }

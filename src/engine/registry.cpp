@@ -14,6 +14,7 @@
 #include "shardrl/memory_plan.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
+#include "shardrl/models/qwen_image.h"
 #include "shardrl/models/sd3.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/models/weights.h"
@@ -242,19 +243,37 @@ ModelSize language_model_size(const json& j) {
 }
 
 // verl-omni's transformer_subfolder: a diffusers pipeline folder keeps its transformer there; a
-// transformer folder (save_pretrained of the model alone) has config.json at its top.
+// transformer folder (save_pretrained of the model alone) has config.json at its top, beside its
+// weights in one file or in several with their index.
 std::string diffusers_transformer_dir(const json& j) {
   const auto path = field<std::string>(j, "path", "");
   if (path.empty()) return path;
   const auto subfolder = field<std::string>(j, "transformer_subfolder", "transformer");
   for (const auto& dir : {fs::path(path), fs::path(path) / subfolder}) {
-    if (fs::exists(dir / "config.json") && fs::exists(dir / "diffusion_pytorch_model.safetensors"))
+    if (fs::exists(dir / "config.json") &&
+        (fs::exists(dir / "diffusion_pytorch_model.safetensors") ||
+         fs::exists(dir / "diffusion_pytorch_model.safetensors.index.json")))
       return dir.string();
   }
   throw std::invalid_argument(fmt::format(
       "model.path: '{}' holds no diffusers transformer (config.json and "
-      "diffusion_pytorch_model.safetensors, at its top or under model.transformer_subfolder '{}')",
+      "diffusion_pytorch_model.safetensors or its .index.json, at its top or under "
+      "model.transformer_subfolder '{}')",
       path, subfolder));
+}
+
+// Whether the diffusion model is Qwen-Image's transformer: its config.json's _class_name (that of
+// model.path's folder, else model.config's) names it, as diffusers picks the class it builds. A
+// config without _class_name is SD3's.
+bool is_qwen_image(const json& j) {
+  const auto dir = diffusers_transformer_dir(j);
+  json config = j.value("config", json::object());
+  if (!dir.empty()) {
+    std::ifstream in(fs::path(dir) / "config.json");
+    config = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  }
+  return config.is_object() && config.contains("_class_name") &&
+         config["_class_name"] == models::kQwenImageClassName;
 }
 
 // verl-omni's policy_state_adapters: "default" is the trained adapter, every other one a frozen
@@ -275,33 +294,26 @@ std::vector<std::string> frozen_adapters(const json& j, std::vector<std::string>
 
 // The SD3 transformer of verl-omni's diffusion model types: its config from model.path (a
 // diffusers folder) or model.config (diffusers' config.json fields), LoRA by diffusers' names.
-ModelBuilder sd3_builder(std::vector<std::string> default_states) {
-  return [default_states](const json& j, const dist::DeviceMesh& mesh,
-                          const fsdp::Options& options) {
-    const auto dir = diffusers_transformer_dir(j);
-    const auto c = dir.empty() ? models::SD3Config::from_json(j.value("config", json::object()))
-                               : models::SD3Config::load((fs::path(dir) / "config.json").string());
-    models::SD3Transformer2DModel model{nullptr};
-    {
-      fsdp::EmptyInit empty(/*enabled=*/!dir.empty());
-      model = models::SD3Transformer2DModel(c);
-    }
-    auto plan = adapter_plan(j, {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
-                                 "add_v_proj", "to_add_out"});
-    if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
-    add_adapters(*model, plan);
-    model->set_activation_checkpointing(field<bool>(j, "enable_gradient_checkpointing", false));
-    model->set_sequence_parallel(mesh.sequence_parallel_group());
-    models::shard_sd3(model, mesh, options);
-    if (!dir.empty()) {
-      // The position table is no param: the config determines it, as in diffusers.
-      auto sharded = model.fsdp();
-      checkpoint::load_hf_from_rank0(
-          (fs::path(dir) / "diffusion_pytorch_model.safetensors").string(), sharded, "",
-          [](const std::string& name) { return !models::lora::is_adapter_tensor(name); });
-    }
-    return finish(model, model.fsdp(), "sd3", c.to_json(), plan, /*sequence_parallel=*/true);
-  };
+Model build_sd3(const json& j, const dist::DeviceMesh& mesh, const fsdp::Options& options,
+                const std::vector<std::string>& default_states) {
+  const auto dir = diffusers_transformer_dir(j);
+  const auto c = dir.empty() ? models::SD3Config::from_json(j.value("config", json::object()))
+                             : models::SD3Config::load((fs::path(dir) / "config.json").string());
+  models::SD3Transformer2DModel model{nullptr};
+  {
+    fsdp::EmptyInit empty(/*enabled=*/!dir.empty());
+    model = models::SD3Transformer2DModel(c);
+  }
+  auto plan = adapter_plan(j, {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                               "add_v_proj", "to_add_out"});
+  if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
+  add_adapters(*model, plan);
+  model->set_activation_checkpointing(field<bool>(j, "enable_gradient_checkpointing", false));
+  model->set_sequence_parallel(mesh.sequence_parallel_group());
+  models::shard_sd3(model, mesh, options);
+  // The position table is no param: the config determines it, as in diffusers.
+  load_sharded(dir, model.fsdp());
+  return finish(model, model.fsdp(), "sd3", c.to_json(), plan, /*sequence_parallel=*/true);
 }
 
 ModelSize sd3_size(const json& j, const std::vector<std::string>& default_states) {
@@ -328,8 +340,68 @@ ModelSize sd3_size(const json& j, const std::vector<std::string>& default_states
   return size;
 }
 
-ModelSizer sd3_sizer(std::vector<std::string> default_states) {
-  return [default_states](const json& j) { return sd3_size(j, default_states); };
+models::QwenImageConfig qwen_image_config(const json& j, const std::string& dir) {
+  return dir.empty() ? models::QwenImageConfig::from_json(j.value("config", json::object()))
+                     : models::QwenImageConfig::load((fs::path(dir) / "config.json").string());
+}
+
+// The Qwen-Image transformer, as SD3's: LoRA on verl-omni's 12 target names by default.
+Model build_qwen_image(const json& j, const dist::DeviceMesh& mesh, const fsdp::Options& options,
+                       const std::vector<std::string>& default_states) {
+  const auto dir = diffusers_transformer_dir(j);
+  const auto c = qwen_image_config(j, dir);
+  models::QwenImageTransformer2DModel model{nullptr};
+  {
+    fsdp::EmptyInit empty(/*enabled=*/!dir.empty());
+    model = models::QwenImageTransformer2DModel(c);
+  }
+  auto plan = adapter_plan(j, models::qwen_image_lora_targets());
+  if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
+  add_adapters(*model, plan);
+  model->set_activation_checkpointing(field<bool>(j, "enable_gradient_checkpointing", false));
+  model->set_sequence_parallel(mesh.sequence_parallel_group());
+  models::shard_qwen_image(model, mesh, options);
+  load_sharded(dir, model.fsdp());
+  return finish(model, model.fsdp(), "qwen_image", c.to_json(), plan,
+                /*sequence_parallel=*/true);
+}
+
+ModelSize qwen_image_size(const json& j, const std::vector<std::string>& default_states) {
+  const auto c = qwen_image_config(j, diffusers_transformer_dir(j));
+  fsdp::EmptyInit empty;
+  models::QwenImageTransformer2DModel model(c);
+  auto plan = adapter_plan(j, models::qwen_image_lora_targets());
+  if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
+  add_adapters(*model, plan);
+  auto size = count_units(*model, {std::regex(R"((transformer_blocks\.\d+)\..*)")});
+  // A dual-stream block per token of either stream: about 18 inner-wide tensors (the norms and
+  // their modulation, q and k before and after the qk norm and the rotation, v, the attention
+  // output, the gated residuals) and the feed-forward's 4x-wide input and GELU (12 inner
+  // widths); attention probabilities and scores over the joint sequence. The rotary angles are
+  // computed each forward: no buffer.
+  const auto d = c.inner_dim();
+  size.blocks = c.num_layers;
+  size.block_input_bytes_per_token = 4.0 * static_cast<double>(d);
+  size.block_activation_bytes_per_token = 4.0 * static_cast<double>(30 * d);
+  size.block_attention_bytes_per_token_position =
+      4.0 * 2.0 * static_cast<double>(c.num_attention_heads);
+  return size;
+}
+
+// verl-omni's diffusion model types build the transformer model.path or model.config names:
+// SD3's or Qwen-Image's.
+ModelBuilder diffusion_builder(std::vector<std::string> default_states) {
+  return [default_states](const json& j, const dist::DeviceMesh& mesh,
+                          const fsdp::Options& options) {
+    return is_qwen_image(j) ? build_qwen_image(j, mesh, options, default_states)
+                            : build_sd3(j, mesh, options, default_states);
+  };
+}
+
+ModelSizer diffusion_sizer(std::vector<std::string> default_states) {
+  return [default_states](const json& j) {
+    return is_qwen_image(j) ? qwen_image_size(j, default_states) : sd3_size(j, default_states);
+  };
 }
 
 // The loss of a diffusion model type: algos::diffusion_loss with the settings of
@@ -370,14 +442,16 @@ struct Registry {
   Registry() {
     builders["language_model/fsdp"] = {build_language_model, nullptr, language_model_size};
     // verl-omni's PPODiffusersFSDPEngine, DPODiffusersFSDPEngine and NFTDiffusersFSDPEngine.
-    builders["diffusion_model/fsdp"] = {sd3_builder({"default"}), diffusion_loss("diffusion_model"),
-                                        sd3_sizer({"default"})};
-    builders["diffusion_dpo_model/fsdp"] = {
-        sd3_builder({"default"}), diffusion_loss("diffusion_dpo_model"), sd3_sizer({"default"})};
+    builders["diffusion_model/fsdp"] = {diffusion_builder({"default"}),
+                                        diffusion_loss("diffusion_model"),
+                                        diffusion_sizer({"default"})};
+    builders["diffusion_dpo_model/fsdp"] = {diffusion_builder({"default"}),
+                                            diffusion_loss("diffusion_dpo_model"),
+                                            diffusion_sizer({"default"})};
     // NFT's behaviour policy "old" starts as a copy of the trained adapter and follows it by EMA.
-    builders["diffusion_nft_model/fsdp"] = {sd3_builder({"default", "old"}),
+    builders["diffusion_nft_model/fsdp"] = {diffusion_builder({"default", "old"}),
                                             diffusion_loss("diffusion_nft_model"),
-                                            sd3_sizer({"default", "old"})};
+                                            diffusion_sizer({"default", "old"})};
   }
 
   static Registry& get() {

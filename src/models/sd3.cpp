@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 
+#include "models/diffusers_common.h"
 #include "models/json_fields.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/activation_checkpoint.h"
@@ -18,42 +19,13 @@ namespace shardrl::models {
 namespace {
 
 namespace nn = torch::nn;
+using detail::holder;
+using detail::modulate;
 
 constexpr double kNormEps = 1e-6;  // every LayerNorm and qk RMSNorm of the model
 constexpr int64_t kTimestepChannels = 256;
-// diffusers' weight files: `<stem>.safetensors`, or numbered files with
-// `<stem>.safetensors.index.json`.
-constexpr const char* kWeightsStem = "diffusion_pytorch_model";
-const std::string kWeightsFile = std::string(kWeightsStem) + ".safetensors";
 
-// Registers an empty module `name` on `parent`, so children get diffusers' dotted names.
-std::shared_ptr<nn::Module> holder(nn::Module& parent, const std::string& name) {
-  return parent.register_module(name, std::make_shared<nn::Module>());
-}
-
-// LayerNorm without affine params, as every norm of the model is before its modulation.
-torch::Tensor plain_norm(const torch::Tensor& x) {
-  return torch::layer_norm(x, {x.size(-1)}, {}, {}, kNormEps);
-}
-
-torch::Tensor modulate(const torch::Tensor& normed, const torch::Tensor& shift,
-                       const torch::Tensor& scale) {
-  return normed * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
-}
-
-// diffusers' FeedForward(dim, activation_fn="gelu-approximate"): net.0.proj, tanh GELU, net.2.
-std::pair<lora::LoraLinear, lora::LoraLinear> feed_forward(nn::Module& block, const char* name,
-                                                           int64_t dim) {
-  auto net = holder(*holder(block, name), "net");
-  auto proj = holder(*net, "0")->register_module("proj", lora::LoraLinear(dim, 4 * dim));
-  auto out = net->register_module("2", lora::LoraLinear(4 * dim, dim));
-  return {proj, out};
-}
-
-torch::Tensor run_feed_forward(lora::LoraLinear proj, lora::LoraLinear out,
-                               const torch::Tensor& x) {
-  return out->forward(torch::gelu(proj->forward(x), "tanh"));
-}
+torch::Tensor plain_norm(const torch::Tensor& x) { return detail::plain_norm(x, kNormEps); }
 
 }  // namespace
 
@@ -164,13 +136,7 @@ SD3Config SD3Config::load(const std::string& path) {
 // ---- embeddings --------------------------------------------------------------------------------
 
 torch::Tensor sd3_timestep_embedding(const torch::Tensor& t, int64_t dim) {
-  const int64_t half = dim / 2;
-  // Operation for operation diffusers' fp32 arithmetic, so the embedding matches to the bit.
-  auto exponent =
-      -std::log(10000.0) * torch::arange(half, torch::dtype(torch::kFloat).device(t.device()));
-  exponent = exponent / static_cast<double>(half);
-  auto args = t.to(torch::kFloat).unsqueeze(1) * torch::exp(exponent).unsqueeze(0);
-  return torch::cat({torch::cos(args), torch::sin(args)}, -1);
+  return detail::timestep_embedding(t.to(torch::kFloat), dim, 1.0);
 }
 
 torch::Tensor sd3_pos_embed(int64_t dim, int64_t grid, int64_t base_size) {
@@ -282,9 +248,14 @@ JointTransformerBlockImpl::JointTransformerBlockImpl(const SD3Config& c, int64_t
                       ->register_module("linear", Linear(d, (context_pre_only_ ? 2 : 6) * d));
   attn = register_module("attn", SD3Attention(c, /*joint=*/true, !context_pre_only_));
   if (dual_) attn2 = register_module("attn2", SD3Attention(c, /*joint=*/false, false));
-  std::tie(ff_proj, ff_out) = feed_forward(*this, "ff", d);
-  if (!context_pre_only_)
-    std::tie(ff_context_proj, ff_context_out) = feed_forward(*this, "ff_context", d);
+  const auto ff = detail::feed_forward(*this, "ff", d);
+  ff_proj = ff.proj;
+  ff_out = ff.out;
+  if (!context_pre_only_) {
+    const auto ff_context = detail::feed_forward(*this, "ff_context", d);
+    ff_context_proj = ff_context.proj;
+    ff_context_out = ff_context.out;
+  }
 }
 
 std::vector<torch::Tensor> JointTransformerBlockImpl::forward(torch::Tensor hidden,
@@ -325,12 +296,12 @@ std::vector<torch::Tensor> JointTransformerBlockImpl::compute(const torch::Tenso
                           attn2(modulate(normed, m[6], m[7]), torch::Tensor(), false, keys).first;
   }
   hidden = hidden + m[5].unsqueeze(1) *
-                        run_feed_forward(ff_proj, ff_out, modulate(plain_norm(hidden), m[3], m[4]));
+                        detail::FeedForward{ff_proj, ff_out}(modulate(plain_norm(hidden), m[3], m[4]));
   if (context_pre_only_) return {hidden};
   auto context = context_in + cm[2].unsqueeze(1) * context_attn_out;
   context =
-      context + cm[5].unsqueeze(1) * run_feed_forward(ff_context_proj, ff_context_out,
-                                                      modulate(plain_norm(context), cm[3], cm[4]));
+      context + cm[5].unsqueeze(1) * detail::FeedForward{ff_context_proj, ff_context_out}(
+                                modulate(plain_norm(context), cm[3], cm[4]));
   return {hidden, context};
 }
 
@@ -480,54 +451,20 @@ SD3Transformer2DModel load_sd3(const std::string& dir) {
 
 void save_sd3(const std::map<std::string, torch::Tensor>& params, const SD3Config& config,
               const std::string& dir, torch::ScalarType dtype) {
-  std::filesystem::create_directories(dir);
   auto with_table = params;
   with_table[kSD3PosEmbedName] = full_pos_embed(config);
-  save_weights(with_table, dir + "/" + kWeightsFile, dtype);
-  std::ofstream out(dir + "/config.json");
-  if (!out) throw std::runtime_error("cannot write " + dir + "/config.json");
-  out << config.to_json().dump(2) << "\n";
+  detail::save_diffusers_folder(with_table, config.to_json(), dir, dtype);
 }
 
 void add_sd3_export(const SD3Config& config, checkpoint::ExportOptions& options) {
-  options.layout.weights_stem = kWeightsStem;
-  options.layout.single_file_unindexed = true;
-  options.layout.config_torch_dtype = false;
+  detail::set_diffusers_export_layout(options);
   options.extra_tensors.emplace_back(kSD3PosEmbedName, full_pos_embed(config));
 }
 
 void save_sd3_lora(const std::map<std::string, torch::Tensor>& params,
                    const lora::LoraConfig& config, const std::string& name,
                    const std::string& dir) {
-  // diffusers' SD3 LoRA layout: the module path under the pipeline's "transformer", the
-  // adapter name dropped, and the config in the header with the same prefix on every key.
-  const std::string peft_prefix = "base_model.model.";
-  std::vector<checkpoint::TensorInfo> infos;
-  std::map<std::string, torch::Tensor> tensors;
-  for (const auto& [param, tensor] : params) {
-    auto peft = lora::peft_name(param, name);
-    if (!peft) continue;
-    const std::string key = "transformer." + peft->substr(peft_prefix.size());
-    infos.push_back({key, torch::kFloat, tensor.sizes().vec()});
-    tensors[key] = tensor;
-  }
-  if (infos.empty()) {
-    throw std::invalid_argument(fmt::format("save_sd3_lora: no tensors of adapter '{}'", name));
-  }
-  const auto peft_config = nlohmann::json::parse(lora::peft_adapter_config(config));
-  nlohmann::json metadata = nlohmann::json::object();
-  for (const auto& [key, value] : peft_config.items()) metadata["transformer." + key] = value;
-  std::filesystem::create_directories(dir);
-  checkpoint::SafetensorsWriter writer(
-      dir + "/" + lora::kPeftWeightsFile, infos,
-      {{"format", "pt"}, {"lora_adapter_metadata", metadata.dump()}});
-  for (const auto& info : infos) {
-    writer.write(info.name, tensors.at(info.name).detach().to(torch::kFloat).contiguous());
-  }
-  writer.close();
-  std::ofstream out(dir + "/" + lora::kPeftConfigFile);
-  if (!out) throw std::runtime_error("cannot write " + dir + "/" + lora::kPeftConfigFile);
-  out << peft_config.dump(2) << "\n";
+  detail::save_diffusers_lora(params, config, name, dir, "save_sd3_lora");
 }
 
 }  // namespace shardrl::models

@@ -1,8 +1,9 @@
 // `shardrl export`: a sharded checkpoint as the library of its model family loads it. The family
 // is the checkpoint's extra.family, which Engine::save_checkpoint records with the family's
 // config.json as extra.config:
-//   "sd3"      a diffusers SD3Transformer2DModel folder (from_pretrained reads it)
-//   any other  a transformers-style folder (model-0000k-of-0000n.safetensors + index, config.json)
+//   "sd3"         a diffusers SD3Transformer2DModel folder (from_pretrained reads it)
+//   "qwen_image"  a diffusers QwenImageTransformer2DModel folder
+//   any other     a transformers-style folder (model-0000k-of-0000n.safetensors + index, config.json)
 //
 //   models::export_model("ckpt/global_step_100", "out");               // base weights
 //   models::export_model("ckpt/global_step_100", "merged", "default");  // with the LoRA folded in
