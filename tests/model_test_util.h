@@ -4,11 +4,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <string>
 #include <vector>
 
+#include "shardrl/checkpoint.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/models/weights.h"
 #include "test_util.h"
@@ -58,6 +62,35 @@ inline const std::string& minilm_dir() {
     return found.exit_code == 0 ? out : std::string();
   }();
   return dir;
+}
+
+// Every tensor of a safetensors file, read through ShardRL's reader.
+inline std::map<std::string, torch::Tensor> read_safetensors(const std::string& path) {
+  checkpoint::HfWeights file(path);
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& name : file.names()) out[name] = file.reader(name).read(name);
+  return out;
+}
+
+// max |got - want| over max(1, max |want|).
+inline double relative_error_max(const torch::Tensor& got, const torch::Tensor& want) {
+  return ((got - want).abs().max() / std::max(1.0, want.abs().max().item<double>())).item<double>();
+}
+
+// The real `shardrl export` binary with `args`.
+inline ProcessResult shardrl_export(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {bin("shardrl"), "export"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv);
+}
+
+// How many files of `dir` have a name matching `pattern`.
+inline size_t count_files_matching(const std::string& dir, const std::regex& pattern) {
+  size_t n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (std::regex_match(entry.path().filename().string(), pattern)) ++n;
+  }
+  return n;
 }
 
 }  // namespace shardrl::testing

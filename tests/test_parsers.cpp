@@ -9,6 +9,7 @@
 #include <fstream>
 #include <limits>
 
+#include "expect_error.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
@@ -28,22 +29,6 @@ using nlohmann::json;
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
-}
-
-// Runs fn, which must throw E with a message holding every one of `words`.
-template <class E>
-void expect_error_naming(const std::function<void()>& fn, const std::vector<std::string>& words) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error was raised";
-  } catch (const E& e) {
-    for (const auto& w : words) {
-      EXPECT_NE(std::string(e.what()).find(w), std::string::npos)
-          << "'" << w << "' not in " << e.what();
-    }
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "another exception than expected: " << e.what();
-  }
 }
 
 // ---- safetensors -------------------------------------------------------------------------------

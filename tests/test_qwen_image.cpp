@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 
+#include "expect_error.h"
 #include "model_test_util.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/engine.h"
@@ -25,27 +26,6 @@ namespace fs = std::filesystem;
 using models::QwenImageConfig;
 using models::QwenImageShape;
 using nlohmann::json;
-
-std::map<std::string, torch::Tensor> read_safetensors(const std::string& path) {
-  checkpoint::HfWeights file(path);
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& name : file.names()) out[name] = file.reader(name).read(name);
-  return out;
-}
-
-double relative_error_max(const torch::Tensor& got, const torch::Tensor& want) {
-  return ((got - want).abs().max() / std::max(1.0, want.abs().max().item<double>())).item<double>();
-}
-
-// fn throws, and its message names `named`.
-void expect_error_naming(const std::function<void()>& fn, const std::string& named) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error naming " << named;
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
-  }
-}
 
 ProcessResult qwen_image_reference(const std::vector<std::string>& args) {
   return run_python_reference("qwen_image_reference.py", args);
@@ -82,10 +62,11 @@ TEST(QwenImage, ParameterNamesAreDiffusersAndLoraTargetsEveryProjection) {
   for (const std::string name :
        {"time_text_embed.timestep_embedder.linear_1.weight",
         "time_text_embed.timestep_embedder.linear_2.bias", "txt_norm.weight", "img_in.weight",
-        "txt_in.bias", "transformer_blocks.0.img_mod.1.weight", "transformer_blocks.0.txt_mod.1.bias",
-        "transformer_blocks.0.attn.norm_q.weight", "transformer_blocks.0.attn.norm_added_k.weight",
-        "transformer_blocks.0.attn.to_q.weight", "transformer_blocks.0.attn.add_v_proj.bias",
-        "transformer_blocks.0.attn.to_out.0.weight", "transformer_blocks.1.attn.to_add_out.bias",
+        "txt_in.bias", "transformer_blocks.0.img_mod.1.weight",
+        "transformer_blocks.0.txt_mod.1.bias", "transformer_blocks.0.attn.norm_q.weight",
+        "transformer_blocks.0.attn.norm_added_k.weight", "transformer_blocks.0.attn.to_q.weight",
+        "transformer_blocks.0.attn.add_v_proj.bias", "transformer_blocks.0.attn.to_out.0.weight",
+        "transformer_blocks.1.attn.to_add_out.bias",
         "transformer_blocks.1.img_mlp.net.0.proj.weight", "transformer_blocks.1.img_mlp.net.2.bias",
         "transformer_blocks.1.txt_mlp.net.0.proj.bias", "transformer_blocks.1.txt_mlp.net.2.weight",
         "norm_out.linear.weight", "proj_out.bias"}) {
@@ -157,8 +138,7 @@ TEST_P(QwenImageDiffusers, SavePretrainedLoadsWithDiffusersOutput) {
   const auto made = qwen_image_reference({"pretrained", dir, GetParam()});
   ASSERT_EQ(made.exit_code, 0) << made.output;
   auto io = read_safetensors(dir + "/io.safetensors");
-  ASSERT_TRUE(
-      fs::exists(dir + "-sharded/diffusion_pytorch_model.safetensors.index.json"));
+  ASSERT_TRUE(fs::exists(dir + "-sharded/diffusion_pytorch_model.safetensors.index.json"));
   for (const std::string& folder : {dir, dir + "-sharded"}) {
     auto model = models::load_qwen_image(folder);
     for (const auto& [name, shapes] : kCases) {
@@ -184,11 +164,11 @@ TEST_P(QwenImageDiffusers, RotaryPositionsAndLatentPackingAreDiffusers) {
   auto io = read_safetensors(dir + "/io.safetensors");
   const auto config = QwenImageConfig::load(dir + "/config.json");
   const auto rotary = models::qwen_image_rotary(config, kRopeShapes, kRopeText);
-  for (const auto& [name, got] : std::vector<std::pair<std::string, torch::Tensor>>{
-           {"rope_image_cos", rotary.image_cos},
-           {"rope_image_sin", rotary.image_sin},
-           {"rope_text_cos", rotary.text_cos},
-           {"rope_text_sin", rotary.text_sin}}) {
+  for (const auto& [name, got] :
+       std::vector<std::pair<std::string, torch::Tensor>>{{"rope_image_cos", rotary.image_cos},
+                                                          {"rope_image_sin", rotary.image_sin},
+                                                          {"rope_text_cos", rotary.text_cos},
+                                                          {"rope_text_sin", rotary.text_sin}}) {
     ASSERT_EQ(got.sizes(), io.at(name).sizes()) << name;
     EXPECT_LE((got - io.at(name)).abs().max().item<double>(), 1e-6) << name;
   }
@@ -244,12 +224,12 @@ TEST(QwenImage, LoadNamesMissingAndUnexpectedTensors) {
   params.erase("transformer_blocks.1.txt_mlp.net.2.weight");
   models::save_qwen_image(params, model->config(), dir);
   expect_error_naming([&] { models::load_qwen_image(dir); },
-                      "transformer_blocks.1.txt_mlp.net.2.weight");
+                      {"transformer_blocks.1.txt_mlp.net.2.weight"});
   params = models::state_dict(*model);
   params["transformer_blocks.0.attn.to_k.weight"] = torch::zeros({3, 3});
   models::save_qwen_image(params, model->config(), dir);
   expect_error_naming([&] { models::load_qwen_image(dir); },
-                      "transformer_blocks.0.attn.to_k.weight");
+                      {"transformer_blocks.0.attn.to_k.weight"});
 }
 
 // encoder_hidden_states_mask hides the padding text tokens from every query, as diffusers' joint
@@ -265,8 +245,8 @@ TEST(QwenImage, TextMaskHidesMaskedTokens) {
   auto changed = b.prompt_embeds.clone();
   changed[2].narrow(0, s.text_tokens - 2, 2).normal_();
   changed[1][s.text_tokens - 1].normal_();
-  EXPECT_TRUE(torch::allclose(model(b.xt, changed, b.prompt_mask, b.timestep, shapes), out, 0,
-                              1e-6));
+  EXPECT_TRUE(
+      torch::allclose(model(b.xt, changed, b.prompt_mask, b.timestep, shapes), out, 0, 1e-6));
   changed[2][0].normal_();  // a real token of row 2
   const auto moved = model(b.xt, changed, b.prompt_mask, b.timestep, shapes);
   EXPECT_GT((moved[2] - out[2]).abs().max().item<double>(), 1e-4);
@@ -278,22 +258,27 @@ TEST(QwenImage, BadInputsAreErrorsNamingTheInput) {
   models::QwenImageTransformer2DModel model(qwen_image_test_config());
   const auto b = qwen_image_batch(s, 0);
   const auto shapes = qwen_image_test_shapes(s);
-  const auto expect_error = expect_error_naming;
   torch::NoGradGuard no_grad;
-  expect_error([&] { model(b.xt, b.prompt_embeds, b.prompt_mask, b.timestep,
-                           std::vector<QwenImageShape>{{1, 3, 3}}); },
-               "hidden_states");
-  expect_error([&] { model(b.xt, b.prompt_embeds, b.prompt_mask.narrow(1, 0, 2), b.timestep,
-                           shapes); },
-               "encoder_hidden_states_mask");
-  expect_error([&] { model(b.xt, b.prompt_embeds.narrow(2, 0, 5), b.prompt_mask, b.timestep,
-                           shapes); },
-               "encoder_hidden_states");
-  expect_error([&] { model(b.xt, b.prompt_embeds, b.prompt_mask, b.timestep.narrow(0, 0, 1),
-                           shapes); },
-               "timestep");
-  expect_error([&] { models::qwen_image_rotary(qwen_image_test_config(), {{1, 8, 8}}, 4093); },
-               "4096");
+  expect_error_naming(
+      [&] {
+        model(b.xt, b.prompt_embeds, b.prompt_mask, b.timestep,
+              std::vector<QwenImageShape>{{1, 3, 3}});
+      },
+      {"hidden_states"});
+  expect_error_naming(
+      [&] { model(b.xt, b.prompt_embeds, b.prompt_mask.narrow(1, 0, 2), b.timestep, shapes); },
+      {"encoder_hidden_states_mask"});
+  expect_error_naming(
+      [&] { model(b.xt, b.prompt_embeds.narrow(2, 0, 5), b.prompt_mask, b.timestep, shapes); },
+      {"encoder_hidden_states"});
+  expect_error_naming(
+      [&] { model(b.xt, b.prompt_embeds, b.prompt_mask, b.timestep.narrow(0, 0, 1), shapes); },
+      {"timestep"});
+  expect_error_naming(
+      [&] {
+        models::qwen_image_rotary(qwen_image_test_config(), {{1, 8, 8}}, 4093);
+      },
+      {"4096"});
 }
 
 TEST(QwenImage, ActivationCheckpointingKeepsLossAndGradients) {
@@ -305,8 +290,8 @@ TEST(QwenImage, ActivationCheckpointingKeepsLossAndGradients) {
   recomputed->set_activation_checkpointing(true);
   const auto b = qwen_image_batch(s, 0);
   const auto shapes = qwen_image_test_shapes(s);
-  auto loss = torch::mse_loss(plain(b.xt, b.prompt_embeds, b.prompt_mask, b.timestep, shapes),
-                              b.target);
+  auto loss =
+      torch::mse_loss(plain(b.xt, b.prompt_embeds, b.prompt_mask, b.timestep, shapes), b.target);
   auto loss_ckpt = torch::mse_loss(
       recomputed(b.xt, b.prompt_embeds, b.prompt_mask, b.timestep, shapes), b.target);
   EXPECT_EQ(loss.item<double>(), loss_ckpt.item<double>());
@@ -387,8 +372,8 @@ TEST(QwenImageSharded, TwoRanksTrainAsOne) {
   }
   {
     SCOPED_TRACE("Ulysses sp 2, activation checkpointing");
-    expect_same_training(
-        run_worker(2, dir + "/sp2", with(args, {"--sp", "2", "--checkpointing"})), one, s.steps);
+    expect_same_training(run_worker(2, dir + "/sp2", with(args, {"--sp", "2", "--checkpointing"})),
+                         one, s.steps);
   }
 }
 
@@ -396,8 +381,8 @@ TEST(QwenImageSharded, TwoRanksTrainAsOne) {
 TEST(QwenImageSharded, LoraAtSp2TrainsAsOneRankAndOnlyTheAdapters) {
   const QwenImageScenario s;
   const auto dir = make_temp_dir("qwen-image-lora");
-  const std::vector<std::string> args = {"--steps", std::to_string(s.steps), "--lora-rank", "4",
-                                         "--lr", "1e-2"};
+  const std::vector<std::string> args = {
+      "--steps", std::to_string(s.steps), "--lora-rank", "4", "--lr", "1e-2"};
   const auto one = run_worker(1, dir + "/one", args);
   expect_same_training(run_worker(2, dir + "/sp2", with(args, {"--sp", "2"})), one, s.steps);
   torch::manual_seed(s.seed);
@@ -447,12 +432,13 @@ TEST(QwenImage, ModelSizeIsTheShardedModelsAndThePublishedCount) {
   // Adapters are allocated even without bytes for the base: a small rank keeps this test light.
   config.model = {{"config", QwenImageConfig().to_json()}, {"lora_rank", 4}};
   const auto published = engine::EngineRegistry::model_size(config);
-  EXPECT_EQ(published.params(), int64_t{20'430'401'088});
   EXPECT_EQ(published.units.size(), 61u);
   // LoRA of rank r on a block: 8 attention projections of d x d (2 r d each) and 4 MLP
   // projections of d x 4d (5 r d each).
   const int64_t d = 3072;
   const int64_t adapters_per_block = 4 * (8 * 2 * d + 4 * 5 * d);
+  // The published base (published-configs.md) and the adapters beside it.
+  EXPECT_EQ(published.params(), int64_t{20'430'401'088} + 60 * adapters_per_block);
   EXPECT_EQ(published.trainable(), 60 * adapters_per_block);
   // A block: adaLN of both streams 12 d^2 + 12 d, 8 attention projections 8 (d^2 + d), the two
   // MLPs 16 d^2 + 10 d, 4 qk norms of 128.

@@ -21,30 +21,15 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-ProcessResult shardrl_export(const std::vector<std::string>& args) {
-  std::vector<std::string> argv = {bin("shardrl"), "export"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_process(argv);
-}
-
-size_t count_files_matching(const std::string& dir, const std::regex& pattern) {
-  size_t n = 0;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    if (std::regex_match(entry.path().filename().string(), pattern)) ++n;
-  }
-  return n;
-}
-
 class QwenImageExport : public ::testing::Test {
  protected:
   // One LoRA run for the suite: 2 ranks, every block an FSDP unit, AdamW on the adapter.
   static void SetUpTestSuite() {
     const QwenImageScenario s;
     const std::string dir = make_temp_dir("qwen-image-export-train");
-    const auto trained = launch_workers(2,
-                                        {"--out", dir, "--lr", "1e-2", "--lora-rank", "4",
-                                         "--save", dir + "/ckpt"},
-                                        300, "qwen_image_worker");
+    const auto trained = launch_workers(
+        2, {"--out", dir, "--lr", "1e-2", "--lora-rank", "4", "--save", dir + "/ckpt"}, 300,
+        "qwen_image_worker");
     if (trained.exit_code != 0) {
       ADD_FAILURE() << trained.output;
       return;
@@ -74,8 +59,9 @@ TEST_F(QwenImageExport, TrainedLoraCheckpointLoadsInDiffusersAndPeft) {
   for (const auto& [name, unused] : params) names.push_back(name);
   ASSERT_EQ(index.at("model").size(), names.size()) << "the checkpoint holds every param";
   torch::NoGradGuard no_grad;
-  checkpoint::for_each_full_tensor(
-      ckpt_, names, [&](const std::string& name, const auto& full) { params.at(name).copy_(full); });
+  checkpoint::for_each_full_tensor(ckpt_, names, [&](const std::string& name, const auto& full) {
+    params.at(name).copy_(full);
+  });
 
   // A batch of the scenario: packed latents, a text mask with padding, sigmas.
   const QwenImageScenario s;
@@ -118,10 +104,10 @@ TEST_F(QwenImageExport, TrainedLoraCheckpointLoadsInDiffusersAndPeft) {
     const auto written = json::parse(std::ifstream(dir + "/config.json"));
     EXPECT_EQ(written, config.to_json()) << dir << ": config.json as diffusers writes it";
   }
-  expect_checks_pass(run_python_reference("qwen_image_reference.py",
-                                          {"export", base, merged, adapter,
-                                           root + "/io.safetensors"}),
-                     5);
+  expect_checks_pass(
+      run_python_reference("qwen_image_reference.py",
+                           {"export", base, merged, adapter, root + "/io.safetensors"}),
+      5);
 }
 
 // A "qwen_image" checkpoint whose config diffusers could not load is refused before anything is

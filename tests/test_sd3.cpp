@@ -17,20 +17,9 @@ namespace {
 
 using models::SD3Config;
 
-std::map<std::string, torch::Tensor> read_safetensors(const std::string& path) {
-  checkpoint::HfWeights file(path);
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& name : file.names()) out[name] = file.reader(name).read(name);
-  return out;
-}
-
 void write_safetensors(const std::map<std::string, torch::Tensor>& tensors,
                        const std::string& path) {
   models::save_weights(tensors, path);
-}
-
-double relative_error_max(const torch::Tensor& got, const torch::Tensor& want) {
-  return ((got - want).abs().max() / std::max(1.0, want.abs().max().item<double>())).item<double>();
 }
 
 ProcessResult sd3_reference(const std::vector<std::string>& args) {

@@ -19,20 +19,6 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-ProcessResult shardrl_export(const std::vector<std::string>& args) {
-  std::vector<std::string> argv = {bin("shardrl"), "export"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_process(argv);
-}
-
-size_t count_files_matching(const std::string& dir, const std::regex& pattern) {
-  size_t n = 0;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    if (std::regex_match(entry.path().filename().string(), pattern)) ++n;
-  }
-  return n;
-}
-
 // Checks the exports of `ckpt`, an SD3 checkpoint (extra.family "sd3") with LoRA adapter
 // "default", against ShardRL's forward of the checkpoint's own weights on the same input: in
 // diffusers the base export gives the base model's output and the merged export the LoRA model's;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "../src/trainer/tasks.h"
+#include "expect_error.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/weights.h"
 #include "test_util.h"
@@ -24,16 +25,6 @@ std::string write_file(const std::string& dir, const std::string& name, const st
   const auto path = dir + "/" + name;
   std::ofstream(path) << text;
   return path;
-}
-
-void expect_error_naming(const std::function<void()>& fn, const std::vector<std::string>& words) {
-  try {
-    fn();
-    FAIL() << "no error was raised";
-  } catch (const std::invalid_argument& e) {
-    for (const auto& w : words)
-      EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
-  }
 }
 
 TEST(TrainerConfig, FileThenOverridesWithTypesKept) {
@@ -61,39 +52,46 @@ TEST(TrainerConfig, FileThenOverridesWithTypesKept) {
 TEST(TrainerConfig, ErrorsNameTheKeyAndTheFile) {
   const auto dir = make_temp_dir("trainer_config_errors");
   const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
-  expect_error_naming([&] { trainer::task_config(path, {"trainer.totl_training_steps=3"}); },
-                      {"trainer.totl_training_steps", "unknown"});
-  expect_error_naming(
+  expect_error_naming<std::invalid_argument>(
+      [&] { trainer::task_config(path, {"trainer.totl_training_steps=3"}); },
+      {"trainer.totl_training_steps", "unknown"});
+  expect_error_naming<std::invalid_argument>(
       [&] { trainer::task_config(path, {"actor_rollout_ref.actor.optim.lr=fast"}); },
       {"actor_rollout_ref.actor.optim.lr", "a number"});
-  expect_error_naming([&] { trainer::task_config(path, {"trainer.save_freq=2.5"}); },
-                      {"trainer.save_freq"});
+  expect_error_naming<std::invalid_argument>(
+      [&] { trainer::task_config(path, {"trainer.save_freq=2.5"}); }, {"trainer.save_freq"});
   const auto bad =
       write_file(dir, "bad.yaml", std::string(kSmallLmConfig) + "data:\n  shuffle: true\n");
-  expect_error_naming([&] { trainer::task_config(bad, {}); }, {"bad.yaml"});
+  expect_error_naming<std::invalid_argument>([&] { trainer::task_config(bad, {}); }, {"bad.yaml"});
   const auto unknown =
       write_file(dir, "unknown.yaml", "trainer:\n  task: lm_pretrain\nalgorithm:\n  kl_ctrl: 1\n");
-  expect_error_naming([&] { trainer::task_config(unknown, {}); }, {"unknown.yaml", "'algorithm'"});
-  expect_error_naming([&] { trainer::task_config(dir + "/missing.yaml", {}); }, {"missing.yaml"});
+  expect_error_naming<std::invalid_argument>([&] { trainer::task_config(unknown, {}); },
+                                             {"unknown.yaml", "'algorithm'"});
+  expect_error_naming<std::invalid_argument>(
+      [&] { trainer::task_config(dir + "/missing.yaml", {}); }, {"missing.yaml"});
   const auto no_task = write_file(dir, "no_task.yaml", "trainer:\n  total_training_steps: 3\n");
-  expect_error_naming([&] { trainer::task_config(no_task, {}); }, {"trainer.task"});
-  expect_error_naming([&] { trainer::task_config(path, {"trainer.task=painting"}); },
-                      {"painting", "lm_pretrain"});
+  expect_error_naming<std::invalid_argument>([&] { trainer::task_config(no_task, {}); },
+                                             {"trainer.task"});
+  expect_error_naming<std::invalid_argument>(
+      [&] { trainer::task_config(path, {"trainer.task=painting"}); }, {"painting", "lm_pretrain"});
 }
 
 // Keys ShardRL used to spell its own way are errors naming verl's key that replaced them.
 TEST(TrainerConfig, OldKeyNamesAreErrorsNamingVerlsKey) {
   const auto dir = make_temp_dir("trainer_config_renamed");
   const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
-  expect_error_naming([&] { trainer::task_config(path, {"trainer.resume=auto"}); },
-                      {"'trainer.resume'", "trainer.resume_mode"});
-  expect_error_naming([&] { trainer::task_config(path, {"trainer.max_ckpt_to_keep=3"}); },
-                      {"'trainer.max_ckpt_to_keep'", "trainer.max_actor_ckpt_to_keep"});
+  expect_error_naming<std::invalid_argument>(
+      [&] { trainer::task_config(path, {"trainer.resume=auto"}); },
+      {"'trainer.resume'", "trainer.resume_mode"});
+  expect_error_naming<std::invalid_argument>(
+      [&] { trainer::task_config(path, {"trainer.max_ckpt_to_keep=3"}); },
+      {"'trainer.max_ckpt_to_keep'", "trainer.max_actor_ckpt_to_keep"});
   const auto grpo = write_file(dir, "grpo.yaml", "trainer:\n  task: lm_grpo\n");
   for (const std::string key : {"clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
                                 "loss_agg_mode", "kl_loss_coef", "kl_loss_type"}) {
-    expect_error_naming([&] { trainer::task_config(grpo, {"algorithm." + key + "=1"}); },
-                        {"'algorithm." + key + "'", "actor_rollout_ref.actor." + key});
+    expect_error_naming<std::invalid_argument>(
+        [&] { trainer::task_config(grpo, {"algorithm." + key + "=1"}); },
+        {"'algorithm." + key + "'", "actor_rollout_ref.actor." + key});
   }
   // verl's names are accepted where verl has them (the checkpoint folder aside: it is no file).
   auto config = trainer::task_config(

@@ -11,7 +11,9 @@
 
 namespace shardrl::models::detail {
 
-std::string diffusers_weights_file() { return std::string(kDiffusersWeightsStem) + ".safetensors"; }
+std::string diffusers_weights_file() {
+  return std::string(kDiffusersWeightsStem) + ".safetensors";
+}
 
 std::shared_ptr<torch::nn::Module> holder(torch::nn::Module& parent, const std::string& name) {
   return parent.register_module(name, std::make_shared<torch::nn::Module>());
@@ -26,7 +28,7 @@ torch::Tensor modulate(const torch::Tensor& normed, const torch::Tensor& shift,
   return normed * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
 }
 
-torch::Tensor FeedForward::operator()(const torch::Tensor& x) const {
+torch::Tensor FeedForward::operator()(const torch::Tensor& x) {
   return out->forward(torch::gelu(proj->forward(x), "tanh"));
 }
 
@@ -44,8 +46,8 @@ torch::Tensor timestep_embedding(const torch::Tensor& t, int64_t dim, double sca
   auto exponent =
       -std::log(10000.0) * torch::arange(half, torch::dtype(torch::kFloat).device(t.device()));
   exponent = exponent / static_cast<double>(half);
-  auto args = t.to(torch::kFloat).unsqueeze(1) *
-              torch::exp(exponent).to(t.scalar_type()).unsqueeze(0);
+  auto args =
+      t.to(torch::kFloat).unsqueeze(1) * torch::exp(exponent).to(t.scalar_type()).unsqueeze(0);
   if (scale != 1.0) args = args * scale;
   return torch::cat({torch::cos(args), torch::sin(args)}, -1);
 }

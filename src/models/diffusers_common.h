@@ -22,8 +22,13 @@ std::string diffusers_weights_file();  // "<stem>.safetensors"
 // Registers an empty module `name` on `parent`, so children get diffusers' dotted names.
 std::shared_ptr<torch::nn::Module> holder(torch::nn::Module& parent, const std::string& name);
 
+// diffusers' SD3 and Qwen-Image transformers: eps of every LayerNorm and RMSNorm, and the
+// sinusoidal timestep channels before the timestep MLP.
+constexpr double kNormEps = 1e-6;
+constexpr int64_t kTimestepChannels = 256;
+
 // nn.LayerNorm(elementwise_affine=False): the norm before an adaLN modulation.
-torch::Tensor plain_norm(const torch::Tensor& x, double eps);
+torch::Tensor plain_norm(const torch::Tensor& x, double eps = kNormEps);
 
 // x * (1 + scale) + shift, with scale and shift [B, D] broadcast over the tokens of x [B, T, D].
 torch::Tensor modulate(const torch::Tensor& normed, const torch::Tensor& shift,
@@ -33,7 +38,7 @@ torch::Tensor modulate(const torch::Tensor& normed, const torch::Tensor& shift,
 // GELU, net.2 (4 dim -> dim), both LoraLinear.
 struct FeedForward {
   lora::LoraLinear proj{nullptr}, out{nullptr};
-  torch::Tensor operator()(const torch::Tensor& x) const;
+  torch::Tensor operator()(const torch::Tensor& x);
 };
 // Registers `name`.net.0.proj and `name`.net.2 on `block`.
 FeedForward feed_forward(torch::nn::Module& block, const std::string& name, int64_t dim);

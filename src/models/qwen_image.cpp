@@ -19,16 +19,14 @@ namespace shardrl::models {
 namespace {
 
 using detail::holder;
+using detail::kNormEps;
+using detail::kTimestepChannels;
 using detail::modulate;
-
-constexpr double kNormEps = 1e-6;  // every LayerNorm and RMSNorm of the model
-constexpr int64_t kTimestepChannels = 256;
+using detail::plain_norm;
 constexpr double kTimestepScale = 1000;  // QwenTimestepProjEmbeddings' Timesteps(scale=1000)
 constexpr double kRopeTheta = 10000;
 // diffusers' QwenEmbedRope tables hold positions -4096 .. 4095 of each axis.
 constexpr int64_t kRopePositions = 4096;
-
-torch::Tensor plain_norm(const torch::Tensor& x) { return detail::plain_norm(x, kNormEps); }
 
 // float16 activations are clipped to its range after every block, as diffusers does.
 torch::Tensor clip_half(const torch::Tensor& x) {
@@ -53,9 +51,9 @@ void QwenImageConfig::validate() const {
                     num_attention_heads, attention_head_dim));
   }
   if (axes_dims_rope.size() != 3) {
-    throw std::invalid_argument(fmt::format(
-        "config: axes_dims_rope must hold 3 dims (frame, height, width), got {}",
-        nlohmann::json(axes_dims_rope).dump()));
+    throw std::invalid_argument(
+        fmt::format("config: axes_dims_rope must hold 3 dims (frame, height, width), got {}",
+                    nlohmann::json(axes_dims_rope).dump()));
   }
   for (int64_t dim : axes_dims_rope) {
     if (dim <= 0 || dim % 2 != 0) {
@@ -70,10 +68,9 @@ void QwenImageConfig::validate() const {
         fmt::format("config: axes_dims_rope {} sum to {}, not attention_head_dim {}",
                     nlohmann::json(axes_dims_rope).dump(), rotary, attention_head_dim));
   }
-  for (const auto& [flag, name] :
-       {std::pair{zero_cond_t, "zero_cond_t"}, std::pair{use_additional_t_cond,
-                                                         "use_additional_t_cond"},
-        std::pair{use_layer3d_rope, "use_layer3d_rope"}}) {
+  for (const auto& [flag, name] : {std::pair{zero_cond_t, "zero_cond_t"},
+                                   std::pair{use_additional_t_cond, "use_additional_t_cond"},
+                                   std::pair{use_layer3d_rope, "use_layer3d_rope"}}) {
     if (flag) {
       throw std::invalid_argument(fmt::format(
           "config: {} true (a Qwen-Image edit or layered variant) is not supported: only the "
@@ -144,15 +141,16 @@ namespace {
 // rope_params computes its table (torch.outer of the positions and the inverse frequencies).
 torch::Tensor axis_angles(const torch::Tensor& positions, int64_t dim) {
   auto inverse =
-      1.0 / torch::pow(kRopeTheta, torch::arange(0, dim, 2, torch::kFloat).div(static_cast<double>(dim)));
+      1.0 /
+      torch::pow(kRopeTheta, torch::arange(0, dim, 2, torch::kFloat).div(static_cast<double>(dim)));
   return torch::outer(positions.to(torch::kFloat), inverse);
 }
 
 void require_rope_position(bool inside, const std::string& what) {
   if (!inside) {
-    throw std::invalid_argument(fmt::format(
-        "Qwen-Image's rotary positions reach {} a side (diffusers' table): {}", kRopePositions,
-        what));
+    throw std::invalid_argument(
+        fmt::format("Qwen-Image's rotary positions reach {} a side (diffusers' table): {}",
+                    kRopePositions, what));
   }
 }
 
@@ -168,8 +166,8 @@ QwenImageRotary qwen_image_rotary(const QwenImageConfig& c,
   int64_t text_start = 0;
   for (size_t j = 0; j < img_shapes.size(); ++j) {
     const auto [frames, height, width] = img_shapes[j];
-    TORCH_CHECK(frames > 0 && height > 0 && width > 0, "qwen_image_rotary: img_shapes[", j,
-                "] = (", frames, ", ", height, ", ", width, ") must be positive");
+    TORCH_CHECK(frames > 0 && height > 0 && width > 0, "qwen_image_rotary: img_shapes[", j, "] = (",
+                frames, ", ", height, ", ", width, ") must be positive");
     require_rope_position(static_cast<int64_t>(j) + frames <= kRopePositions &&
                               height - height / 2 <= kRopePositions &&
                               width - width / 2 <= kRopePositions,
@@ -179,31 +177,34 @@ QwenImageRotary qwen_image_rotary(const QwenImageConfig& c,
     auto row = torch::arange(height, torch::kLong) - (height - height / 2);
     auto col = torch::arange(width, torch::kLong) - (width - width / 2);
     const int64_t per_frame = height * width;
-    images.push_back(torch::cat(
-        {axis_angles(frame.repeat_interleave(per_frame), axes[0]),
-         axis_angles(row.repeat_interleave(width).repeat({frames}), axes[1]),
-         axis_angles(col.repeat({frames * height}), axes[2])},
-        1));
+    images.push_back(
+        torch::cat({axis_angles(frame.repeat_interleave(per_frame), axes[0]),
+                    axis_angles(row.repeat_interleave(width).repeat({frames}), axes[1]),
+                    axis_angles(col.repeat({frames * height}), axes[2])},
+                   1));
     text_start = std::max({text_start, height / 2, width / 2});
   }
   require_rope_position(text_start + text_tokens <= kRopePositions,
                         fmt::format("{} text tokens after position {}", text_tokens, text_start));
   // Text token i sits at text_start + i on every axis.
   auto text_positions = torch::arange(text_tokens, torch::kLong) + text_start;
-  auto text = torch::cat({axis_angles(text_positions, axes[0]), axis_angles(text_positions, axes[1]),
-                          axis_angles(text_positions, axes[2])},
-                         1);
+  auto text =
+      torch::cat({axis_angles(text_positions, axes[0]), axis_angles(text_positions, axes[1]),
+                  axis_angles(text_positions, axes[2])},
+                 1);
   auto image = torch::cat(images, 0);
   return {torch::cos(image), torch::sin(image), torch::cos(text), torch::sin(text)};
 }
 
 torch::Tensor qwen_image_pack_latents(const torch::Tensor& latents, int64_t p) {
   TORCH_CHECK(latents.dim() == 4 && latents.size(2) % p == 0 && latents.size(3) % p == 0,
-              "qwen_image_pack_latents: latents must be [B, C, H, W] with H and W multiples of ",
-              p, ", got ", latents.sizes());
+              "qwen_image_pack_latents: latents must be [B, C, H, W] with H and W multiples of ", p,
+              ", got ", latents.sizes());
   const int64_t B = latents.size(0), C = latents.size(1);
   const int64_t h = latents.size(2) / p, w = latents.size(3) / p;
-  return latents.view({B, C, h, p, w, p}).permute({0, 2, 4, 1, 3, 5}).reshape({B, h * w, C * p * p});
+  return latents.view({B, C, h, p, w, p})
+      .permute({0, 2, 4, 1, 3, 5})
+      .reshape({B, h * w, C * p * p});
 }
 
 torch::Tensor qwen_image_unpack_latents(const torch::Tensor& tokens, int64_t height, int64_t width,
@@ -253,20 +254,20 @@ QwenImageAttentionImpl::QwenImageAttentionImpl(const QwenImageConfig& c)
 
 std::pair<torch::Tensor, torch::Tensor> QwenImageAttentionImpl::forward(
     const torch::Tensor& image, const torch::Tensor& text, const QwenImageRotary& rotary,
-    const torch::Tensor& keys) {
+    const torch::Tensor& keys, bool text_output) {
   const int64_t B = image.size(0), T = image.size(1), L = text.size(1);
   auto heads = [&](const torch::Tensor& h) {
     return h.view({B, h.size(1), heads_, head_dim_});  // [B, tokens, heads, head_dim]
   };
   // qk RMSNorm, then the rotation; text first in the joint sequence, as diffusers orders it.
-  auto q = torch::cat({rotate(norm_added_q(heads(add_q_proj(text))), rotary.text_cos,
-                              rotary.text_sin),
-                       rotate(norm_q(heads(to_q(image))), rotary.image_cos, rotary.image_sin)},
-                      1);
-  auto k = torch::cat({rotate(norm_added_k(heads(add_k_proj(text))), rotary.text_cos,
-                              rotary.text_sin),
-                       rotate(norm_k(heads(to_k(image))), rotary.image_cos, rotary.image_sin)},
-                      1);
+  auto q =
+      torch::cat({rotate(norm_added_q(heads(add_q_proj(text))), rotary.text_cos, rotary.text_sin),
+                  rotate(norm_q(heads(to_q(image))), rotary.image_cos, rotary.image_sin)},
+                 1);
+  auto k =
+      torch::cat({rotate(norm_added_k(heads(add_k_proj(text))), rotary.text_cos, rotary.text_sin),
+                  rotate(norm_k(heads(to_k(image))), rotary.image_cos, rotary.image_sin)},
+                 1);
   auto v = torch::cat({heads(add_v_proj(text)), heads(to_v(image))}, 1);
   if (sequence_parallel_) {
     // Ulysses: every rank's [text, image] slices for heads / sp of the heads. Keys arrive in the
@@ -278,16 +279,20 @@ std::pair<torch::Tensor, torch::Tensor> QwenImageAttentionImpl::forward(
     k = ulysses::gather_seq_scatter_heads(k, 1, 2, group);
     v = ulysses::gather_seq_scatter_heads(v, 1, 2, group);
   }
-  const auto mask = keys.defined() ? keys.view({B, 1, 1, -1}).to(q.device()) : torch::Tensor();
+  // An undefined tensor is no "no mask" to SDPA: that is std::nullopt.
+  const auto mask = keys.defined()
+                        ? std::optional<torch::Tensor>(keys.view({B, 1, 1, -1}).to(q.device()))
+                        : std::nullopt;
   auto out = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2), mask)
                  .transpose(1, 2);  // [B, tokens, heads, head_dim]
   if (sequence_parallel_) {
-    out = ulysses::gather_heads_scatter_seq(out, /*head_dim=*/2, /*seq_dim=*/1,
-                                            *sequence_parallel_);
+    out =
+        ulysses::gather_heads_scatter_seq(out, /*head_dim=*/2, /*seq_dim=*/1, *sequence_parallel_);
   }
   out = out.reshape({B, L + T, heads_ * head_dim_});
-  return {to_out(out.narrow(1, L, T)), to_add_out(out.narrow(1, 0, L))};
+  return {to_out(out.narrow(1, L, T)),
+          text_output ? to_add_out(out.narrow(1, 0, L)) : torch::Tensor()};
 }
 
 // ---- block -------------------------------------------------------------------------------------
@@ -319,6 +324,7 @@ std::vector<torch::Tensor> QwenImageTransformerBlockImpl::forward(torch::Tensor 
         return torch::cat(compute(in[0], in[1], in[2], rotary, keys), 1);
       },
       {image, text, temb});
+  if (!text_output) return {joined};
   return {joined.narrow(1, 0, T), joined.narrow(1, T, joined.size(1) - T)};
 }
 
@@ -331,12 +337,14 @@ std::vector<torch::Tensor> QwenImageTransformerBlockImpl::compute(const torch::T
   // shift, scale, gate of norm1, then shift, scale, gate of norm2, for each stream.
   auto im = img_mod(c).chunk(6, 1);
   auto tm = txt_mod(c).chunk(6, 1);
-  auto [image_attn, text_attn] = attn(modulate(plain_norm(image_in), im[0], im[1]),
-                                      modulate(plain_norm(text_in), tm[0], tm[1]), rotary, keys);
+  auto [image_attn, text_attn] =
+      attn(modulate(plain_norm(image_in), im[0], im[1]),
+           modulate(plain_norm(text_in), tm[0], tm[1]), rotary, keys, text_output);
   auto image = image_in + im[2].unsqueeze(1) * image_attn;
-  auto text = text_in + tm[2].unsqueeze(1) * text_attn;
   image = image + im[5].unsqueeze(1) * detail::FeedForward{img_mlp_proj, img_mlp_out}(
                                            modulate(plain_norm(image), im[3], im[4]));
+  if (!text_output) return {clip_half(image)};
+  auto text = text_in + tm[2].unsqueeze(1) * text_attn;
   text = text + tm[5].unsqueeze(1) * detail::FeedForward{txt_mlp_proj, txt_mlp_out}(
                                          modulate(plain_norm(text), tm[3], tm[4]));
   return {clip_half(image), clip_half(text)};
@@ -359,6 +367,7 @@ QwenImageTransformer2DModelImpl::QwenImageTransformer2DModelImpl(const QwenImage
     blocks.emplace_back(c);
     list->push_back(blocks.back().ptr());
   }
+  blocks.back()->text_output = false;
   norm_out_ = holder(*this, "norm_out")->register_module("linear", Linear(d, 2 * d));
   proj_out_ = register_module("proj_out", Linear(d, c.patch_size * c.patch_size * c.out_channels));
 }
@@ -412,20 +421,19 @@ torch::Tensor QwenImageTransformer2DModelImpl::forward(
     const auto text_slice = ulysses::sequence_slice(L, group);
     const auto image_slice = ulysses::sequence_slice(image_tokens, group);
     const auto options = torch::dtype(torch::kBool).device(image.device());
-    auto text_keys = at::constant_pad_nd(
-        text_real.defined() ? text_real : torch::ones({B, L}, options),
-        {0, text_slice.padded_length - L}, 0);
+    auto text_keys =
+        at::constant_pad_nd(text_real.defined() ? text_real : torch::ones({B, L}, options),
+                            {0, text_slice.padded_length - L}, 0);
     auto image_keys =
-        (torch::arange(image_slice.padded_length, torch::dtype(torch::kLong).device(image.device())) <
-         image_tokens)
+        (torch::arange(image_slice.padded_length,
+                       torch::dtype(torch::kLong).device(image.device())) < image_tokens)
             .view({1, sp, image_slice.local_length})
             .expand({B, sp, image_slice.local_length});
     keys = torch::cat({text_keys.view({B, sp, text_slice.local_length}), image_keys}, 2)
                .reshape({B, -1});
     image = ulysses::pad_and_slice(image, 1, group);
     text = ulysses::pad_and_slice(text, 1, group);
-    for (auto* angle :
-         {&rotary.image_cos, &rotary.image_sin, &rotary.text_cos, &rotary.text_sin}) {
+    for (auto* angle : {&rotary.image_cos, &rotary.image_sin, &rotary.text_cos, &rotary.text_sin}) {
       *angle = ulysses::pad_and_slice(*angle, 0, group);
     }
   } else if (text_real.defined()) {
@@ -434,7 +442,7 @@ torch::Tensor QwenImageTransformer2DModelImpl::forward(
   for (auto& block : blocks) {
     auto out = block(image, text, temb, rotary, keys);
     image = out[0];
-    text = out[1];
+    if (block->text_output) text = out[1];
   }
   auto mod = norm_out_(torch::silu(temb)).chunk(2, 1);  // scale, shift
   auto out = proj_out_(modulate(plain_norm(image), mod[1], mod[0]));
@@ -463,9 +471,18 @@ void shard_qwen_image(QwenImageTransformer2DModel& model, const dist::DeviceMesh
 }
 
 std::vector<std::string> qwen_image_lora_targets() {
-  return {"to_q",       "to_k",       "to_v",       "to_out.0",
-          "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-          "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"};
+  return {"to_q",
+          "to_k",
+          "to_v",
+          "to_out.0",
+          "add_q_proj",
+          "add_k_proj",
+          "add_v_proj",
+          "to_add_out",
+          "img_mlp.net.0.proj",
+          "img_mlp.net.2",
+          "txt_mlp.net.0.proj",
+          "txt_mlp.net.2"};
 }
 
 // ---- files -------------------------------------------------------------------------------------

@@ -20,12 +20,10 @@ namespace {
 
 namespace nn = torch::nn;
 using detail::holder;
+using detail::kNormEps;
+using detail::kTimestepChannels;
 using detail::modulate;
-
-constexpr double kNormEps = 1e-6;  // every LayerNorm and qk RMSNorm of the model
-constexpr int64_t kTimestepChannels = 256;
-
-torch::Tensor plain_norm(const torch::Tensor& x) { return detail::plain_norm(x, kNormEps); }
+using detail::plain_norm;
 
 }  // namespace
 
@@ -295,13 +293,12 @@ std::vector<torch::Tensor> JointTransformerBlockImpl::compute(const torch::Tenso
     hidden = hidden + m[8].unsqueeze(1) *
                           attn2(modulate(normed, m[6], m[7]), torch::Tensor(), false, keys).first;
   }
-  hidden = hidden + m[5].unsqueeze(1) *
-                        detail::FeedForward{ff_proj, ff_out}(modulate(plain_norm(hidden), m[3], m[4]));
+  hidden = hidden + m[5].unsqueeze(1) * detail::FeedForward{ff_proj, ff_out}(
+                                            modulate(plain_norm(hidden), m[3], m[4]));
   if (context_pre_only_) return {hidden};
   auto context = context_in + cm[2].unsqueeze(1) * context_attn_out;
-  context =
-      context + cm[5].unsqueeze(1) * detail::FeedForward{ff_context_proj, ff_context_out}(
-                                modulate(plain_norm(context), cm[3], cm[4]));
+  context = context + cm[5].unsqueeze(1) * detail::FeedForward{ff_context_proj, ff_context_out}(
+                                               modulate(plain_norm(context), cm[3], cm[4]));
   return {hidden, context};
 }
 

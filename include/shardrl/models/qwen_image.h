@@ -99,14 +99,16 @@ class QwenImageAttentionImpl : public torch::nn::Module {
  public:
   explicit QwenImageAttentionImpl(const QwenImageConfig& config);
   // image [B, T, D], text [B, L, D], `rotary` for these tokens, `keys` (bool [B, keys], true for
-  // a key that may be attended; undefined: all) -> {image out, text out}.
+  // a key that may be attended; undefined: all) -> {image out, text out}; text out undefined
+  // when `text_output` is false.
   // Under sequence parallelism image, text and rotary are this rank's slices of both streams and
   // `keys` covers every rank's [text, image] slices in rank order: the joint attention runs over
   // all of them for heads / sp of the heads.
   std::pair<torch::Tensor, torch::Tensor> forward(const torch::Tensor& image,
                                                   const torch::Tensor& text,
                                                   const QwenImageRotary& rotary,
-                                                  const torch::Tensor& keys);
+                                                  const torch::Tensor& keys,
+                                                  bool text_output = true);
   void set_sequence_parallel(dist::ProcessGroup* group) { sequence_parallel_ = group; }
 
   RMSNorm norm_q{nullptr}, norm_k{nullptr};
@@ -132,6 +134,9 @@ class QwenImageTransformerBlockImpl : public torch::nn::Module {
                                      const QwenImageRotary& rotary, torch::Tensor keys);
   // Recompute this block's activations in backward instead of keeping them.
   bool checkpoint_activations = false;
+  // The last block's text stream feeds nothing (diffusers computes it and drops it): false there,
+  // so it is not computed, its text params get no grad, and forward returns {image} alone.
+  bool text_output = true;
 
   Linear img_mod{nullptr};  // img_mod.1 (after SiLU): shift, scale, gate of norm1, then of norm2
   QwenImageAttention attn{nullptr};
