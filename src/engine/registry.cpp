@@ -202,6 +202,15 @@ void decoder_activations(ModelSize& size, int64_t blocks, int64_t hidden, int64_
   size.block_attention_bytes_per_token_position = 4.0 * 2.0 * static_cast<double>(heads);
 }
 
+// A Llama-family decoder's activations. Attention runs through at::scaled_dot_product_attention:
+// the flash kernels keep a log-sum-exp per query and head for backward, no [heads, T, T] scores.
+void llama_activations(ModelSize& size, const models::LlamaConfig& c) {
+  decoder_activations(size, c.num_hidden_layers, c.hidden_size, c.intermediate_size,
+                      c.num_attention_heads);
+  size.block_activation_bytes_per_token += 4.0 * static_cast<double>(c.num_attention_heads);
+  size.block_attention_bytes_per_token_position = 0;
+}
+
 ModelSize language_model_size(const json& j) {
   const auto family = field<std::string>(j, "family", "llama");
   const json config = language_model_config(j);
@@ -227,12 +236,7 @@ ModelSize language_model_size(const json& j) {
       units.emplace_back(R"((lm_head)\..*)");
     }
     auto size = count_units(*model, units);
-    decoder_activations(size, c.num_hidden_layers, c.hidden_size, c.intermediate_size,
-                        c.num_attention_heads);
-    // Attention through at::scaled_dot_product_attention: the flash kernels keep a log-sum-exp
-    // per query and head for backward, no [heads, T, T] scores.
-    size.block_activation_bytes_per_token += 4.0 * static_cast<double>(c.num_attention_heads);
-    size.block_attention_bytes_per_token_position = 0;
+    llama_activations(size, c);
     size.vocab_size = c.vocab_size;
     size.kv_bytes_per_token =
         2 * 4 * c.num_hidden_layers * c.num_key_value_heads * c.attention_head_dim();
@@ -240,6 +244,62 @@ ModelSize language_model_size(const json& j) {
   }
   throw std::invalid_argument(
       fmt::format("model.family: '{}' is not a language model family (gpt, llama)", family));
+}
+
+// verl's value_model (FSDPEngineWithValueHead): <Family>ForTokenClassification with one label,
+// the critic of PPO. Made from the actor's causal LM folder, as verl's critic.model.path is: the
+// decoder is read, lm_head is not, and the head `score`, absent there, starts as transformers
+// initializes a new one (N(0, initializer_range), seeded alike on every rank). A folder that
+// holds `score` (a critic checkpoint's export) gives it.
+Model build_value_model(const json& j, const dist::DeviceMesh& mesh, const fsdp::Options& options) {
+  const auto family = field<std::string>(j, "family", "llama");
+  if (family != "llama") {
+    throw std::invalid_argument(fmt::format(
+        "model.family: the value model (critic) is built on the llama family, got '{}'", family));
+  }
+  if (adapter_plan(j, {}).enabled()) {
+    throw std::invalid_argument(
+        "model.lora_rank: the value model (critic) trains in full; LoRA on it is not implemented");
+  }
+  const json config = language_model_config(j);
+  const auto c = models::LlamaConfig::from_json(config);
+  const auto path = pretrained_path(j);
+  models::LlamaForTokenClassification model{nullptr};
+  {
+    fsdp::EmptyInit empty(/*enabled=*/!path.empty());
+    model = models::LlamaForTokenClassification(c);
+  }
+  const bool head_in_file = !path.empty() && models::weight_shapes(path).count("score.weight") > 0;
+  if (!path.empty() && !head_in_file) {
+    // Built with bytes, so the head holds real values before sharding takes each rank's rows.
+    model->score = model->replace_module(
+        "score", models::Linear(torch::nn::LinearOptions(c.hidden_size, 1).bias(true)));
+  }
+  if (!head_in_file) {
+    models::init_value_head(*model->score, config.value("initializer_range", 0.02),
+                            field<uint64_t>(j, "seed", 0));
+  }
+  model->set_activation_checkpointing(field<bool>(j, "enable_gradient_checkpointing", false));
+  model->set_sequence_parallel(mesh.sequence_parallel_group());
+  models::shard_llama(model, mesh, options);
+  if (!path.empty()) {
+    auto sharded = model.fsdp();
+    checkpoint::load_hf_from_rank0(path, sharded, "", [&](const std::string& name) {
+      return head_in_file || name.rfind("score.", 0) != 0;
+    });
+  }
+  return finish(model, model.fsdp(), family, models::value_model_config_json(c), AdapterPlan{},
+                /*sequence_parallel=*/true);
+}
+
+ModelSize value_model_size(const json& j) {
+  const auto c = models::LlamaConfig::from_json(language_model_config(j));
+  fsdp::EmptyInit empty;
+  models::LlamaForTokenClassification model(c);
+  auto size = count_units(*model, {std::regex(R"((model\.layers\.\d+)\..*)"),
+                                   std::regex(R"((model\.embed_tokens)\..*)")});
+  llama_activations(size, c);
+  return size;
 }
 
 // verl-omni's transformer_subfolder: a diffusers pipeline folder keeps its transformer there; a
@@ -255,11 +315,11 @@ std::string diffusers_transformer_dir(const json& j) {
          fs::exists(dir / "diffusion_pytorch_model.safetensors.index.json")))
       return dir.string();
   }
-  throw std::invalid_argument(fmt::format(
-      "model.path: '{}' holds no diffusers transformer (config.json and "
-      "diffusion_pytorch_model.safetensors or its .index.json, at its top or under "
-      "model.transformer_subfolder '{}')",
-      path, subfolder));
+  throw std::invalid_argument(
+      fmt::format("model.path: '{}' holds no diffusers transformer (config.json and "
+                  "diffusion_pytorch_model.safetensors or its .index.json, at its top or under "
+                  "model.transformer_subfolder '{}')",
+                  path, subfolder));
 }
 
 // Whether the diffusion model is Qwen-Image's transformer: its config.json's _class_name (that of
@@ -391,11 +451,11 @@ ModelSize qwen_image_size(const json& j, const std::vector<std::string>& default
 // verl-omni's diffusion model types build the transformer model.path or model.config names:
 // SD3's or Qwen-Image's.
 ModelBuilder diffusion_builder(std::vector<std::string> default_states) {
-  return [default_states](const json& j, const dist::DeviceMesh& mesh,
-                          const fsdp::Options& options) {
-    return is_qwen_image(j) ? build_qwen_image(j, mesh, options, default_states)
-                            : build_sd3(j, mesh, options, default_states);
-  };
+  return
+      [default_states](const json& j, const dist::DeviceMesh& mesh, const fsdp::Options& options) {
+        return is_qwen_image(j) ? build_qwen_image(j, mesh, options, default_states)
+                                : build_sd3(j, mesh, options, default_states);
+      };
 }
 
 ModelSizer diffusion_sizer(std::vector<std::string> default_states) {
@@ -441,6 +501,7 @@ struct Registry {
 
   Registry() {
     builders["language_model/fsdp"] = {build_language_model, nullptr, language_model_size};
+    builders["value_model/fsdp"] = {build_value_model, nullptr, value_model_size};
     // verl-omni's PPODiffusersFSDPEngine, DPODiffusersFSDPEngine and NFTDiffusersFSDPEngine.
     builders["diffusion_model/fsdp"] = {diffusion_builder({"default"}),
                                         diffusion_loss("diffusion_model"),

@@ -706,18 +706,65 @@ PackedSequences pack_sequences(const torch::Tensor& tokens, const torch::Tensor&
   return packed;
 }
 
-void LlamaForCausalLMImpl::set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group) {
+void LlamaModelImpl::set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group) {
   if (group) {
     ulysses::check_heads(config_.num_attention_heads, config_.num_key_value_heads, group->size());
   }
-  model->sequence_parallel = group && group->size() > 1 ? group : nullptr;
-  for (auto& layer : model->layers) {
-    layer->self_attn->set_sequence_parallel(model->sequence_parallel.get());
-  }
+  sequence_parallel = group && group->size() > 1 ? group : nullptr;
+  for (auto& layer : layers) layer->self_attn->set_sequence_parallel(sequence_parallel.get());
+}
+
+void LlamaModelImpl::set_activation_checkpointing(bool enabled) {
+  for (auto& layer : layers) layer->checkpoint_activations = enabled;
+}
+
+void LlamaForCausalLMImpl::set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group) {
+  model->set_sequence_parallel(std::move(group));
 }
 
 void LlamaForCausalLMImpl::set_activation_checkpointing(bool enabled) {
-  for (auto& layer : model->layers) layer->checkpoint_activations = enabled;
+  model->set_activation_checkpointing(enabled);
+}
+
+LlamaForTokenClassificationImpl::LlamaForTokenClassificationImpl(const LlamaConfig& c)
+    : config_(c) {
+  c.validate();
+  model = register_module("model", LlamaModel(c));
+  score = register_module("score", Linear(torch::nn::LinearOptions(c.hidden_size, 1).bias(true)));
+}
+
+torch::Tensor LlamaForTokenClassificationImpl::values(const torch::Tensor& hidden, int64_t length) {
+  auto v = score(hidden).squeeze(-1).to(torch::kFloat);  // [B, local length]
+  if (!model->sequence_parallel) return v;
+  return ulysses::gather_outputs_and_unpad(v, 1, length, *model->sequence_parallel);
+}
+
+torch::Tensor LlamaForTokenClassificationImpl::forward(torch::Tensor tokens,
+                                                       torch::Tensor attention_mask) {
+  return values(model(tokens, nullptr, attention_mask), tokens.size(1));
+}
+
+torch::Tensor LlamaForTokenClassificationImpl::forward(const PackedSequences& packed) {
+  return values(model->forward_packed(packed), packed.tokens.size(1)).squeeze(0);
+}
+
+void init_value_head(LinearImpl& score, double initializer_range, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto w = score.weight;
+  w.copy_(at::normal(0.0, initializer_range, w.sizes(), generator, torch::dtype(torch::kFloat)));
+  if (score.bias.defined()) score.bias.zero_();
+}
+
+nlohmann::json value_model_config_json(const LlamaConfig& config) {
+  auto j = config.to_json();
+  auto architecture = j["architectures"][0].get<std::string>();
+  architecture.replace(architecture.find("ForCausalLM"), std::string("ForCausalLM").size(),
+                       "ForTokenClassification");
+  j["architectures"] = {architecture};
+  j["id2label"] = {{"0", "LABEL_0"}};
+  j["label2id"] = {{"LABEL_0", 0}};
+  return j;
 }
 
 void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh, const WrapPolicy& policy) {
@@ -727,6 +774,12 @@ void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh, const Wr
   } else {
     shard_by_block(model, decoder.layers, mesh, policy, decoder.embed_tokens, model->lm_head);
   }
+}
+
+void shard_llama(LlamaForTokenClassification& model, const dist::DeviceMesh& mesh,
+                 const WrapPolicy& policy) {
+  auto& decoder = *model->model;
+  shard_by_block(model, decoder.layers, mesh, policy, decoder.embed_tokens);
 }
 
 void check_config_against_weights(const LlamaConfig& c,

@@ -181,10 +181,13 @@ class LlamaModelImpl : public torch::nn::Module {
   // -> hidden states [1, N, hidden] of packed sequences (under sequence parallelism, this rank's
   // slice of them, N padded for the group).
   torch::Tensor forward_packed(const PackedSequences& packed);
+  // Ulysses over `group` (null or of size 1: off); its size must split the heads.
+  void set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group);
+  void set_activation_checkpointing(bool enabled);  // per decoder layer
   fsdp::Unit<EmbeddingImpl> embed_tokens{nullptr};
   std::vector<fsdp::Unit<LlamaDecoderLayerImpl>> layers;
   RMSNorm norm{nullptr};
-  // The Ulysses group (null: off); set through LlamaForCausalLMImpl::set_sequence_parallel.
+  // The Ulysses group (null: off); set through set_sequence_parallel.
   std::shared_ptr<dist::ProcessGroup> sequence_parallel;
 
  private:
@@ -251,10 +254,48 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 };
 using LlamaForCausalLM = fsdp::Unit<LlamaForCausalLMImpl>;
 
+// transformers' LlamaForTokenClassification (Qwen2's, Qwen3's) with num_labels 1: the decoder and
+// a scalar head `score` (Linear(hidden, 1) with bias). verl's critic (model_type value_model) is
+// this model made from the actor's causal LM folder: `score` is new there, initialized as
+// transformers initializes it (init_value_head), and lm_head is not read.
+class LlamaForTokenClassificationImpl : public torch::nn::Module {
+ public:
+  explicit LlamaForTokenClassificationImpl(const LlamaConfig& config);
+  // tokens [B, T] -> values [B, T] fp32, one a position; attention_mask as LlamaForCausalLM's.
+  // Under Ulysses every rank of the group passes the whole rows and gets all the values.
+  torch::Tensor forward(torch::Tensor tokens, torch::Tensor attention_mask = {});
+  // Packed sequences -> values [N] fp32 of the N packed tokens.
+  torch::Tensor forward(const PackedSequences& packed);
+  const LlamaConfig& config() const { return config_; }
+  void set_activation_checkpointing(bool enabled) { model->set_activation_checkpointing(enabled); }
+  void set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group) {
+    model->set_sequence_parallel(std::move(group));
+  }
+
+  LlamaModel model{nullptr};
+  Linear score{nullptr};  // in the root unit: hidden + 1 params
+
+ private:
+  torch::Tensor values(const torch::Tensor& hidden, int64_t length);
+  LlamaConfig config_;
+};
+using LlamaForTokenClassification = fsdp::Unit<LlamaForTokenClassificationImpl>;
+
+// transformers' init of a new head: weight ~ N(0, initializer_range), bias 0, drawn from a
+// generator seeded with `seed` so every rank draws the same values.
+void init_value_head(LinearImpl& score, double initializer_range, uint64_t seed);
+
+// config.json of the value model: the causal LM's with <Family>ForTokenClassification as its
+// architecture and one label, what AutoModelForTokenClassification reads back.
+nlohmann::json value_model_config_json(const LlamaConfig& config);
+
 // Shards every decoder layer as a unit, then the embeddings and the head (when untied: tied
 // embeddings serve the head inside the root's forward, so they stay with the root), then the
 // root (final norm).
 void shard_llama(LlamaForCausalLM& model, const dist::DeviceMesh& mesh, const WrapPolicy& policy);
+// The value model's: the decoder layers and the embeddings as units, the score head in the root.
+void shard_llama(LlamaForTokenClassification& model, const dist::DeviceMesh& mesh,
+                 const WrapPolicy& policy);
 
 // Checks `config` against the tensor shapes of an HF checkpoint (name -> shape): a field that
 // disagrees with the weights is an error naming the field and the tensor.
