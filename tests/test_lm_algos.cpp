@@ -49,20 +49,26 @@ Fixture fixture() {
   // Outside the mask the log-probs and advantages hold finite garbage that must not count.
   const auto garbage = 7.0 * (1 - mask);
   const auto old_log_prob = -2.0 * at::rand({7, 6}, g) * mask + garbage;
-  f.in = {{"rewards", rewards},
-          {"mask", mask},
-          {"values", at::randn({7, 6}, g)},
-          {"old_log_prob", old_log_prob},
-          // Wide enough that some ratios pass the dual clip's 3.
-          {"log_prob", old_log_prob + 0.8 * at::randn({7, 6}, g) * mask - garbage},
-          {"advantages", at::randn({7, 6}, g) * mask + garbage},
-          {"reward_baselines", torch::tensor({0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 0.0f, -0.5f})},
-          {"logits", 3.0 * at::randn({7, 6, 5}, g)},
-          {"uids", torch::tensor(f.uids, torch::kLong)},
-          {"config", torch::tensor({kGamma, kLam, kLow, kHigh, kClipC}, torch::kDouble)},
-          // Group 0's metric is all equal (dropped), group 1's varies, 2 and 3 are alone.
-          {"metric", torch::tensor({1.0f, 1.0f, 1.0f, 0.5f, 0.2f, 3.0f, 4.0f})},
-          {"overlong_config", torch::tensor({6.0, 3.0, 0.5}, torch::kDouble)}};
+  // One token past the dual clip: ratio e^1.5 > clip_ratio_c with A < 0.
+  const auto dual = torch::zeros({7, 6});
+  dual[0][1] = 1.5;
+  auto advantages = at::randn({7, 6}, g) * mask;
+  advantages[0][1] = -1.0;
+  f.in = {
+      {"rewards", rewards},
+      {"mask", mask},
+      {"values", at::randn({7, 6}, g)},
+      {"old_log_prob", old_log_prob},
+      // A step of the policy, wide enough that some ratios leave the clip range.
+      {"log_prob", old_log_prob + 0.8 * at::randn({7, 6}, g) * mask * (dual == 0) + dual - garbage},
+      {"advantages", advantages + garbage},
+      {"reward_baselines", torch::tensor({0.5f, 0.5f, 0.5f, 1.0f, 1.0f, 0.0f, -0.5f})},
+      {"logits", 3.0 * at::randn({7, 6, 5}, g)},
+      {"uids", torch::tensor(f.uids, torch::kLong)},
+      {"config", torch::tensor({kGamma, kLam, kLow, kHigh, kClipC}, torch::kDouble)},
+      // Group 0's metric is all equal (dropped), group 1's varies, 2 and 3 are alone.
+      {"metric", torch::tensor({1.0f, 1.0f, 1.0f, 0.5f, 0.2f, 3.0f, 4.0f})},
+      {"overlong_config", torch::tensor({6.0, 3.0, 0.5}, torch::kDouble)}};
   return f;
 }
 

@@ -101,19 +101,25 @@ def grpo(token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_st
     return scores, scores
 
 
-def rloo(token_level_rewards, response_mask, index):
-    scores = token_level_rewards.sum(dim=-1)
+def group_scores(scores, index):
+    """verl's id2score / id2mean of rloo and reinforce_plus_plus_baseline: a lone response's
+    mean is 0."""
     id2score = defaultdict(list)
     id2mean = {}
-    bsz = scores.shape[0]
-    for i in range(bsz):
+    for i in range(scores.shape[0]):
         id2score[index[i]].append(scores[i])
     for idx in id2score:
         if len(id2score[idx]) == 1:
             id2mean[idx] = torch.tensor(0.0, dtype=scores.dtype)
         else:
             id2mean[idx] = torch.mean(torch.stack(id2score[idx]))
-    for i in range(bsz):
+    return id2score, id2mean
+
+
+def rloo(token_level_rewards, response_mask, index):
+    scores = token_level_rewards.sum(dim=-1)
+    id2score, id2mean = group_scores(scores, index)
+    for i in range(scores.shape[0]):
         response_num = len(id2score[index[i]])
         if response_num > 1:
             scores[i] = scores[i] * response_num / (response_num - 1) - id2mean[
@@ -138,17 +144,8 @@ def reinforce_plus_plus(token_level_rewards, response_mask, gamma):
 def reinforce_plus_plus_baseline(token_level_rewards, response_mask, index):
     response_length = token_level_rewards.shape[-1]
     scores = token_level_rewards.sum(dim=-1)
-    id2score = defaultdict(list)
-    id2mean = {}
-    bsz = scores.shape[0]
-    for i in range(bsz):
-        id2score[index[i]].append(scores[i])
-    for idx in id2score:
-        if len(id2score[idx]) == 1:
-            id2mean[idx] = torch.tensor(0.0, dtype=scores.dtype)
-        else:
-            id2mean[idx] = torch.mean(torch.stack(id2score[idx]))
-    for i in range(bsz):
+    _, id2mean = group_scores(scores, index)
+    for i in range(scores.shape[0]):
         scores[i] = scores[i] - id2mean[index[i]]
     scores = scores.unsqueeze(-1).tile([1, response_length]) * response_mask
     scores = masked_whiten(scores, response_mask) * response_mask
