@@ -600,6 +600,10 @@ TEST(Trainer, LmGrpoTrainsWithVerlsEstimatorsLossesAndDapo) {
       for (const auto& m : metrics) drawn += m["train/num_gen_batches"].get<double>();
       // Some steps met groups that all scored alike and drew again.
       EXPECT_GT(drawn, 30.0) << c.name;
+      // The rollout's recorded entropy is the entropy the update's logits give its policy before
+      // the step (per micro-batch there, over the rank's batch in the rollout).
+      const double recorded = metrics[0]["actor/entropy"].get<double>();
+      EXPECT_NEAR(metrics[0]["actor/entropy_loss"].get<double>(), recorded, 0.02 * recorded);
     }
   }
 }
