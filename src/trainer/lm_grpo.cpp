@@ -8,15 +8,20 @@
 // Each RL step syncs the actor's weights into an unsharded rollout replica (with LoRA, the
 // frozen base once and then the adapter alone, as verl loads a LoRA into vLLM), samples rollout.n
 // answers per prompt with its KV cache (each prompt prefilled once, left-padded, temperature,
-// top-p), scores them exactly, and takes one GRPO step: group-normalised outcome advantages, the
-// PPO dual-clip loss, optionally a KL to the reference. rollout.dtype float16 packs the replica's
-// weights into fbgemm's fp16 GEMM (with LoRA, the frozen base once; the adapter path stays fp32,
-// unmerged): the samples then come from a policy a rounding away from the actor's, so the old
-// log-probs are the actor's own (the step is on-policy: one optimizer step per batch, so they are
-// its current log-probs, detached, as verl's actor takes them when on-policy) and the rollout's
-// log-probs only measure the mismatch (rollout_probs_diff_mean, verl's metric). Held-out problems
-// (data.val_size) are answered greedily before training, every trainer.test_freq steps and at the
-// end.
+// top-p), scores them exactly, and takes one policy-gradient step: the advantages of verl's
+// algorithm.adv_estimator (grpo's group-normalised outcome by default; rloo, reinforce_plus_plus
+// [_baseline], remax with one greedy answer a prompt as its baseline), the loss of
+// actor.policy_loss.loss_mode (PPO's dual clip by default; gspo, gpg, geo_mean), optionally a KL
+// to the reference and an entropy bonus. DAPO's dynamic sampling (algorithm.filter_groups) drops
+// the groups whose answers all score alike and draws more until the batch is full; its overlong
+// penalty (reward_model.overlong_buffer) lowers the reward of answers near response_length.
+// rollout.dtype float16 packs the replica's weights into fbgemm's fp16 GEMM (with LoRA, the frozen
+// base once; the adapter path stays fp32, unmerged): the samples then come from a policy a rounding
+// away from the actor's, so the old log-probs are the actor's own (the step is on-policy: one
+// optimizer step per batch, so they are its current log-probs, detached, as verl's actor takes them
+// when on-policy) and the rollout's log-probs only measure the mismatch (rollout_probs_diff_mean,
+// verl's metric). Held-out problems (data.val_size) are answered greedily before training, every
+// trainer.test_freq steps and at the end.
 #include <fmt/format.h>
 
 #include <cmath>
