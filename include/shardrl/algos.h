@@ -15,6 +15,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -294,32 +295,110 @@ DpoLossOutput diffusion_dpo_loss(const torch::Tensor& model_pred, const torch::T
 // sum(values * mask) / (sum(mask) + 1e-8): an all-masked input gives 0, not NaN.
 torch::Tensor masked_mean(const torch::Tensor& values, const torch::Tensor& mask);
 
-// loss_agg_mode: "token-mean" (every token weighs the same), "seq-mean-token-sum",
-// "seq-mean-token-mean" (every sequence weighs the same). loss_mat, loss_mask: [B, L]. The
-// seq-mean modes average over sequences that have at least one unmasked token.
+// loss_agg_mode (verl's agg_loss on one rank): "token-mean" (every token weighs the same),
+// "token-sum", "seq-mean-token-sum", "seq-mean-token-mean" (every sequence weighs the same),
+// "seq-mean-token-sum-norm" (seq-mean-token-sum divided by loss_scale_factor; <= 0: by L).
+// loss_mat, loss_mask: [B, L]. The seq-mean modes average over sequences that have at least one
+// unmasked token.
 torch::Tensor agg_loss(const torch::Tensor& loss_mat, const torch::Tensor& loss_mask,
-                       const std::string& loss_agg_mode);
+                       const std::string& loss_agg_mode, double loss_scale_factor = 0.0);
 
 struct PolicyLossConfig {
+  // verl's actor.policy_loss.loss_mode:
+  //  - "vanilla": PPO's clipped ratio per token, asymmetric clip, dual clip for A < 0;
+  //  - "gspo": GSPO, the sequence's geometric-mean ratio (its gradient through each token),
+  //    clipped, always aggregated seq-mean-token-mean whatever loss_agg_mode says (as verl);
+  //  - "gpg": -log_prob * A, no ratio and no clip;
+  //  - "geo_mean": GMPO, the clipped token log-ratios averaged into a sequence ratio, times
+  //    the sequence's mean advantage, averaged over the rows (loss_agg_mode unused, as verl).
+  std::string loss_mode = "vanilla";
   double clip_ratio_low = 0.2;   // ratio floor 1 - clip_ratio_low
   double clip_ratio_high = 0.2;  // ratio ceiling 1 + clip_ratio_high (DAPO raises it)
-  double clip_ratio_c = 3.0;     // dual clip for A < 0; must be > 1
+  double clip_ratio_c = 3.0;     // dual clip for A < 0 (vanilla); must be > 1
   std::string loss_agg_mode = "token-mean";
+  double loss_scale_factor = 0.0;  // seq-mean-token-sum-norm's divisor; <= 0: the response length
 };
 
 struct PolicyLossOutput {
   torch::Tensor pg_loss;            // aggregated, with grad
-  torch::Tensor pg_losses;          // [B, L] per-token losses before aggregation, with grad
-  torch::Tensor pg_clipfrac;        // masked mean of (clipped loss > unclipped loss)
+  torch::Tensor pg_losses;          // [B, L] per-token losses before aggregation (geo_mean: [B])
+  torch::Tensor pg_clipfrac;        // masked mean of clipped tokens (gpg: 0)
   torch::Tensor ppo_kl;             // masked mean of -log_ratio
-  torch::Tensor pg_clipfrac_lower;  // masked mean of dual-clip activations (A < 0)
+  torch::Tensor pg_clipfrac_lower;  // vanilla: dual-clip activations; geo_mean: clipped, A < 0
 };
 
-// PPO dual-clip loss; all tensors [B, L].
+// The policy loss of config.loss_mode; all tensors [B, L].
 PolicyLossOutput compute_policy_loss(const torch::Tensor& old_log_prob,
                                      const torch::Tensor& log_prob, const torch::Tensor& advantages,
                                      const torch::Tensor& response_mask,
                                      const PolicyLossConfig& config = {});
+
+// Entropy of softmax(logits) over the last dim, logsumexp(l) - sum(softmax(l) * l) as verl
+// computes it: [..., V] -> [...] fp32, with grad.
+torch::Tensor entropy_from_logits(const torch::Tensor& logits);
+
+// ---------------------------------------------------------------------------------------------
+// Language-model advantage estimators (verl core_algos' compute_*_advantage)
+
+// Sums a small tensor over the data-parallel ranks (the caller's all-reduce), for the statistics
+// verl takes over the whole batch: whitening. Unset: this rank's batch is the whole batch.
+using SumOverRanks = std::function<torch::Tensor(torch::Tensor)>;
+
+// verl's masked_whiten: (v - mean) * rsqrt(var + 1e-8) with the masked mean and the unbiased
+// masked variance of the whole batch (every rank's, through sum_over_ranks). Fewer than two
+// unmasked values in the batch is an error, as verl's.
+torch::Tensor masked_whiten(const torch::Tensor& values, const torch::Tensor& mask,
+                            const SumOverRanks& sum_over_ranks = {});
+
+struct AdvantageConfig {
+  // verl's algorithm.adv_estimator: "gae", "grpo", "rloo", "reinforce_plus_plus",
+  // "reinforce_plus_plus_baseline", "remax".
+  std::string adv_estimator = "grpo";
+  double gamma = 1.0;                   // discount (gae, reinforce_plus_plus)
+  double lam = 1.0;                     // GAE's lambda
+  bool norm_adv_by_std_in_grpo = true;  // grpo: divide by the group's std (false: Dr. GRPO)
+  double epsilon = 1e-6;                // grpo's std guard
+  SumOverRanks sum_over_ranks;          // for whitening (gae, reinforce_plus_plus[_baseline])
+};
+
+struct AdvantageInputs {
+  torch::Tensor token_level_rewards;  // [B, L]
+  torch::Tensor response_mask;        // [B, L], 1 on response tokens
+  std::vector<int64_t> uids;          // B group keys (grpo, rloo, reinforce_plus_plus_baseline)
+  torch::Tensor values;               // [B, L] the critic's values (gae)
+  torch::Tensor reward_baselines;     // [B] the greedy answer's reward (remax)
+};
+
+struct Advantages {
+  // [B, L] fp32, 0 outside the mask; gae's as verl's: the whitened running advantage that the
+  // masked positions carry (the policy loss masks them).
+  torch::Tensor advantages;
+  torch::Tensor returns;  // [B, L] fp32 (the critic's target with gae)
+};
+
+// verl's semantics per estimator (a lone member of a group: mean 0, as verl):
+//  - gae: TD residuals backwards over the masked tokens (masked positions carry the running
+//    value and advantage through), returns = A + V, then A whitened;
+//  - grpo: (s - mean_g) / (std_g + eps) with s the row sums of the rewards (grpo_outcome_*);
+//  - rloo: s * n / (n - 1) - mean_g * n / (n - 1) for groups of n > 1, s alone for n = 1;
+//  - reinforce_plus_plus: discounted returns over the masked tokens, whitened;
+//  - reinforce_plus_plus_baseline: s - mean_g on every token, whitened;
+//  - remax: reward-to-go minus the greedy baseline on every response token, not whitened.
+Advantages compute_advantage(const AdvantageInputs& inputs, const AdvantageConfig& config);
+
+// ---------------------------------------------------------------------------------------------
+// DAPO (verl's recipe/dapo: its reward manager and dynamic sampling)
+
+// The overlong reward added to each response's score: min(-(length - (max_response_length -
+// buffer_len)) / buffer_len * penalty_factor, 0), a ramp from 0 at max_response_length -
+// buffer_len tokens down to -penalty_factor at max_response_length. response_lengths: [B] valid
+// tokens per response. buffer_len in [1, max_response_length].
+torch::Tensor overlong_penalty(const torch::Tensor& response_lengths, int64_t max_response_length,
+                               int64_t buffer_len, double penalty_factor);
+
+// Dynamic sampling's kept groups: the uids (in order of first appearance) whose metric values
+// [B] are not all equal (std > 0), and those of a single response, as verl keeps them.
+std::vector<int64_t> groups_to_keep(const torch::Tensor& metric, const std::vector<int64_t>& uids);
 
 // Per-token KL estimate between the policy and the reference. kl_penalty: "kl"/"k1"
 // (logp - ref), "abs", "mse"/"k2" (0.5 * (logp - ref)^2), "low_var_kl"/"k3"

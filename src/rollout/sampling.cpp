@@ -86,7 +86,7 @@ Rollout sample(models::LlamaForCausalLM& model, const torch::Tensor& prompts,
   const auto float_options = torch::dtype(torch::kFloat).device(prompts.device());
 
   models::KVCache cache(prompts.size(1) + options.max_new_tokens);
-  std::vector<torch::Tensor> tokens, log_probs, mask;
+  std::vector<torch::Tensor> tokens, log_probs, mask, entropy;
   torch::Tensor input = prompts;
   const torch::Tensor prompt_attention =
       prompt_mask.defined() ? prompt_mask.to(prompts.device()).to(torch::kLong) : torch::Tensor();
@@ -135,6 +135,11 @@ Rollout sample(models::LlamaForCausalLM& model, const torch::Tensor& prompts,
         torch::zeros({rows}, float_options).index_put_({active}, (~done).to(torch::kFloat)));
     log_probs.push_back(torch::zeros({rows}, float_options)
                             .index_put_({active}, token_log_prob.masked_fill(done, 0)));
+    if (options.record_entropy) {
+      const auto h = -(all_log_probs.exp() * all_log_probs).sum(-1);
+      entropy.push_back(
+          torch::zeros({rows}, float_options).index_put_({active}, h.masked_fill(done, 0)));
+    }
     if (eos >= 0) {
       done = done | (next == eos);
       const int64_t ended = done.sum().item<int64_t>();
@@ -161,7 +166,9 @@ Rollout sample(models::LlamaForCausalLM& model, const torch::Tensor& prompts,
     out.responses = torch::empty({rows, 0}, prompts.options());
     out.log_probs = torch::empty({rows, 0}, prompts.options().dtype(torch::kFloat));
     out.response_mask = out.log_probs.clone();
+    if (options.record_entropy) out.entropy = out.log_probs.clone();
   } else {
+    if (options.record_entropy) out.entropy = torch::stack(entropy, 1);
     out.responses = torch::stack(tokens, 1);
     out.log_probs = torch::stack(log_probs, 1);
     out.response_mask = torch::stack(mask, 1);

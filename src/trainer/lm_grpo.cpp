@@ -8,18 +8,24 @@
 // Each RL step syncs the actor's weights into an unsharded rollout replica (with LoRA, the
 // frozen base once and then the adapter alone, as verl loads a LoRA into vLLM), samples rollout.n
 // answers per prompt with its KV cache (each prompt prefilled once, left-padded, temperature,
-// top-p), scores them exactly, and takes one GRPO step: group-normalised outcome advantages, the
-// PPO dual-clip loss, optionally a KL to the reference. rollout.dtype float16 packs the replica's
-// weights into fbgemm's fp16 GEMM (with LoRA, the frozen base once; the adapter path stays fp32,
-// unmerged): the samples then come from a policy a rounding away from the actor's, so the old
-// log-probs are the actor's own (the step is on-policy: one optimizer step per batch, so they are
-// its current log-probs, detached, as verl's actor takes them when on-policy) and the rollout's
-// log-probs only measure the mismatch (rollout_probs_diff_mean, verl's metric). Held-out problems
-// (data.val_size) are answered greedily before training, every trainer.test_freq steps and at the
-// end.
+// top-p), scores them exactly, and takes one policy-gradient step: the advantages of verl's
+// algorithm.adv_estimator (grpo's group-normalised outcome by default; rloo, reinforce_plus_plus
+// [_baseline], remax with one greedy answer a prompt as its baseline), the loss of
+// actor.policy_loss.loss_mode (PPO's dual clip by default; gspo, gpg, geo_mean), optionally a KL
+// to the reference and an entropy bonus. DAPO's dynamic sampling (algorithm.filter_groups) drops
+// the groups whose answers all score alike and draws more until the batch is full; its overlong
+// penalty (reward_model.overlong_buffer) lowers the reward of answers near response_length.
+// rollout.dtype float16 packs the replica's weights into fbgemm's fp16 GEMM (with LoRA, the frozen
+// base once; the adapter path stays fp32, unmerged): the samples then come from a policy a rounding
+// away from the actor's, so the old log-probs are the actor's own (the step is on-policy: one
+// optimizer step per batch, so they are its current log-probs, detached, as verl's actor takes them
+// when on-policy) and the rollout's log-probs only measure the mismatch (rollout_probs_diff_mean,
+// verl's metric). Held-out problems (data.val_size) are answered greedily before training, every
+// trainer.test_freq steps and at the end.
 #include <fmt/format.h>
 
 #include <cmath>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -279,16 +285,18 @@ class Problems {
     for (const auto& p : val_) held_out_.insert(p.prompt);
   }
   const std::vector<algos::ArithmeticProblem>& validation() const { return val_; }
-  // The step's problems, the same on every rank and in a resumed run.
-  std::vector<algos::ArithmeticProblem> training(int64_t count, int64_t step) const {
+  // The step's problems, the same on every rank and in a resumed run; gen_batch > 0: the step's
+  // further draws when dynamic sampling asks for more.
+  std::vector<algos::ArithmeticProblem> training(int64_t count, int64_t step,
+                                                 int64_t gen_batch = 0) const {
     std::vector<algos::ArithmeticProblem> out;
     for (int64_t round = 0; static_cast<int64_t>(out.size()) < count; ++round) {
       if (round == 100) {
         throw std::invalid_argument(
             "config key 'data.val_size': the held-out problems leave too few to train on");
       }
-      for (auto& p :
-           algos::make_arithmetic_problems(task_, count, seed_ * 1000003 + step + round * 7919)) {
+      for (auto& p : algos::make_arithmetic_problems(
+               task_, count, seed_ * 1000003 + step + round * 7919 + gen_batch * 104729)) {
         if (!held_out_.count(p.prompt) && static_cast<int64_t>(out.size()) < count) {
           out.push_back(std::move(p));
         }
@@ -349,10 +357,14 @@ rollout::Rollout same_in_group(rollout::Rollout rollout, dist::ProcessGroup* gro
     rollout.responses = torch::empty({rows, length}, rollout.responses.options());
     rollout.log_probs = torch::empty({rows, length}, rollout.log_probs.options());
     rollout.response_mask = torch::empty({rows, length}, rollout.response_mask.options());
+    if (rollout.entropy.defined()) {
+      rollout.entropy = torch::empty({rows, length}, rollout.entropy.options());
+    }
   }
   for (auto* t : {&rollout.responses, &rollout.log_probs, &rollout.response_mask}) {
     group->broadcast(*t, 0);
   }
+  if (rollout.entropy.defined()) group->broadcast(rollout.entropy, 0);
   rollout.sequences = torch::cat({rollout.prompts, rollout.responses}, 1);
   rollout.attention_mask = torch::cat({rollout.attention_mask.narrow(1, 0, rollout.prompts.size(1)),
                                        torch::ones_like(rollout.responses)},
@@ -362,6 +374,135 @@ rollout::Rollout same_in_group(rollout::Rollout rollout, dist::ProcessGroup* gro
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The algorithm's choices (verl's algorithm.* and actor.policy_loss / DAPO's keys), read once.
+struct Algorithm {
+  algos::AdvantageConfig advantage;
+  algos::PolicyLossConfig policy;
+  double entropy_coeff = 0;
+  // DAPO's dynamic sampling (algorithm.filter_groups).
+  bool filter_groups = false;
+  std::string filter_metric;
+  int64_t max_num_gen_batches = 0;
+  // DAPO's overlong penalty (reward_model.overlong_buffer).
+  bool overlong = false;
+  int64_t overlong_len = 0;
+  double overlong_penalty_factor = 0;
+
+  explicit Algorithm(const json& config) {
+    const std::string a = "actor_rollout_ref.actor.";
+    advantage.adv_estimator = get<std::string>(config, "algorithm.adv_estimator");
+    advantage.gamma = get<double>(config, "algorithm.gamma");
+    advantage.norm_adv_by_std_in_grpo = get<bool>(config, "algorithm.norm_adv_by_std_in_grpo");
+    const auto clip_ratio = get<double>(config, a + "clip_ratio");
+    const auto clip_or_default = [&](const std::string& key) {
+      return at(config, key).is_null() ? clip_ratio : get<double>(config, key);
+    };
+    policy.loss_mode = get<std::string>(config, a + "policy_loss.loss_mode");
+    policy.clip_ratio_low = clip_or_default(a + "clip_ratio_low");
+    policy.clip_ratio_high = clip_or_default(a + "clip_ratio_high");
+    policy.clip_ratio_c = get<double>(config, a + "clip_ratio_c");
+    policy.loss_agg_mode = get<std::string>(config, a + "loss_agg_mode");
+    if (!at(config, a + "loss_scale_factor").is_null()) {
+      policy.loss_scale_factor = get<double>(config, a + "loss_scale_factor");
+    }
+    entropy_coeff = get<double>(config, a + "entropy_coeff");
+    filter_groups = get<bool>(config, "algorithm.filter_groups.enable");
+    if (filter_groups) {
+      if (at(config, "algorithm.filter_groups.metric").is_null()) {
+        throw std::invalid_argument(
+            "config key 'algorithm.filter_groups.metric' must be set when "
+            "algorithm.filter_groups.enable is true (acc, score, seq_reward or seq_final_reward)");
+      }
+      filter_metric = get<std::string>(config, "algorithm.filter_groups.metric");
+    }
+    max_num_gen_batches = get<int64_t>(config, "algorithm.filter_groups.max_num_gen_batches");
+    overlong = get<bool>(config, "reward_model.overlong_buffer.enable");
+    overlong_len = get<int64_t>(config, "reward_model.overlong_buffer.len");
+    overlong_penalty_factor = get<double>(config, "reward_model.overlong_buffer.penalty_factor");
+    const auto response_length = get<int64_t>(config, "actor_rollout_ref.rollout.response_length");
+    if (overlong && overlong_len < 1) {
+      throw std::invalid_argument(
+          "config key 'reward_model.overlong_buffer.len' must be at least 1 when "
+          "reward_model.overlong_buffer.enable is true");
+    }
+    if (overlong && overlong_len > response_length) {
+      throw std::invalid_argument(fmt::format(
+          "config key 'reward_model.overlong_buffer.len' ({}) must not exceed "
+          "actor_rollout_ref.rollout.response_length ({}): the penalty starts that many tokens "
+          "before the longest answer",
+          overlong_len, response_length));
+    }
+    if (entropy_coeff != 0 && get<bool>(config, "actor_rollout_ref.model.use_remove_padding")) {
+      throw std::invalid_argument(
+          "config key 'actor_rollout_ref.actor.entropy_coeff': the entropy bonus needs the "
+          "response's logits, which the packed update (actor_rollout_ref.model.use_remove_padding) "
+          "never forms; set one of them off");
+    }
+  }
+  bool remax() const { return advantage.adv_estimator == "remax"; }
+};
+
+// One generation batch on this rank: its prompts, the sampled answers and their scores.
+struct Generation {
+  std::vector<algos::ArithmeticProblem> prompts;  // this rank's, one per group
+  rollout::Rollout rollout;                       // rollout.n rows a prompt, consecutive
+  std::vector<std::string> answers, responses;    // per row
+  torch::Tensor acc;                              // [rows] the exact-match score
+  torch::Tensor rewards;                          // [rows] acc plus the overlong penalty
+  torch::Tensor baselines;                        // [rows] remax: the prompt's greedy reward
+};
+
+// The rows of the groups `groups` (prompt indices in g) of each generation, in one batch: prompts
+// left-padded and responses right-padded to the widest.
+Generation concat_groups(const std::vector<std::pair<const Generation*, int64_t>>& groups,
+                         int64_t n, int64_t pad) {
+  int64_t prompt_width = 0, response_width = 0;
+  for (const auto& [g, i] : groups) {
+    prompt_width = std::max(prompt_width, g->rollout.prompts.size(1));
+    response_width = std::max(response_width, g->rollout.responses.size(1));
+  }
+  std::vector<torch::Tensor> prompts, prompt_mask, responses, log_probs, response_mask, entropy,
+      acc, rewards, baselines;
+  Generation out;
+  for (const auto& group : groups) {
+    const Generation* g = group.first;
+    const int64_t i = group.second;
+    const auto& r = g->rollout;
+    const int64_t p = r.prompts.size(1), l = r.responses.size(1);
+    const auto rows = [&](const torch::Tensor& t) { return t.narrow(0, i * n, n); };
+    namespace F = torch::nn::functional;
+    prompts.push_back(F::pad(rows(r.prompts), F::PadFuncOptions({prompt_width - p, 0}).value(pad)));
+    prompt_mask.push_back(
+        F::pad(rows(r.attention_mask.narrow(1, 0, p)), F::PadFuncOptions({prompt_width - p, 0})));
+    const auto right = F::PadFuncOptions({0, response_width - l});
+    responses.push_back(
+        F::pad(rows(r.responses), F::PadFuncOptions({0, response_width - l}).value(pad)));
+    log_probs.push_back(F::pad(rows(r.log_probs), right));
+    response_mask.push_back(F::pad(rows(r.response_mask), right));
+    if (r.entropy.defined()) entropy.push_back(F::pad(rows(r.entropy), right));
+    acc.push_back(rows(g->acc));
+    rewards.push_back(rows(g->rewards));
+    if (g->baselines.defined()) baselines.push_back(rows(g->baselines));
+    out.prompts.push_back(g->prompts[i]);
+    for (int64_t k = i * n; k < (i + 1) * n; ++k) {
+      out.answers.push_back(g->answers[k]);
+      out.responses.push_back(g->responses[k]);
+    }
+  }
+  auto& r = out.rollout;
+  r.prompts = torch::cat(prompts);
+  r.responses = torch::cat(responses);
+  r.log_probs = torch::cat(log_probs);
+  r.response_mask = torch::cat(response_mask);
+  if (!entropy.empty()) r.entropy = torch::cat(entropy);
+  r.sequences = torch::cat({r.prompts, r.responses}, 1);
+  r.attention_mask = torch::cat({torch::cat(prompt_mask), torch::ones_like(r.responses)}, 1);
+  out.acc = torch::cat(acc);
+  out.rewards = torch::cat(rewards);
+  if (!baselines.empty()) out.baselines = torch::cat(baselines);
+  return out;
 }
 
 }  // namespace
@@ -410,17 +551,9 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   const bool use_kl_loss = get<bool>(config, actor_key + "use_kl_loss");
   const auto kl_coef = use_kl_loss ? get<double>(config, actor_key + "kl_loss_coef") : 0.0;
   const auto kl_type = get<std::string>(config, actor_key + "kl_loss_type");
-  const bool norm_by_std = get<bool>(config, "algorithm.norm_adv_by_std_in_grpo");
   const bool use_remove_padding = get<bool>(config, "actor_rollout_ref.model.use_remove_padding");
-  algos::PolicyLossConfig policy;
-  const auto clip_ratio = get<double>(config, actor_key + "clip_ratio");
-  const auto clip_or_default = [&](const std::string& key) {
-    return at(config, key).is_null() ? clip_ratio : get<double>(config, key);
-  };
-  policy.clip_ratio_low = clip_or_default(actor_key + "clip_ratio_low");
-  policy.clip_ratio_high = clip_or_default(actor_key + "clip_ratio_high");
-  policy.clip_ratio_c = get<double>(config, actor_key + "clip_ratio_c");
-  policy.loss_agg_mode = get<std::string>(config, actor_key + "loss_agg_mode");
+  Algorithm algorithm(config);
+  const auto& policy = algorithm.policy;
 
   // A pretrained model brings its own config, tokenizer and chat template; otherwise the
   // supervised stage makes one.
@@ -517,63 +650,142 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     }
   }
   const auto rl_start = std::chrono::steady_clock::now();
+  // Whitening's statistics are the whole batch's, every data-parallel rank's rows.
+  algorithm.advantage.sum_over_ranks = [&](torch::Tensor t) {
+    data_parallel.all_reduce(t);
+    return t;
+  };
   for (int64_t step = first_step; step <= run.total_steps(); ++step) {
     const auto start = std::chrono::steady_clock::now();
-    const auto all = problems.training(prompts_global, step);
-    std::vector<algos::ArithmeticProblem> mine;
-    std::vector<std::string> answers;
-    for (int64_t i = actor->data_parallel_rank() * local;
-         i < (actor->data_parallel_rank() + 1) * local; ++i) {
-      mine.push_back(all[i]);
-      for (int64_t k = 0; k < n; ++k) answers.push_back(all[i].answer);
-    }
     const auto sync_start = std::chrono::steady_clock::now();
-    // hf: the weight sync is the all-gather of every unit, held for the whole rollout (one
-    // gather, not one a token), as verl's HFRollout samples under summon_full_params.
-    std::optional<fsdp::UnshardScope> gathered;
-    if (actor_samples) {
-      gathered.emplace(actor->fsdp());
-    } else {
-      sync_rollout_weights();
-    }
+    if (!actor_samples) sync_rollout_weights();
     const double sync_seconds = seconds_since(sync_start);
-    rollout::SamplingOptions sampling;
-    sampling.max_new_tokens = response_length;
-    sampling.temperature = temperature;
-    sampling.top_p = get<double>(config, "actor_rollout_ref.rollout.top_p");
-    sampling.eos_token_id = text->eos;
-    sampling.pad_token_id = text->pad;
-    sampling.num_return_sequences = n;  // row i * n + k: the k-th answer to prompt i
-    sampling.generator = at::make_generator<at::CPUGeneratorImpl>(seed * 7777 + step * 131 +
-                                                                  actor->data_parallel_rank());
-    const auto [prompt_tokens, prompt_mask] = text->prompts(mine);
-    // The sequence-parallel ranks of a group sample the same prompts from the same seed; the
-    // group's first rank's rollout is the one all of them train on (verl hands the group one
-    // batch), whatever their kernels' last bits.
-    auto& sampler = actor_samples ? actor->model<models::LlamaForCausalLM>() : rollout_model;
-    const auto rollout =
-        same_in_group(rollout::sample(sampler, prompt_tokens, sampling, prompt_mask),
-                      actor->mesh().sequence_parallel_group().get());
-    gathered.reset();  // resharded before the update
-    const double rollout_seconds = seconds_since(start);
+    // The step's generation batch number `gen_batch`: this rank's prompts, sampled and scored.
+    const auto generate = [&](int64_t gen_batch) {
+      Generation g;
+      const auto all = problems.training(prompts_global, step, gen_batch);
+      for (int64_t i = actor->data_parallel_rank() * local;
+           i < (actor->data_parallel_rank() + 1) * local; ++i) {
+        g.prompts.push_back(all[i]);
+        for (int64_t k = 0; k < n; ++k) g.answers.push_back(all[i].answer);
+      }
+      // hf: the weight sync is the all-gather of every unit, held for the whole rollout (one
+      // gather, not one a token), as verl's HFRollout samples under summon_full_params.
+      std::optional<fsdp::UnshardScope> gathered;
+      if (actor_samples) gathered.emplace(actor->fsdp());
+      rollout::SamplingOptions sampling;
+      sampling.max_new_tokens = response_length;
+      sampling.temperature = temperature;
+      sampling.top_p = get<double>(config, "actor_rollout_ref.rollout.top_p");
+      sampling.eos_token_id = text->eos;
+      sampling.pad_token_id = text->pad;
+      sampling.num_return_sequences = n;  // row i * n + k: the k-th answer to prompt i
+      sampling.record_entropy = true;
+      sampling.generator = at::make_generator<at::CPUGeneratorImpl>(
+          seed * 7777 + step * 131 + actor->data_parallel_rank() + gen_batch * 1000003);
+      const auto [prompt_tokens, prompt_mask] = text->prompts(g.prompts);
+      // The sequence-parallel ranks of a group sample the same prompts from the same seed; the
+      // group's first rank's rollout is the one all of them train on (verl hands the group one
+      // batch), whatever their kernels' last bits.
+      auto& sampler = actor_samples ? actor->model<models::LlamaForCausalLM>() : rollout_model;
+      auto* sp_group = actor->mesh().sequence_parallel_group().get();
+      g.rollout =
+          same_in_group(rollout::sample(sampler, prompt_tokens, sampling, prompt_mask), sp_group);
+      // The reward as the reward manager gives it: the exact answer, then DAPO's overlong ramp.
+      const auto score = [&](const rollout::Rollout& r, const std::vector<std::string>& answers,
+                             std::vector<std::string>* texts) {
+        std::vector<std::string> out;
+        for (int64_t i = 0; i < r.responses.size(0); ++i) {
+          out.push_back(text->response(r.responses[i], r.response_mask[i]));
+        }
+        auto acc = algos::arithmetic_rewards(out, answers, text->answer_at()).to(torch::kFloat);
+        auto reward = acc;
+        if (algorithm.overlong) {
+          reward = acc + algos::overlong_penalty(r.response_mask.sum(1), response_length,
+                                                 algorithm.overlong_len,
+                                                 algorithm.overlong_penalty_factor);
+        }
+        if (texts) *texts = std::move(out);
+        return std::make_pair(acc, reward);
+      };
+      std::tie(g.acc, g.rewards) = score(g.rollout, g.answers, &g.responses);
+      if (algorithm.remax()) {
+        // ReMax's baseline: one greedy answer a prompt from the same policy, scored alike.
+        rollout::SamplingOptions greedy = sampling;
+        greedy.temperature = 0;
+        greedy.num_return_sequences = 1;
+        greedy.record_entropy = false;
+        greedy.generator.reset();
+        const auto baseline =
+            same_in_group(rollout::sample(sampler, prompt_tokens, greedy, prompt_mask), sp_group);
+        std::vector<std::string> answers;
+        for (const auto& p : g.prompts) answers.push_back(p.answer);
+        g.baselines = score(baseline, answers, nullptr).second.repeat_interleave(n);
+      }
+      return g;
+    };
 
-    std::vector<std::string> responses;
-    for (int64_t i = 0; i < rollout.responses.size(0); ++i) {
-      responses.push_back(text->response(rollout.responses[i], rollout.response_mask[i]));
+    // DAPO's dynamic sampling: groups whose rewards are all equal teach nothing; more batches
+    // are drawn until every rank holds `local` groups that do (or the limit).
+    std::deque<Generation> generations;  // kept groups point into it: a deque never moves them
+    Generation batch_rows;
+    int64_t num_gen_batches = 0;
+    if (!algorithm.filter_groups) {
+      batch_rows = generate(0);
+      num_gen_batches = 1;
+    } else {
+      std::vector<std::pair<const Generation*, int64_t>> kept;
+      for (;;) {
+        generations.push_back(generate(num_gen_batches++));
+        const auto& g = generations.back();
+        // acc and score: the answer's score; seq_reward and seq_final_reward: the reward the
+        // advantages see, the overlong penalty included (no KL in the reward here).
+        const bool answer_score =
+            algorithm.filter_metric == "acc" || algorithm.filter_metric == "score";
+        const auto metric = answer_score ? g.acc : g.rewards;
+        std::vector<int64_t> uids;
+        for (int64_t i = 0; i < g.rollout.responses.size(0); ++i) uids.push_back(i / n);
+        for (int64_t group : algos::groups_to_keep(metric, uids)) {
+          if (static_cast<int64_t>(kept.size()) < local) kept.emplace_back(&g, group);
+        }
+        // Every rank draws as many batches: the hf rollout and the update are collective.
+        auto short_ranks =
+            torch::tensor({static_cast<int64_t>(kept.size()) < local ? 1.0 : 0.0}, torch::kDouble);
+        data_parallel.all_reduce(short_ranks);
+        if (short_ranks.item<double>() == 0) break;
+        if (algorithm.max_num_gen_batches > 0 && num_gen_batches >= algorithm.max_num_gen_batches) {
+          throw std::runtime_error(fmt::format(
+              "algorithm.filter_groups: {} generation batches (algorithm.filter_groups."
+              "max_num_gen_batches) left fewer than {} groups with varied {} on a rank: the "
+              "problems are all solved or all failed; raise the limit or turn the filter off",
+              num_gen_batches, local, algorithm.filter_metric));
+        }
+      }
+      batch_rows = concat_groups(kept, n, text->pad);
     }
-    const auto rewards = algos::arithmetic_rewards(responses, answers, text->answer_at());
+    const double rollout_seconds = seconds_since(start);
+    const auto& rollout = batch_rows.rollout;
+    const auto& mine = batch_rows.prompts;
+    const auto& answers = batch_rows.answers;
+    const auto& responses = batch_rows.responses;
+    const auto& rewards = batch_rows.rewards;
+
     // The outcome reward sits on each response's last token, as verl's reward manager puts it.
     auto token_rewards = torch::zeros_like(rollout.response_mask);
     const auto last = (rollout.response_mask.sum(1) - 1).clamp_min(0).to(torch::kLong);
     token_rewards.scatter_(1, last.unsqueeze(1), rewards.to(torch::kFloat).unsqueeze(1));
-    std::vector<int64_t> uids;
-    for (int64_t i = 0; i < rollout.responses.size(0); ++i) uids.push_back(i / n);
+    algos::AdvantageInputs advantage_inputs;
+    advantage_inputs.token_level_rewards = token_rewards;
+    advantage_inputs.response_mask = rollout.response_mask;
+    for (int64_t i = 0; i < rollout.responses.size(0); ++i) {
+      advantage_inputs.uids.push_back(i / n);
+    }
+    advantage_inputs.reward_baselines = batch_rows.baselines;
     engine::Batch batch{
         {"sequences", rollout.sequences},
         {"attention_mask", rollout.attention_mask},
         {"rollout_log_probs", rollout.log_probs},
-        {"advantages",
-         algos::grpo_outcome_advantages(token_rewards, rollout.response_mask, uids, norm_by_std)},
+        {"advantages", algos::compute_advantage(advantage_inputs, algorithm.advantage).advantages},
         {"response_mask", rollout.response_mask}};
     const int64_t prompt_length = rollout.prompts.size(1);
     const auto log_probs_of = [&](engine::Engine& e, const engine::Batch& d) {
@@ -585,13 +797,33 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
                  : rollout::response_log_probs(model, d.at("sequences"), prompt_length, temperature,
                                                d.at("attention_mask"));
     };
+    // With the entropy bonus: the responses' logits, from which both the log-probs and the
+    // entropy come (the fused paths above never form them).
+    const auto log_probs_and_entropy = [&](engine::Engine& e, const engine::Batch& d) {
+      auto& model = e.model<models::LlamaForCausalLM>();
+      const auto& sequences = d.at("sequences");
+      const int64_t total = sequences.size(1), length = total - prompt_length;
+      auto logits = model(sequences.narrow(1, 0, total - 1), nullptr,
+                          d.at("attention_mask").narrow(1, 0, total - 1), length)
+                        .to(torch::kFloat);
+      if (temperature > 0) logits = logits / temperature;
+      auto log_probs = torch::log_softmax(logits, -1)
+                           .gather(-1, sequences.narrow(1, prompt_length, length).unsqueeze(-1))
+                           .squeeze(-1);
+      return std::make_pair(log_probs, algos::entropy_from_logits(logits));
+    };
     if (ref) {
       torch::NoGradGuard no_grad;
       batch["ref_log_probs"] = log_probs_of(*ref, batch);
     }
     const engine::LossFn grpo_loss = [&](engine::Engine& e, const engine::MicroBatch& mb) {
       const auto& d = mb.data;
-      auto log_probs = log_probs_of(e, d);
+      torch::Tensor log_probs, entropy;
+      if (algorithm.entropy_coeff != 0) {
+        std::tie(log_probs, entropy) = log_probs_and_entropy(e, d);
+      } else {
+        log_probs = log_probs_of(e, d);
+      }
       const auto& mask = d.at("response_mask");
       const auto& rollout_log_probs = d.at("rollout_log_probs");
       // fp32 rollouts came from the actor's weights: their log-probs are the old policy's.
@@ -604,11 +836,20 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       engine::Metrics metrics{
           {"pg_loss", out.pg_loss.item<double>()},
           {"clipfrac", out.pg_clipfrac.item<double>()},
+          {"pg_clipfrac_lower", out.pg_clipfrac_lower.item<double>()},
           {"ppo_kl", out.ppo_kl.item<double>()},
           {"rollout_probs_diff_mean", (probs_diff.sum() / mask.sum().clamp_min(1)).item<double>()}};
+      if (entropy.defined()) {
+        // verl's bonus: the aggregated entropy, subtracted with its coefficient.
+        const auto entropy_loss =
+            algos::agg_loss(entropy, mask, policy.loss_agg_mode, policy.loss_scale_factor);
+        loss = loss - algorithm.entropy_coeff * entropy_loss;
+        metrics["actor/entropy_loss"] = entropy_loss.item<double>();
+      }
       if (d.count("ref_log_probs")) {
-        auto kl = algos::agg_loss(algos::kl_penalty(log_probs, d.at("ref_log_probs"), kl_type),
-                                  d.at("response_mask"), policy.loss_agg_mode);
+        auto kl =
+            algos::agg_loss(algos::kl_penalty(log_probs, d.at("ref_log_probs"), kl_type),
+                            d.at("response_mask"), policy.loss_agg_mode, policy.loss_scale_factor);
         loss = loss + kl_coef * kl;
         metrics["kl"] = kl.item<double>();
       }
@@ -623,11 +864,18 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
          {"reward_sq", rewards.square().mean().item<double>()},
          {"response_length", rollout.response_mask.sum(1).mean().item<double>()},
          {"response_tokens", tokens},
-         {"rollout_tokens_per_s", tokens / rollout_seconds}});
+         {"rollout_tokens_per_s", tokens / rollout_seconds},
+         // verl's actor/entropy: the policy's entropy on the responses, aggregated as the loss.
+         {"actor/entropy", algos::agg_loss(rollout.entropy, rollout.response_mask,
+                                           policy.loss_agg_mode, policy.loss_scale_factor)
+                               .item<double>()}});
     metrics["reward_mean"] = stats["reward_mean"];
     metrics["reward_std"] =
         std::sqrt(std::max(0.0, stats["reward_sq"] - stats["reward_mean"] * stats["reward_mean"]));
     metrics["response_length"] = stats["response_length"];
+    metrics["actor/entropy"] = stats["actor/entropy"];
+    if (algorithm.filter_groups)
+      metrics["train/num_gen_batches"] = static_cast<double>(num_gen_batches);
     // Per rank, as verl's perf/throughput is per GPU.
     metrics["perf/rollout_tokens_per_s"] = stats["rollout_tokens_per_s"];
     // Every data-parallel rank's (the mean times their count), over the rollout and the update.
@@ -720,10 +968,42 @@ Task lm_grpo_task() {
       {a + "clip_ratio_high", nullptr, number().at_least(0).or_null("clip_ratio"),
        "the ratio clip above 1"},
       {a + "clip_ratio_c", 3.0, number().above(1),
-       "dual-clip PPO's bound on negative-advantage losses"},
+       "dual-clip PPO's bound on negative-advantage losses (vanilla)"},
       {a + "loss_agg_mode", "token-mean",
-       text().one_of({"token-mean", "seq-mean-token-sum", "seq-mean-token-mean"}),
-       "how token losses are averaged into the batch's"},
+       text().one_of({"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"}),
+       "how token losses are aggregated into the batch's (per rank; gspo always "
+       "seq-mean-token-mean, geo_mean the mean over sequences, as verl)"},
+      {a + "loss_scale_factor", nullptr, number().above(0).or_null("the response length"),
+       "seq-mean-token-sum-norm's divisor"},
+      {a + "policy_loss.loss_mode", "vanilla",
+       text().one_of({"vanilla", "gspo", "gpg", "geo_mean"}),
+       "the policy loss: PPO's clipped ratio (vanilla), GSPO's sequence ratio, GPG's plain policy "
+       "gradient, GMPO's geometric mean of the token ratios (geo_mean)"},
+      {a + "entropy_coeff", 0.0, number(),
+       "the entropy bonus's weight: loss - entropy_coeff * entropy (not with "
+       "model.use_remove_padding)"},
+      {"algorithm.adv_estimator", "grpo",
+       text().one_of(
+           {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"}),
+       "the advantage estimator (verl's; gae needs a critic, which lm_grpo has not yet)"},
+      {"algorithm.gamma", 1.0, number().at_least(0).at_most(1),
+       "the discount of the returns (reinforce_plus_plus)"},
+      {"algorithm.filter_groups.enable", false, boolean(),
+       "DAPO's dynamic sampling: drop the groups whose metric is the same for every answer and "
+       "draw more prompts until the batch is full"},
+      {"algorithm.filter_groups.metric", nullptr,
+       text().one_of({"acc", "score", "seq_reward", "seq_final_reward"}).or_null("unset"),
+       "what must vary within a group: acc or score (the answer's score), seq_reward or "
+       "seq_final_reward (with the overlong penalty)"},
+      {"algorithm.filter_groups.max_num_gen_batches", 0, integer().at_least(0),
+       "generation batches a step may draw before it fails (0: no limit)"},
+      {"reward_model.overlong_buffer.enable", false, boolean(),
+       "DAPO's overlong penalty on answers in the last overlong_buffer.len tokens"},
+      {"reward_model.overlong_buffer.len", 0, integer().at_least(0),
+       "the buffer's tokens before rollout.response_length"},
+      {"reward_model.overlong_buffer.penalty_factor", 0.0, number().at_least(0),
+       "the penalty at rollout.response_length tokens (linear from 0 at the buffer's start)"},
       {a + "use_kl_loss", false, boolean(),
        "a KL to a frozen reference model in the loss (the ref exists only then)"},
       {a + "kl_loss_coef", 0.001, number().at_least(0), "the KL loss's weight"},

@@ -29,6 +29,9 @@ struct SamplingOptions {
   int64_t num_return_sequences = 1;
   // Seeded generator for the draws: the same seed gives the same rollout.
   std::optional<at::Generator> generator;
+  // Record the entropy of each sampled position's distribution, softmax(logits / temperature)
+  // over the whole vocabulary (verl's actor/entropy): Rollout::entropy.
+  bool record_entropy = false;
 };
 
 struct Rollout {
@@ -38,6 +41,7 @@ struct Rollout {
   torch::Tensor log_probs;       // [B, L] fp32, see the convention above; 0 outside the mask
   torch::Tensor response_mask;   // [B, L] fp32: 1 up to and including a row's eos, then 0
   torch::Tensor attention_mask;  // [B, P + L] int64: the prompt's mask, then ones
+  torch::Tensor entropy;  // [B, L] fp32 with record_entropy (0 outside the mask), else undefined
 };
 
 // Continues every row of `prompts` [B, P] num_return_sequences (n) times with the KV cache,
