@@ -17,7 +17,7 @@ CUDA_TESTS ?= ^AdamW\.|^WorldSizes/(ParityTest|OffloadPolicyTest)\..*/1$$
 FUZZ_BUILD ?= build-fuzz
 FUZZ_FLAGS ?= -max_total_time=7
 
-.PHONY: deps configure build test demo smollm2 bench format clean build-cuda test-cuda fuzz-build \
+.PHONY: deps configure build test docs demo smollm2 bench format clean build-cuda test-cuda fuzz-build \
 	fuzz-smoke bench-cuda
 
 deps:
@@ -34,6 +34,12 @@ build: configure
 # instead of 18 one at a time).
 test: build
 	cd $(BUILD) && ctest --output-on-failure --timeout 900 -j $(JOBS)
+
+# docs/config.md, every task's config keys, from the tables the parser uses (ConfigReference.
+# DocsAreCurrent fails while the committed file differs).
+docs: build
+	@$(BUILD)/bin/shardrl config --markdown > docs/config.md.tmp
+	@mv docs/config.md.tmp docs/config.md
 
 demo: build
 	@scripts/demo.sh $(BUILD)

@@ -19,16 +19,15 @@
 #include "compat.h"
 #include "shardrl/dist.h"
 
+#include "stats.h"
+
 using namespace shardrl;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using shardrl::bench::median;
 
 // A Gloo backend of its own, beside the World's, so the raw c10d methods can be timed.
 c10::intrusive_ptr<c10d::Backend> raw_gloo(int rank, int size) {

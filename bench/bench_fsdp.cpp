@@ -34,11 +34,15 @@
 #include "shardrl/models/transformer.h"
 #include "shardrl/optim.h"
 
+#include "stats.h"
+
 using namespace shardrl;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
 namespace {
+
+using shardrl::bench::median;
 
 struct Args {
   int64_t d_model = 512, layers = 6, heads = 8, vocab = 8192, seq = 128, batch = 8;
@@ -64,13 +68,6 @@ constexpr uint64_t kModelSeed = 1234, kDataSeed = 4321;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 json timing_json(const std::vector<double>& s, int64_t tokens_per_step) {

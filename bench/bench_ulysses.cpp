@@ -26,6 +26,7 @@
 #include "shardrl/models/llama.h"
 #include "shardrl/models/sd3.h"
 #include "shardrl/rollout/sampling.h"
+#include "stats.h"
 
 using namespace shardrl;
 using namespace shardrl::bench;
@@ -76,11 +77,6 @@ uint64_t expected_sd3_exchange_bytes(const Args& a) {
     elements += 2 * a.hidden * (2 * queries + 2 * joint);
   }
   return static_cast<uint64_t>(elements * 4 / a.sp * (a.sp - 1) + (a.sp - 1) * image * 64 * 4);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace

@@ -59,6 +59,34 @@ inline void write_file(const std::string& path, const uint8_t* data, size_t size
   ::close(fd);
 }
 
+// The input's NUL-separated parts: a harness whose input stands for several files splits it so.
+inline std::vector<std::string> split_parts(const uint8_t* data, size_t size) {
+  std::vector<std::string> parts(1);
+  for (size_t i = 0; i < size; ++i) {
+    if (data[i] == 0) {
+      parts.emplace_back();
+    } else {
+      parts.back() += static_cast<char>(data[i]);
+    }
+  }
+  return parts;
+}
+
+inline void write_file(const std::string& path, const std::string& text) {
+  write_file(path, reinterpret_cast<const uint8_t*>(text.data()), text.size());
+}
+
+// Copies the fixed files a harness reads beside its input (fuzz/data/<name>) into dir.
+inline void copy_data(const std::string& name, const std::string& dir) {
+  namespace fs = std::filesystem;
+  fs::create_directories(dir);
+  for (const auto& file :
+       fs::directory_iterator(fs::path(SHARDRL_SOURCE_DIR) / "fuzz" / "data" / name)) {
+    fs::copy_file(file.path(), fs::path(dir) / file.path().filename(),
+                  fs::copy_options::overwrite_existing);
+  }
+}
+
 // Runs parse(); returns normally when it succeeds or throws a clear error mentioning one of
 // `names` (the file, or the override it comes from).
 template <class F>

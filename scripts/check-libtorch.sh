@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds ShardRL against another release's LibTorch and runs the suite with it: the check behind
-# the README's "your own LibTorch 2.x". It takes the torch wheel of that release from PyPI (the
+# docs/building.md's "your own LibTorch 2.x". It takes the torch wheel of that release from PyPI (the
 # wheel alone, ~0.6-0.9 GB, kept under ~/.cache/shardrl/libtorch-VERSION) and the two CUDA runtime
 # libraries its libtorch_cpu needs even on a CPU (cudart, cupti), then builds in build-torch-VERSION
 # with SHARDRL_LIBTORCH pointing at it, as a user would. The tests' Python references keep the

@@ -20,4 +20,7 @@ if [[ -z $encoder ]]; then
   echo "demo: all-MiniLM-L6-v2 is missing from $venv: run scripts/install-deps.sh" >&2
   exit 1
 fi
-exec "$build/bin/shardrl" train "$config" "actor_rollout_ref.model.text_encoder_path=$encoder" "$@"
+# Watched as a verl user watches a run: curves and the evaluation grids in TensorBoard
+# (tensorboard --logdir tensorboard_log); an override on the command line comes after and wins.
+exec "$build/bin/shardrl" train "$config" "actor_rollout_ref.model.text_encoder_path=$encoder" \
+  "trainer.logger=[console, file, tensorboard]" "$@"

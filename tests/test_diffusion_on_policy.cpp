@@ -47,7 +47,8 @@ algos::Conditioning conditioning(int64_t samples, uint64_t seed) {
   algos::Conditioning c;
   c.prompt_embeds = at::randn({samples, kTextLen, kTextDim}, g);
   c.pooled_prompt_embeds = at::randn({samples, kTextDim}, g);
-  c.negative_prompt_embeds = at::randn({1, kTextLen, kTextDim}, g).expand({samples, -1, -1}).contiguous();
+  c.negative_prompt_embeds =
+      at::randn({1, kTextLen, kTextDim}, g).expand({samples, -1, -1}).contiguous();
   c.negative_pooled_prompt_embeds = at::randn({1, kTextDim}, g).expand({samples, -1}).contiguous();
   return c;
 }
@@ -89,8 +90,10 @@ models::SD3Transformer2DModel replica_of(engine::Engine& e) {
   return replica;
 }
 
-// The trainer's recomputation of the rows (verl's old-log-prob pass), in the engine's micro-batches.
-engine::Batch recompute(engine::Engine& e, const engine::Batch& rows, const algos::SamplerConfig& s) {
+// The trainer's recomputation of the rows (verl's old-log-prob pass), in the engine's
+// micro-batches.
+engine::Batch recompute(engine::Engine& e, const engine::Batch& rows,
+                        const algos::SamplerConfig& s) {
   auto fn = [&](engine::Engine& en, const engine::MicroBatch& mb) {
     return engine::LossOutput{
         {}, {}, algos::recompute_log_probs(en.model<models::SD3Transformer2DModel>(), mb.data, s)};
@@ -101,8 +104,13 @@ engine::Batch recompute(engine::Engine& e, const engine::Batch& rows, const algo
 }
 
 // Every window step of 6 samples: 24 rows, recomputed in micro-batches of 7 (none the shape of
-// the rollout's batch of 6, or of its CFG batch of 12).
-TEST(OnPolicy, RolloutLogProbsEqualTheTrainersRecomputationBitForBit) {
+// the rollout's batch of 6, or of its CFG batch of 12). Bit for bit with one compute thread, as
+// `shardrl launch` gives each rank of a job that fills the cores (2 ranks on 2 cores). With more
+// threads a GEMM splits its rows among them by the batch's size, and the two passes round apart
+// in the last bit: the stated bound, |diff| <= 1e-6 (observed 1.2e-7 with 2 threads).
+void expect_on_policy(int threads, double bound) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(threads);
   for (const bool lora : {true, false}) {
     auto e = make_trainer(lora, 7);
     auto replica = replica_of(*e);
@@ -116,12 +124,23 @@ TEST(OnPolicy, RolloutLogProbsEqualTheTrainersRecomputationBitForBit) {
         auto rows = algos::flow_grpo_rows(ro, torch::zeros({6}), {0, 1, 2, 3});
         auto out = recompute(*e, rows, s);
         auto diff = algos::logprob_consistency(out);
-        EXPECT_EQ(diff.at("rollout_corr/logprob_abs_diff_max").item<double>(), 0.0);
-        EXPECT_TRUE(torch::equal(out.at("old_log_probs"), rows.at("rollout_log_probs")));
+        EXPECT_LE(diff.at("rollout_corr/logprob_abs_diff_max").item<double>(), bound);
+        if (bound == 0) {
+          EXPECT_TRUE(torch::equal(out.at("old_log_probs"), rows.at("rollout_log_probs")));
+        }
         EXPECT_TRUE(torch::isfinite(rows.at("rollout_log_probs")).all().item<bool>());
       }
     }
   }
+  at::set_num_threads(before);
+}
+
+TEST(OnPolicy, RolloutLogProbsEqualTheTrainersRecomputationBitForBit) {
+  expect_on_policy(1, 0.0);
+}
+
+TEST(OnPolicy, WithTwoThreadsTheyDifferByRoundingAtMost) {
+  expect_on_policy(2, 1e-6);
 }
 
 // Why the replica keeps its adapters unmerged: one that samples with W + s B A folded in (what a

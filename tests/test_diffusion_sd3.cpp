@@ -463,7 +463,8 @@ TensorMap rows_for(const std::string& mode, Tuned& t, const SamplerConfig& s,
 algos::DiffusionLossConfig loss_config(const std::string& mode) {
   algos::DiffusionLossConfig c;
   c.loss_mode = mode;
-  c.kl_loss_coef = 0.01;
+  // The reverse-step KL goes with a reverse-process loss only (NFT has ref_kl_coef, DPO none).
+  c.kl_loss_coef = algos::is_reverse_process_loss(mode) ? 0.01 : 0.0;
   c.ref_kl_coef = 0.01;
   c.mix_beta = 1.0;
   c.dpo_beta = 500;

@@ -1,5 +1,5 @@
-// The LLaMA / Qwen2 decoder: HF config and names, an independent Python reference, the KV cache,
-// weights files with faults.
+// The LLaMA / Qwen2 / Qwen3 decoders: HF config and names (and the fields refused), an independent
+// Python reference for each family, the KV cache, weights files with faults.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -25,10 +25,42 @@ using models::LlamaForCausalLM;
 
 LlamaConfig tiny_config(bool qwen = false) {
   LlamaConfig c = llama_test_config();
-  c.rope_theta = qwen ? 1e6 : 1e4;
+  c.rope_parameters.rope_theta = qwen ? 1e6 : 1e4;
   c.tie_word_embeddings = qwen;
   c.attention_bias = qwen;
   c.model_type = qwen ? "qwen2" : "llama";
+  return c;
+}
+
+// One tiny config per family, each with what sets it apart and a GQA ratio of its own:
+//   llama   untied head, 4 heads over 2 key/value heads;
+//   qwen2   tied head, q/k/v biases;
+//   qwen3   q/k RMSNorm per head, head_dim 12 (not hidden 32 / 4 heads), 4 heads over 1, tied,
+//           biases on q/k/v/o;
+//   llama3  Llama 3.x RoPE scaling (head_dim 16 puts wavelengths in all three of its bands:
+//           kept, blended and stretched), untied, 4 heads of their own (no GQA).
+LlamaConfig family_config(const std::string& family) {
+  if (family == "llama" || family == "qwen2") return tiny_config(family == "qwen2");
+  LlamaConfig c = llama_test_config();
+  if (family == "qwen3") {
+    c.model_type = "qwen3";
+    c.head_dim = 12;
+    c.num_key_value_heads = 1;
+    c.tie_word_embeddings = true;
+    c.attention_bias = true;
+    c.rope_parameters.rope_theta = 1e6;
+    return c;
+  }
+  EXPECT_EQ(family, "llama3");
+  c.head_dim = 16;
+  c.num_key_value_heads = 4;
+  auto& rope = c.rope_parameters;
+  rope.rope_type = "llama3";
+  rope.rope_theta = 5e5;
+  rope.factor = 8;
+  rope.low_freq_factor = 1;
+  rope.high_freq_factor = 4;
+  rope.original_max_position_embeddings = 1024;
   return c;
 }
 
@@ -77,6 +109,22 @@ TEST(Llama, ParameterNamesAreHuggingFaces) {
   EXPECT_FALSE(qwen_names.count("lm_head.weight"));  // tied
   EXPECT_TRUE(qwen_names.count("model.layers.0.self_attn.q_proj.bias"));
   EXPECT_FALSE(qwen_names.count("model.layers.0.self_attn.o_proj.bias"));
+  // Qwen3: per-head q/k norms of head_dim, projections of heads x head_dim, attention_bias on all
+  // four.
+  LlamaForCausalLM qwen3(family_config("qwen3"));
+  auto qwen3_names = models::state_dict(*qwen3);
+  EXPECT_EQ(qwen3_names.at("model.layers.1.self_attn.q_norm.weight").sizes(),
+            (std::vector<int64_t>{12}));
+  EXPECT_EQ(qwen3_names.at("model.layers.1.self_attn.k_norm.weight").sizes(),
+            (std::vector<int64_t>{12}));
+  EXPECT_EQ(qwen3_names.at("model.layers.0.self_attn.q_proj.weight").sizes(),
+            (std::vector<int64_t>{48, 32}));
+  EXPECT_EQ(qwen3_names.at("model.layers.0.self_attn.k_proj.weight").sizes(),
+            (std::vector<int64_t>{12, 32}));
+  EXPECT_EQ(qwen3_names.at("model.layers.0.self_attn.o_proj.weight").sizes(),
+            (std::vector<int64_t>{32, 48}));
+  EXPECT_TRUE(qwen3_names.count("model.layers.0.self_attn.o_proj.bias"));
+  EXPECT_EQ(qwen3_names.size(), 2u + 2 * (9 + 4 + 2));
 }
 
 TEST(Llama, ConfigJsonRoundTripsWithHfFieldsAndNamesBadFields) {
@@ -105,32 +153,270 @@ TEST(Llama, ConfigJsonRoundTripsWithHfFieldsAndNamesBadFields) {
   EXPECT_EQ(LlamaConfig::from_json(no_kv).num_key_value_heads, 4);
 }
 
-class LlamaReference : public ::testing::TestWithParam<bool> {};
+// The published config.json files of Qwen3-1.7B and Llama-3.2-1B (published-configs.md) read as
+// the models they are: head_dim apart from hidden / heads, Qwen3's q/k norms, Llama 3's RoPE
+// scaling; and write back what transformers reads as the same model.
+TEST(Llama, PublishedQwen3AndLlama32ConfigsReadAsTheirModels) {
+  const auto qwen3 = LlamaConfig::from_json(nlohmann::json::parse(R"({
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+    "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})"));
+  EXPECT_EQ(qwen3.model_type, "qwen3");
+  EXPECT_TRUE(qwen3.qk_norm());
+  EXPECT_EQ(qwen3.attention_head_dim(), 128);
+  EXPECT_EQ(qwen3.num_key_value_heads, 8);
+  EXPECT_EQ(qwen3.rope_parameters.rope_type, "default");
+  EXPECT_EQ(qwen3.rope_parameters.rope_theta, 1e6);
+  EXPECT_TRUE(qwen3.tie_word_embeddings);
+  const auto llama = LlamaConfig::from_json(nlohmann::json::parse(R"({
+    "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": false, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256})"));
+  const auto& rope = llama.rope_parameters;
+  EXPECT_EQ(rope.rope_type, "llama3");
+  EXPECT_EQ(rope.rope_theta, 5e5);
+  EXPECT_EQ(rope.factor, 32);
+  EXPECT_EQ(rope.low_freq_factor, 1);
+  EXPECT_EQ(rope.high_freq_factor, 4);
+  EXPECT_EQ(rope.original_max_position_embeddings, 8192);
+  EXPECT_EQ(llama.attention_head_dim(), 64);
+  // Written as transformers 5 writes it (rope_parameters), with rope_scaling and rope_theta for
+  // readers before it; read back, the same config.
+  const auto j = llama.to_json();
+  EXPECT_EQ(j["rope_parameters"]["rope_type"], "llama3");
+  EXPECT_EQ(j["rope_parameters"]["rope_theta"], 5e5);
+  EXPECT_EQ(j["rope_parameters"]["original_max_position_embeddings"], 8192);
+  EXPECT_EQ(j["rope_scaling"]["factor"], 32.0);
+  EXPECT_EQ(j["architectures"][0], "LlamaForCausalLM");
+  EXPECT_EQ(LlamaConfig::from_json(j).to_json(), j);
+  EXPECT_EQ(qwen3.to_json()["architectures"][0], "Qwen3ForCausalLM");
+  EXPECT_EQ(qwen3.to_json()["head_dim"], 128);
+  // transformers 5's own spelling reads alike; rope_scaling wins over rope_parameters, as there.
+  auto v5 = j;
+  v5.erase("rope_scaling");
+  v5.erase("rope_theta");
+  EXPECT_EQ(LlamaConfig::from_json(v5).to_json(), j);
+  auto both = j;
+  both["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5e5}};
+  EXPECT_EQ(LlamaConfig::from_json(both).rope_parameters.rope_type, "llama3");
+  for (const auto& family : {"llama", "qwen2", "qwen3", "llama3"}) {
+    const auto c = family_config(family);
+    EXPECT_EQ(LlamaConfig::from_json(c.to_json()).to_json(), c.to_json()) << family;
+  }
+  // Absent fields take the model type's defaults in transformers: Qwen3's head_dim is 128 and
+  // its key/value heads 32; Llama's are hidden / heads and the heads.
+  nlohmann::json bare = {{"vocab_size", 64},
+                         {"hidden_size", 64},
+                         {"intermediate_size", 96},
+                         {"num_hidden_layers", 1},
+                         {"num_attention_heads", 32}};
+  EXPECT_EQ(LlamaConfig::from_json(bare).attention_head_dim(), 2);
+  EXPECT_EQ(LlamaConfig::from_json(bare).num_key_value_heads, 32);
+  bare["model_type"] = "qwen3";
+  bare["num_attention_heads"] = 64;
+  EXPECT_EQ(LlamaConfig::from_json(bare).attention_head_dim(), 128);
+  EXPECT_EQ(LlamaConfig::from_json(bare).num_key_value_heads, 32);
+}
+
+// A field that changes the math and is not implemented stops the load naming it; a field at the
+// value that changes nothing passes.
+TEST(Llama, UnimplementedConfigFieldsAreErrorsNamingThem) {
+  const auto base = family_config("qwen3").to_json();
+  struct Case {
+    nlohmann::json change;
+    std::string field;
+  };
+  const std::vector<Case> refused = {
+      {{{"use_sliding_window", true}, {"sliding_window", 16}, {"max_window_layers", 1}},
+       "use_sliding_window"},
+      // sliding_window defaults to 4096 when use_sliding_window is on
+      {{{"use_sliding_window", true}, {"max_window_layers", 0}}, "use_sliding_window"},
+      {{{"layer_types", {"full_attention", "sliding_attention"}}}, "layer_types[1]"},
+      {{{"rope_parameters", {{"rope_type", "yarn"}, {"factor", 4.0}}}},
+       "rope_parameters.rope_type"},
+      {{{"rope_scaling", {{"type", "linear"}, {"factor", 2.0}}}}, "rope_scaling.rope_type"},
+      {{{"rope_parameters", {{"rope_type", "default"}, {"partial_rotary_factor", 0.5}}}},
+       "rope_parameters.partial_rotary_factor"},
+      {{{"rope_parameters",
+         {{"full_attention", {{"rope_type", "default"}}}, {"rope_type", "default"}}}},
+       "rope_parameters.full_attention"},
+      {{{"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0}}}},
+       "rope_scaling.high_freq_factor"},
+      {{{"partial_rotary_factor", 0.5}}, "partial_rotary_factor"},
+      {{{"num_experts", 8}}, "num_experts"},
+      {{{"num_local_experts", 8}}, "num_local_experts"},
+      {{{"moe_intermediate_size", 64}}, "moe_intermediate_size"},
+      {{{"quantization_config", {{"quant_method", "gptq"}}}}, "quantization_config"},
+      {{{"attention_dropout", 0.1}}, "attention_dropout"},
+      {{{"mlp_bias", true}}, "mlp_bias"},
+      {{{"hidden_act", "gelu"}}, "hidden_act"},
+      {{{"model_type", "qwen3_moe"}}, "model_type"},
+      {{{"head_dim", 7}}, "head_dim"},
+  };
+  for (const auto& [change, field] : refused) {
+    auto j = base;
+    j.update(change);
+    expect_invalid_argument_naming([&] { LlamaConfig::from_json(j); }, field);
+  }
+  const std::vector<nlohmann::json> harmless = {
+      {{"use_sliding_window", false}, {"sliding_window", 4096}, {"max_window_layers", 0}},
+      {{"use_sliding_window", true}, {"sliding_window", nullptr}, {"max_window_layers", 0}},
+      {{"use_sliding_window", true}, {"max_window_layers", 2}},  // no layer at or past 2
+      {{"layer_types", {"full_attention", "full_attention"}}},
+      {{"rope_scaling", nullptr}, {"attention_dropout", 0.0}, {"mlp_bias", false}},
+      {{"num_experts", 0}, {"partial_rotary_factor", 1.0}, {"pretraining_tp", 1}}};
+  for (const auto& change : harmless) {
+    auto j = base;
+    j.update(change);
+    EXPECT_NO_THROW(LlamaConfig::from_json(j)) << change.dump();
+  }
+  // The Llama model has no sliding window: transformers ignores the field there, and so do we.
+  auto llama = family_config("llama").to_json();
+  llama["sliding_window"] = 16;
+  EXPECT_NO_THROW(LlamaConfig::from_json(llama));
+}
+
+std::string csv_of(const torch::Tensor& t) {
+  std::string csv;
+  auto flat = t.reshape(-1).to(torch::kLong);
+  for (int64_t i = 0; i < flat.numel(); ++i)
+    csv += (i ? "," : "") + std::to_string(flat[i].item<int64_t>());
+  return csv;
+}
+
+// The independent Python reference's logits of `tokens` [B, T] (with HF's attention_mask when
+// given) for `model` saved as an HF directory.
+torch::Tensor reference_logits(LlamaForCausalLM& model, const torch::Tensor& tokens,
+                               const torch::Tensor& mask = {}) {
+  const std::string dir = make_temp_dir("llama");
+  models::save_llama(models::state_dict(*model), model->config(), dir);
+  std::vector<std::string> args = {dir, csv_of(tokens), std::to_string(tokens.size(0)),
+                                   dir + "/logits.bin"};
+  if (mask.defined()) args.push_back(csv_of(mask));
+  auto result = run_python_reference("llama_reference.py", args);
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  auto expected = torch::zeros({tokens.size(0), tokens.size(1), model->config().vocab_size});
+  std::ifstream in(dir + "/logits.bin", std::ios::binary);
+  in.read(reinterpret_cast<char*>(expected.data_ptr<float>()), expected.numel() * 4);
+  EXPECT_TRUE(in) << "reference logits file too short";
+  return expected;
+}
+
+class LlamaReference : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(LlamaReference, LogitsMatchIndependentPythonReference) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"torch", "numpy"}));
-  const auto c = tiny_config(GetParam());
+  const auto c = family_config(GetParam());
   auto model = random_model(c);
-  const std::string dir = make_temp_dir("llama");
-  models::save_llama(models::state_dict(*model), c, dir);
   auto tokens = tokens_for(c, 2, 9);
-  std::string csv;
-  auto flat = tokens.reshape(-1);
-  for (int64_t i = 0; i < flat.numel(); ++i)
-    csv += (i ? "," : "") + std::to_string(flat[i].item<int64_t>());
-  auto result = run_python_reference("llama_reference.py", {dir, csv, "2", dir + "/logits.bin"});
-  ASSERT_EQ(result.exit_code, 0) << result.output;
-
+  const auto expected = reference_logits(model, tokens);
   auto logits = model(tokens).detach();
-  std::ifstream in(dir + "/logits.bin", std::ios::binary);
-  auto expected = torch::empty_like(logits);
-  in.read(reinterpret_cast<char*>(expected.data_ptr<float>()), expected.numel() * 4);
-  ASSERT_TRUE(in) << "reference logits file too short";
   EXPECT_GT(expected.abs().max().item<double>(), 0.5);  // not trivially small
   EXPECT_LE((logits - expected).abs().max().item<double>(), 1e-5);
+
+  // Left-padded rows (HF's attention_mask): padding keys hidden, positions counting each row's
+  // tokens only. The padding queries' logits are never used; the reference's are compared on
+  // the real positions.
+  auto mask = torch::ones({3, 9}, torch::kLong);
+  mask[1].narrow(0, 0, 4).zero_();
+  mask[2].narrow(0, 0, 1).zero_();
+  auto padded = tokens_for(c, 3, 9);
+  const auto expected_padded = reference_logits(model, padded, mask);
+  const auto got = model(padded, nullptr, mask).detach();
+  const auto real = mask.to(torch::kBool).unsqueeze(-1);
+  EXPECT_LE(((got - expected_padded) * real).abs().max().item<double>(), 1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(LlamaAndQwen2, LlamaReference, ::testing::Values(false, true));
+INSTANTIATE_TEST_SUITE_P(Families, LlamaReference,
+                         ::testing::Values("llama", "qwen2", "qwen3", "llama3"));
+
+// One layer's attention (at::scaled_dot_product_attention) against the math written out here:
+// projections, Qwen3's per-head RMSNorm, the rotation by the given cos / sin, each key/value head
+// repeated for its query heads, softmax(q k^T / sqrt(head_dim)) over the keys a query may see,
+// then o_proj. Output and gradients to 1e-5, for every family, for the causal kernel alone and a
+// per-row mask (left padding; padding queries see themselves), given as bools and as the float
+// scores' bias LlamaModel builds. (KvCacheGivesTheFullForwardsLogits covers a [T, past + T] mask.)
+TEST(Llama, AttentionEqualsItsMathWrittenOutWithGradients) {
+  namespace F = torch::nn::functional;
+  for (const auto& family : {"llama", "qwen2", "qwen3", "llama3"}) {
+    SCOPED_TRACE(family);
+    const auto c = family_config(family);
+    auto model = random_model(c);
+    auto& attn = model->model->layers[1]->self_attn;
+    const int64_t B = 3, T = 7, H = c.num_attention_heads, KV = c.num_key_value_heads;
+    const int64_t hd = c.attention_head_dim();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    const auto x = torch::randn({B, T, c.hidden_size}, gen);
+    // Any rotation angles: the attention takes cos / sin as given, per row.
+    const auto angles = torch::rand({B, 1, T, hd / 2}, gen) * 6.3;
+    const auto cos = torch::cat({angles.cos(), angles.cos()}, -1);
+    const auto sin = torch::cat({angles.sin(), angles.sin()}, -1);
+    auto reference = [&](const torch::Tensor& xs, const torch::Tensor& allowed) {
+      auto heads = [&](models::lora::LoraLinear& proj, int64_t n, const models::RMSNorm& norm) {
+        auto h = F::linear(xs, proj->weight, proj->bias.defined() ? proj->bias : torch::Tensor())
+                     .view({B, T, n, hd});
+        if (norm) {
+          h = norm->weight * (h * torch::rsqrt(h.pow(2).mean(-1, true) + c.rms_norm_eps));
+        }
+        return h.transpose(1, 2);
+      };
+      auto rotate = [&](const torch::Tensor& t) {
+        auto half = t.chunk(2, -1);
+        return t * cos + torch::cat({-half[1], half[0]}, -1) * sin;
+      };
+      auto q = rotate(heads(attn->q_proj, H, attn->q_norm));
+      auto k = rotate(heads(attn->k_proj, KV, attn->k_norm)).repeat_interleave(H / KV, 1);
+      auto v = heads(attn->v_proj, KV, models::RMSNorm(nullptr)).repeat_interleave(H / KV, 1);
+      auto scores = torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(hd));
+      auto probs = torch::softmax(scores.masked_fill(~allowed, -INFINITY), -1);
+      auto out = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H * hd});
+      return F::linear(out, attn->o_proj->weight,
+                       attn->o_proj->bias.defined() ? attn->o_proj->bias : torch::Tensor());
+    };
+    auto causal = torch::ones({T, T}, torch::kBool).tril();
+    auto valid = torch::ones({B, T}, torch::kBool);
+    valid[1].narrow(0, 0, 3).fill_(false);
+    valid[2].narrow(0, 0, 1).fill_(false);
+    auto padded =
+        ((causal.unsqueeze(0) & valid.unsqueeze(1)) | torch::eye(T, torch::kBool).unsqueeze(0))
+            .unsqueeze(1);
+    models::AttentionMask causal_kernel, per_row, per_row_bias;
+    per_row.allowed = padded;
+    per_row_bias.allowed = torch::zeros({B, 1, T, T}).masked_fill(~padded, -INFINITY);
+    for (const auto& [mask, allowed] : std::vector<std::pair<models::AttentionMask, torch::Tensor>>{
+             {causal_kernel, causal.expand({B, 1, T, T})},
+             {per_row, padded},
+             {per_row_bias, padded}}) {
+      auto params = std::vector<torch::Tensor>{attn->q_proj->weight, attn->v_proj->weight};
+      if (attn->k_norm) params.push_back(attn->k_norm->weight);
+      const auto xg = x.clone().requires_grad_(true);
+      const auto out = attn(xg, cos, sin, mask, nullptr, 0);
+      const auto w = torch::randn(out.sizes(), gen);
+      auto grads = torch::autograd::grad({(out * w).sum()}, {xg, params[0], params[1]});
+      const auto xr = x.clone().requires_grad_(true);
+      const auto expected = reference(xr, allowed);
+      auto expected_grads =
+          torch::autograd::grad({(expected * w).sum()}, {xr, params[0], params[1]});
+      EXPECT_GT(expected.abs().max().item<double>(), 0.1);
+      EXPECT_LE((out - expected).abs().max().item<double>(), 1e-5);
+      for (size_t i = 0; i < grads.size(); ++i) {
+        EXPECT_LE(relative_error(grads[i], expected_grads[i]), 1e-5) << "grad " << i;
+      }
+    }
+  }
+}
 
 TEST(Llama, KvCacheGivesTheFullForwardsLogits) {
   const auto c = tiny_config();
@@ -139,10 +425,12 @@ TEST(Llama, KvCacheGivesTheFullForwardsLogits) {
   auto tokens = tokens_for(c, 3, 10);
   auto full = model(tokens);
   models::KVCache cache;
-  auto first = model(tokens.narrow(1, 0, 6), &cache);
-  EXPECT_EQ(cache.length(), 6);
-  std::vector<torch::Tensor> parts = {first};
-  for (int64_t t = 6; t < 10; ++t) parts.push_back(model(tokens.narrow(1, t, 1), &cache));
+  // A prefill, several new tokens at once after it (each sees the cache and the new ones before
+  // it), then one at a time (each sees every key).
+  auto first = model(tokens.narrow(1, 0, 4), &cache);
+  EXPECT_EQ(cache.length(), 4);
+  std::vector<torch::Tensor> parts = {first, model(tokens.narrow(1, 4, 3), &cache)};
+  for (int64_t t = 7; t < 10; ++t) parts.push_back(model(tokens.narrow(1, t, 1), &cache));
   EXPECT_EQ(cache.length(), 10);
   EXPECT_LE((torch::cat(parts, 1) - full).abs().max().item<double>(), 1e-5);
 
@@ -345,6 +633,66 @@ TEST(Llama, LeftPaddedRowsContinueAsTheyWouldAlone) {
   }
   expect_invalid_argument_naming(
       [&] { rollout::sample(model, prompts, greedy, mask.narrow(1, 0, 5)); }, "prompt_mask");
+}
+
+// verl's use_remove_padding: the packed log-probs, and their gradients, are the padded rows' at
+// every response token that counts, for each family (per-head q/k norms, head_dim apart, GQA,
+// rope scaling), with activation checkpointing; responses ending early (EOS) leave padding that
+// the packed pass never computes. Attention that crosses into the sequence before changes every
+// row but the first. RoPE sees only the distance between a query and a key, so positions that
+// do not restart at each sequence would pass here (up to rounding): pack_sequences' positions
+// are checked as such below.
+TEST(Llama, PackedLogProbsAndGradsEqualThePaddedRows) {
+  for (const std::string family : {"llama", "qwen3", "llama3"}) {
+    SCOPED_TRACE(family);
+    const auto c = family_config(family);
+    auto model = random_model(c);
+    model->set_activation_checkpointing(true);
+    const std::vector<int64_t> prompt_lengths = {3, 6, 1, 4}, response_lengths = {5, 2, 5, 1};
+    const int64_t P = 6, L = 5, B = 4;
+    auto sequences = tokens_for(c, B, P + L);
+    auto attention_mask = torch::ones({B, P + L}, torch::kLong);
+    auto response_mask = torch::zeros({B, L});
+    for (int64_t r = 0; r < B; ++r) {
+      attention_mask[r].narrow(0, 0, P - prompt_lengths[r]).zero_();
+      sequences[r].narrow(0, 0, P - prompt_lengths[r]).fill_(0);  // the pad token
+      response_mask[r].narrow(0, 0, response_lengths[r]).fill_(1);
+    }
+    const double temperature = 0.7;
+    auto grads_of = [&](const torch::Tensor& log_probs) {
+      model->zero_grad();
+      ((log_probs * response_mask).sum()).backward();
+      std::vector<torch::Tensor> grads;
+      for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
+      return std::make_pair(log_probs.detach(), grads);
+    };
+    const auto [padded, padded_grads] =
+        grads_of(rollout::response_log_probs(model, sequences, P, temperature, attention_mask));
+    const auto [packed, packed_grads] = grads_of(rollout::packed_response_log_probs(
+        model, sequences, P, temperature, attention_mask, response_mask));
+    EXPECT_LE(((packed - padded) * response_mask).abs().max().item<double>(), 1e-5);
+    EXPECT_TRUE(torch::equal(packed * (1 - response_mask), torch::zeros_like(packed)));
+    EXPECT_LT(packed.masked_select(response_mask > 0).max().item<double>(), 0);
+    for (size_t i = 0; i < padded_grads.size(); ++i) {
+      const double scale = padded_grads[i].abs().max().item<double>();
+      ASSERT_GT(scale, 0) << "param " << i;
+      EXPECT_LE((packed_grads[i] - padded_grads[i]).abs().max().item<double>(), 1e-5 * scale)
+          << "param " << i;
+    }
+  }
+
+  // The packed row holds the valid tokens only, each at its position within its sequence.
+  const auto tokens = torch::arange(12, torch::kLong).view({3, 4});
+  const auto valid = torch::tensor({0, 1, 1, 0, 1, 1, 1, 1, 0, 0, 1, 0}).view({3, 4});
+  const auto packed = models::pack_sequences(tokens, valid);
+  EXPECT_TRUE(torch::equal(packed.tokens, torch::tensor({1, 2, 4, 5, 6, 7, 10}).unsqueeze(0)));
+  EXPECT_TRUE(torch::equal(packed.position_ids, torch::tensor({0, 1, 0, 1, 2, 3, 0}).unsqueeze(0)));
+  EXPECT_EQ(packed.lengths, (std::vector<int64_t>{2, 4, 1}));
+  expect_invalid_argument_naming(
+      [&] {
+        models::pack_sequences(tokens, valid * torch::tensor({1, 0, 1}).unsqueeze(1));
+      },
+      "row 1", "no valid token");
 }
 
 // num_return_sequences (GRPO's rollout.n): each prompt is prefilled once and its rows continue

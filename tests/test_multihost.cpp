@@ -200,8 +200,8 @@ TEST(MultiHost, TrainsCheckpointsAndResumesAcrossHosts) {
                       {"step", "loss"});
 }
 
-// The README's torchrun line, one torchrun a host: it trains to the bits of the same job started
-// the Slurm way (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand).
+// docs/multi-host.md's torchrun line, one torchrun a host: it trains to the bits of the same job
+// started the Slurm way (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand).
 TEST(MultiHost, TorchrunOnEachHostTrainsAsRanksStartedByHandDo) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"torch"}));
   REQUIRE_TWO_HOSTS(hosts);

@@ -1,6 +1,9 @@
 // Offload over real ranks: the training policy and a mid-training round trip change no bit of
 // training; grouped optimizers move every sub-optimizer's state; a file offload frees memory.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
@@ -189,6 +192,45 @@ TEST(Offload, TwoModelsShareADirectoryWithoutClobbering) {
 TEST(Offload, BadInputIsNamed) {
   expect_invalid_argument_naming([] { offload::parse_tier("tape", "offload.tier"); },
                                  "offload.tier", "tape");
+}
+
+// A rank killed by a signal (pre-empted, or by the OOM killer) cannot remove its file tier, which
+// is as large as its offloaded state (27.5 GB a host for Qwen3-1.7B): the next job on the host
+// removes the scratch directories of processes that are gone, and keeps those of live ones.
+TEST(Offload, ScratchLeftByRanksThatAreGoneIsRemovedByTheNextJob) {
+  const auto dir = make_temp_dir("offload-stale");
+  const auto tmp = dir + "/tmp";
+  const pid_t gone = [] {  // a pid that was a process and is no more
+    const pid_t child = fork();
+    if (child == 0) _exit(0);
+    waitpid(child, nullptr, 0);
+    return child;
+  }();
+  const auto stale = fmt::format("{}/shardrl-offload-{}-rank0", tmp, gone);
+  const auto live = fmt::format("{}/shardrl-offload-{}-rank1", tmp, getpid());
+  for (const auto& scratch : {stale, live}) {
+    std::filesystem::create_directories(scratch);
+    std::ofstream(scratch + "/unit0.params.bin") << "state";
+  }
+  const auto config = dir + "/small.yaml";
+  std::ofstream(config) << kSmallLmConfig;
+  const auto run = run_process(
+      {bin("shardrl"), "train", config, "trainer.default_local_dir=" + dir + "/run",
+       "trainer.total_training_steps=1", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+       "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+       "actor_rollout_ref.actor.fsdp_config.offload_policy=true",
+       "actor_rollout_ref.actor.fsdp_config.offload_tier=file"},
+      {{"TMPDIR", tmp}}, 300);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_FALSE(std::filesystem::exists(stale)) << run.output;
+  EXPECT_NE(run.output.find(fmt::format("removed shardrl-offload-{}-rank0", gone)),
+            std::string::npos)
+      << run.output;
+  EXPECT_TRUE(std::filesystem::exists(live + "/unit0.params.bin"));
+  // The job's own scratch is gone with it.
+  size_t left = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(tmp)) left += entry.path() != live;
+  EXPECT_EQ(left, 0u);
 }
 
 }  // namespace

@@ -10,8 +10,15 @@
 #include <limits>
 
 #include "shardrl/checkpoint.h"
+#include "shardrl/models/llama.h"
+#include "shardrl/models/lora.h"
+#include "shardrl/models/sd3.h"
+#include "shardrl/models/text_encoder.h"
+#include "shardrl/text/bpe_tokenizer.h"
+#include "shardrl/text/wordpiece_tokenizer.h"
 #include "shardrl/trainer.h"
 #include "test_util.h"
+#include "text_corpus.h"
 
 namespace shardrl::testing {
 namespace {
@@ -251,6 +258,266 @@ TEST(ParserFindings, YamlConfigNullOverAValueIsAnErrorNamingTheKey) {
   const std::string path = config_file("pf-yaml-null", "trainer:\n  total_training_steps:\n");
   expect_error_naming<std::invalid_argument>([&] { trainer::load_config(path, {}, kDefaults); },
                                              {path, "'trainer.total_training_steps'", "null"});
+}
+
+// ---- a model folder's config.json -------------------------------------------------------------
+
+// A config.json of this text in a fresh folder; returns its path.
+std::string model_file(const std::string& tag, const std::string& name, const std::string& text) {
+  const std::string path = make_temp_dir(tag) + "/" + name;
+  write_bytes(path, text);
+  return path;
+}
+
+constexpr const char* kLlamaConfig = R"({"model_type": "llama", "vocab_size": 64,
+    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "num_key_value_heads": 2})";
+
+TEST(ParserFindings, ModelConfigErrorsNameTheFile) {
+  // LlamaConfig::load said "config.json: missing field vocab_size": which folder's, it did not say.
+  const std::string llama =
+      model_file("pf-config-llama", "config.json", R"({"model_type": "qwen2"})");
+  expect_error_naming<std::invalid_argument>([&] { models::LlamaConfig::load(llama); },
+                                             {llama, "vocab_size"});
+  const std::string sd3 = model_file("pf-config-sd3", "config.json", R"({"patch_size": 0})");
+  expect_error_naming<std::invalid_argument>([&] { models::SD3Config::load(sd3); },
+                                             {sd3, "patch_size"});
+  const std::string bert = model_file("pf-config-bert", "config.json", R"({"hidden_act": 1})");
+  expect_error_naming<std::invalid_argument>([&] { models::BertConfig::load(bert); },
+                                             {bert, "vocab_size"});
+  // The seed reads.
+  const std::string good = model_file("pf-config-good", "config.json", kLlamaConfig);
+  EXPECT_EQ(models::LlamaConfig::load(good).num_key_value_heads, 2);
+}
+
+TEST(ParserFindings, ModelConfigNumberOutsideItsTypeIsAnErrorNamingTheField) {
+  // get<int64_t>() of 1e30 was undefined behaviour (UBSan), of 2.5 a silent 2.
+  for (const std::string value : {"1e30", "2.5", "-1e300", "18446744073709551615"}) {
+    json config = json::parse(kLlamaConfig);
+    config["hidden_size"] = json::parse(value);
+    const std::string path = model_file("pf-config-float", "config.json", config.dump());
+    expect_error_naming<std::invalid_argument>([&] { models::LlamaConfig::load(path); },
+                                               {path, "hidden_size", "wrong type"});
+  }
+  const std::string sd3 =
+      model_file("pf-config-sd3-float", "config.json", R"({"dual_attention_layers": [0, 1e30]})");
+  expect_error_naming<std::invalid_argument>([&] { models::SD3Config::load(sd3); },
+                                             {sd3, "dual_attention_layers", "wrong type"});
+  // An integral float is the integer it writes.
+  json config = json::parse(kLlamaConfig);
+  config["hidden_size"] = 16.0;
+  EXPECT_EQ(models::LlamaConfig::load(model_file("pf-config-16", "config.json", config.dump()))
+                .hidden_size,
+            16);
+}
+
+TEST(ParserFindings, LlamaConfigZeroHeadsIsAnErrorNotADivisionByZero) {
+  // from_json computed head_dim() = hidden_size / num_attention_heads before validate() checked
+  // the divisor (UBSan; SIGFPE without it). Found by fuzz_config_json after 334,664 inputs.
+  json config = json::parse(kLlamaConfig);
+  config["num_attention_heads"] = 0;
+  const std::string path = model_file("pf-config-heads", "config.json", config.dump());
+  expect_error_naming<std::invalid_argument>([&] { models::LlamaConfig::load(path); },
+                                             {path, "num_attention_heads", "positive"});
+}
+
+TEST(ParserFindings, Sd3ConfigHeadsTimesHeadDimOverflowIsAnErrorNamingThem) {
+  // num_attention_heads * attention_head_dim overflowed int64 (UBSan) in validate().
+  const std::string path = model_file("pf-config-sd3-overflow", "config.json",
+                                      R"({"num_attention_heads": 4611686018427387904,
+                                          "attention_head_dim": 4})");
+  expect_error_naming<std::invalid_argument>([&] { models::SD3Config::load(path); },
+                                             {path, "num_attention_heads", "attention_head_dim"});
+}
+
+// ---- tokenizer.json ----------------------------------------------------------------------------
+
+// The small byte-level BPE tokenizer.json that transformers wrote (fuzz/corpus), edited.
+std::string tokenizer_json(const std::string& tag, const std::function<void(json&)>& edit) {
+  json file = json::parse(
+      read_text(std::string(SHARDRL_SOURCE_DIR) + "/fuzz/corpus/tokenizer_json/bpe.json"));
+  edit(file);
+  return model_file(tag, "tokenizer.json", file.dump());
+}
+
+TEST(ParserFindings, TokenizerJsonSeedLoadsAndRoundTrips) {
+  const auto tok =
+      text::ByteLevelBpeTokenizer::load_tokenizer_json(tokenizer_json("pf-tok", [](json&) {}));
+  const std::string text = "Hello world, na\xc3\xafve caf\xc3\xa9 \xff!";
+  EXPECT_EQ(tok.decode(tok.encode(text)), text);
+}
+
+TEST(ParserFindings, TokenizerJsonIdBeyondTheTokensIsAnErrorBeforeAllocating) {
+  // A vocab or added-token id of 10^12 resized the token table to 10^12 strings (32 TB).
+  const std::string vocab = tokenizer_json(
+      "pf-tok-vocab-id", [](json& f) { f["model"]["vocab"]["zzz"] = int64_t{1000000000000}; });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(vocab); },
+      {vocab, "model.vocab entry 'zzz'", "1000000000000"});
+  const std::string added = tokenizer_json(
+      "pf-tok-added-id", [](json& f) { f["added_tokens"][0]["id"] = int64_t{1000000000000}; });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(added); },
+      {added, "added token '<|endoftext|>'", "1000000000000"});
+}
+
+TEST(ParserFindings, TokenizerJsonMistypedFlagIsAnErrorNamingTheField) {
+  // nlohmann's value() threw its own type_error, naming no file.
+  const std::string special =
+      tokenizer_json("pf-tok-special", [](json& f) { f["added_tokens"][1]["special"] = "yes"; });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(special); },
+      {special, "added_tokens[1].special", "boolean"});
+  const std::string type = tokenizer_json("pf-tok-type", [](json& f) { f["model"]["type"] = 1; });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(type); }, {type, "model.type"});
+}
+
+TEST(ParserFindings, TokenizerJsonMergeOutsideTheVocabularyIsAnErrorNamingIt) {
+  // encode() failed later with "merged token 'Ġt' is not in the vocabulary", naming no file;
+  // tokenizers refuses such a file when it loads it.
+  std::string merged;
+  const std::string path = tokenizer_json("pf-tok-merge", [&](json& f) {
+    const json merge = f["model"]["merges"][0];
+    merged = merge[0].get<std::string>() + merge[1].get<std::string>();
+    const json id = f["model"]["vocab"][merged];
+    f["model"]["vocab"].erase(merged);
+    f["model"]["vocab"]["renamed"] = id;
+  });
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::ByteLevelBpeTokenizer::load_tokenizer_json(path); },
+      {path, "merges[0]", "'" + merged + "' is not in the vocabulary"});
+}
+
+TEST(ParserFindings, TokenizerJsonByteMissingFromTheVocabularyIsDroppedAsTokenizersDropsIt) {
+  // A vocabulary without 'Ġ' (the space byte) made encode() fail on any text with a space,
+  // naming no file. tokenizers (no unk_token) drops the byte and merges across the gap.
+  const std::string path = tokenizer_json("pf-tok-byte", [](json& f) {
+    const json id = f["model"]["vocab"]["\xc4\xa0"];
+    f["model"]["vocab"].erase("\xc4\xa0");
+    f["model"]["vocab"]["renamed"] = id;
+    json kept = json::array();
+    for (const auto& merge : f["model"]["merges"]) {
+      const std::string pair = merge[0].get<std::string>() + merge[1].get<std::string>();
+      if (pair.find("\xc4\xa0") == std::string::npos) kept.push_back(merge);
+    }
+    f["model"]["merges"] = kept;
+  });
+  const auto tok = text::ByteLevelBpeTokenizer::load_tokenizer_json(path);
+  EXPECT_EQ(tok.decode(tok.encode("is a")), "isa");
+  EXPECT_EQ(tok.encode("is a"), tok.encode("isa"));
+}
+
+// ---- vocab.txt and tokenizer_config.json -------------------------------------------------------
+
+TEST(ParserFindings, WordPieceEmptySpecialTokenIsAnErrorNotAHang) {
+  // pad_token "" with a blank line in vocab.txt: encode() matched the empty special token at
+  // every position without advancing, forever.
+  const std::string dir = make_temp_dir("pf-wordpiece-empty");
+  const std::string data = std::string(SHARDRL_SOURCE_DIR) + "/fuzz/data/wordpiece/";
+  write_bytes(dir + "/vocab.txt", read_text(data + "vocab.txt") + "\n");
+  json config = json::parse(read_text(data + "tokenizer_config.json"));
+  config["pad_token"] = "";
+  write_bytes(dir + "/tokenizer_config.json", config.dump());
+  expect_error_naming<std::invalid_argument>(
+      [&] { text::WordPieceTokenizer::load(dir); },
+      {dir + "/tokenizer_config.json", "pad_token", "empty"});
+}
+
+// ---- adapter_config.json -----------------------------------------------------------------------
+
+// PEFT's adapter_config.json for a small LLaMA (fuzz/corpus), edited.
+std::string adapter_config(const std::string& tag, const std::function<void(json&)>& edit) {
+  json file = json::parse(
+      read_text(std::string(SHARDRL_SOURCE_DIR) + "/fuzz/corpus/adapter_config/lora.json"));
+  edit(file);
+  return model_file(tag, "adapter_config.json", file.dump());
+}
+
+TEST(ParserFindings, AdapterConfigSeedReads) {
+  const auto config = models::lora::read_peft_config(adapter_config("pf-lora", [](json&) {}));
+  EXPECT_EQ(config.r, 4);
+  EXPECT_DOUBLE_EQ(config.scaling(), 2.0);
+  EXPECT_TRUE(models::lora::is_target(config, "model.layers.0.self_attn.v_proj"));
+  EXPECT_FALSE(models::lora::is_target(config, "model.layers.0.self_attn.k_proj"));
+}
+
+TEST(ParserFindings, AdapterConfigMistypedIsAnErrorNamingTheField) {
+  const std::string array = model_file("pf-lora-array", "adapter_config.json", "[]");
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(array); },
+                                             {array, "JSON object"});
+  const std::string type = adapter_config("pf-lora-type", [](json& f) { f["peft_type"] = 1; });
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(type); },
+                                             {type, "peft_type"});
+  // get<int64_t>() of 1e30 was undefined behaviour (UBSan).
+  const std::string r = adapter_config("pf-lora-r", [](json& f) { f["r"] = 1e30; });
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(r); },
+                                             {r, "field r"});
+  const std::string dropout =
+      adapter_config("pf-lora-dropout", [](json& f) { f["lora_dropout"] = 1.5; });
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(dropout); },
+                                             {dropout, "lora_dropout"});
+}
+
+TEST(ParserFindings, AdapterConfigBadRegexIsAnErrorNamingTheField) {
+  // std::regex_error escaped from the first match, naming neither file nor field.
+  const std::string path =
+      adapter_config("pf-lora-regex", [](json& f) { f["target_modules"] = "(q_proj"; });
+  expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(path); },
+                                             {path, "target_modules", "regular expression"});
+}
+
+TEST(ParserFindings, AdapterConfigRegexMatchesInPolynomialTime) {
+  // The backtracking matcher took longer than libFuzzer's 10 s timeout on each module name.
+  const std::string path = adapter_config(
+      "pf-lora-slow", [](json& f) { f["target_modules"] = "(.*)*(.*)*(.*)*(.*)*(.*)*x"; });
+  const auto config = models::lora::read_peft_config(path);
+  for (int layer = 0; layer < 30; ++layer) {
+    EXPECT_FALSE(models::lora::is_target(
+        config, "model.layers." + std::to_string(layer) + ".self_attn.q_proj_and_more_text"));
+  }
+  const std::string peft = adapter_config("pf-lora-peft-regex", [](json& f) {
+    f["target_modules"] = R"(.*\.layers\.0\.self_attn\.(q|v)_proj)";
+  });
+  EXPECT_TRUE(models::lora::is_target(models::lora::read_peft_config(peft),
+                                      "model.layers.0.self_attn.v_proj"));
+}
+
+TEST(ParserFindings, AdapterConfigFieldsShardRLDoesNotImplementAreRefused) {
+  // Read as plain LoRA before: a rsLoRA adapter got alpha / r for alpha / sqrt(r), a DoRA one
+  // lost its magnitudes, and so on, silently.
+  const std::vector<std::pair<std::string, json>> cases = {{"use_rslora", true},
+                                                           {"use_dora", true},
+                                                           {"rank_pattern", {{"q_proj", 8}}},
+                                                           {"bias", "all"},
+                                                           {"modules_to_save", {"lm_head"}},
+                                                           {"layers_to_transform", {0}}};
+  for (const auto& item : cases) {
+    const std::string& field = item.first;  // clang before 16 cannot capture a structured binding
+    const std::string path =
+        adapter_config("pf-lora-" + field, [&](json& f) { f[field] = item.second; });
+    expect_error_naming<std::invalid_argument>([&] { models::lora::read_peft_config(path); },
+                                               {path, "field " + field});
+  }
+  // PEFT's empty defaults are plain LoRA.
+  const std::string empty = adapter_config("pf-lora-empty", [](json& f) {
+    f["modules_to_save"] = json::array();
+    f["exclude_modules"] = json::array();
+  });
+  EXPECT_EQ(models::lora::read_peft_config(empty).r, 4);
+}
+
+// ---- model.safetensors.index.json --------------------------------------------------------------
+
+TEST(ParserFindings, HfIndexFileNameMustBeAFileInTheFolder) {
+  // "." and ".." passed the check for a plain file name (no parent path).
+  for (const std::string name : {"..", "."}) {
+    const std::string dir = make_temp_dir("pf-hf-index");
+    write_bytes(dir + "/model.safetensors.index.json",
+                json({{"weight_map", {{"w", name}}}}).dump());
+    expect_error_naming<std::runtime_error>([&] { checkpoint::HfWeights weights(dir); },
+                                            {dir, "weight_map.w", "not a file name"});
+  }
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "shardrl/text/bpe_tokenizer.h"
+#include "shardrl/text/chat_template.h"
 #include "test_util.h"
 #include "text/utf8.h"
 #include "text_corpus.h"
@@ -496,6 +497,49 @@ TEST(Tokenizer, LoadTokenizerJsonNamesTheFileAndTheField) {
   expect_invalid_argument_naming(
       [&] { ByteLevelBpeTokenizer::load_tokenizer_json(dir + "/broken.json"); },
       "'" + dir + "/broken.json'", "not valid JSON");
+}
+
+// Llama 3's header template, in Meta's Llama-3-8B-Instruct form (bos_token, contents trimmed)
+// and in bench/make_real_models.py's (a literal <|begin_of_text|>, no trim). The expected texts
+// are what transformers' apply_chat_template rendered from these templates (5.x, with
+// bos_token <|begin_of_text|>), not this code's output.
+TEST(ChatTemplate, Llama3HeadersRenderAsTransformersDoes) {
+  const std::string meta =
+      "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+      "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | "
+      "trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% "
+      "endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ "
+      "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+  const std::string literal =
+      "{{ '<|begin_of_text|>' }}{% for message in messages %}{{ '<|start_header_id|>' + "
+      "message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}{% "
+      "endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>"
+      "\\n\\n' }}{% endif %}";
+  const std::vector<text::ChatMessage> user = {{"user", " What is 3+4? "}};
+  const std::vector<text::ChatMessage> system = {{"system", "Be brief."}, {"user", "Hi"}};
+  EXPECT_EQ(text::ChatTemplate(meta, "meta").render(user, true),
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is "
+            "3+4?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(text::ChatTemplate(literal, "literal").render(user, true),
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n What is 3+4? "
+            "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+  const std::string with_system =
+      "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe "
+      "brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>"
+      "assistant<|end_header_id|>\n\n";
+  for (const auto& jinja : {meta, literal}) {
+    EXPECT_EQ(text::ChatTemplate(jinja, "t").render(system, true), with_system);
+  }
+
+  // Llama 3.1's dated system turn, and a template of neither family, are errors naming the source.
+  expect_invalid_argument_naming(
+      [&] {
+        text::ChatTemplate(meta + "{{ 'Cutting Knowledge Date: December 2023' }}", "3.1.json");
+      },
+      "3.1.json", "the date it runs on");
+  expect_invalid_argument_naming(
+      [&] { text::ChatTemplate("{{ messages[0]['content'] }}", "other.json"); }, "other.json",
+      "neither ChatML");
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 
 #include <unistd.h>
 
@@ -94,11 +95,13 @@ TEST(TrainerConfig, OldKeyNamesAreErrorsNamingVerlsKey) {
     expect_error_naming([&] { trainer::task_config(grpo, {"algorithm." + key + "=1"}); },
                         {"'algorithm." + key + "'", "actor_rollout_ref.actor." + key});
   }
-  // verl's names are accepted where verl has them.
+  // verl's names are accepted where verl has them (the checkpoint folder aside: it is no file).
   auto config = trainer::task_config(
-      grpo, {"actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.use_kl_loss=true",
-             "trainer.max_actor_ckpt_to_keep=4", "trainer.resume_mode=resume_path",
-             "trainer.resume_from_path=/tmp/x"});
+      grpo,
+      {"actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.use_kl_loss=true",
+       "trainer.max_actor_ckpt_to_keep=4", "trainer.resume_mode=resume_path",
+       "trainer.resume_from_path=/tmp/x"},
+      trainer::ConfigChecks::kValues);
   EXPECT_DOUBLE_EQ(trainer::get<double>(config, "actor_rollout_ref.actor.clip_ratio"), 0.3);
   EXPECT_EQ(trainer::engine_config(config, "language_model", "actor").checkpoint.max_ckpt_to_keep,
             4);
@@ -133,8 +136,8 @@ TEST(Trainer, NcclTimeoutIsVerlsKeyAndBadValuesNameIt) {
     auto result =
         train(path, {"trainer.default_local_dir=" + dir, "actor_rollout_ref.nccl_timeout=" + bad});
     EXPECT_NE(result.exit_code, 0) << bad;
-    EXPECT_NE(result.output.find("config key 'actor_rollout_ref.nccl_timeout' must be a number of "
-                                 "seconds in [1, 2592000], got " +
+    EXPECT_NE(result.output.find("config key 'actor_rollout_ref.nccl_timeout' must be an integer "
+                                 "in [1, 2592000], got " +
                                  bad),
               std::string::npos)
         << result.output;
@@ -155,6 +158,60 @@ TEST(Trainer, MissingDataFileNamesTheKeyAndTheFile) {
   EXPECT_NE(result.output.find("no_such_corpus.txt"), std::string::npos) << result.output;
 }
 
+// trainer.logger as verl names it, through `shardrl train`: console and tensorboard without file
+// (no metrics.jsonl; TensorBoard's reader finds every metric at every step), the console's step
+// lines with the throughput and the ETA, a single name for a list of one, and an unknown logger
+// stopping the run before any rank starts.
+TEST(Trainer, LoggersAsVerlNamesThem) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_tensorboard_reader());
+  const auto dir = make_temp_dir("trainer_loggers");
+  const auto path = write_file(dir, "lm.yaml", kSmallLmConfig);
+  auto watched =
+      run_process({bin("shardrl"), "train", path, "trainer.default_local_dir=" + dir + "/tb_run",
+                   "trainer.logger=[console, tensorboard]"},
+                  {{"TENSORBOARD_DIR", dir + "/tb"}}, 300);
+  ASSERT_EQ(watched.exit_code, 0) << watched.output;
+  EXPECT_FALSE(fs::exists(dir + "/tb_run/metrics.jsonl"));
+  ASSERT_EQ(event_files(dir + "/tb").size(), 1u);
+  expect_checks_pass(
+      read_tensorboard(
+          {"scalars", dir + "/tb",
+           json({{"tags",
+                  {"loss", "grad_norm", "lr", "perf/tokens_per_s", "step_time", "memory_rss_gb"}},
+                 {"steps", {1, 2, 3, 4}}})
+               .dump()}),
+      4);
+  // Tokens trained per second and the ETA from the mean step so far; none after the last step.
+  const std::regex line(
+      R"(\[rank 0\] step 2/4 loss=\S+ grad_norm=\S+ \| [0-9.]+ tok/s \| [0-9.]+m?s/step, ETA [0-9.]+m?s\n)");
+  EXPECT_TRUE(std::regex_search(watched.output, line)) << watched.output;
+  const std::regex last(
+      R"(\[rank 0\] step 4/4 loss=\S+ grad_norm=\S+ \| [0-9.]+ tok/s \| [0-9.]+m?s/step\n)");
+  EXPECT_TRUE(std::regex_search(watched.output, last)) << watched.output;
+
+  // `logger: console`, as configs in the wild have it: the console alone.
+  auto console =
+      run_process({bin("shardrl"), "train", path,
+                   "trainer.default_local_dir=" + dir + "/console_run", "trainer.logger=console"},
+                  {{"TENSORBOARD_DIR", dir + "/tb_console"}}, 300);
+  ASSERT_EQ(console.exit_code, 0) << console.output;
+  EXPECT_NE(console.output.find("step 4/4"), std::string::npos) << console.output;
+  EXPECT_FALSE(fs::exists(dir + "/console_run/metrics.jsonl"));
+  EXPECT_FALSE(fs::exists(dir + "/tb_console"));
+
+  auto wandb =
+      run_process({bin("shardrl"), "train", path, "trainer.default_local_dir=" + dir + "/wandb_run",
+                   "trainer.logger=[console, wandb]"},
+                  {}, 60);
+  EXPECT_NE(wandb.exit_code, 0);
+  for (const char* expected :
+       {"override 'trainer.logger=[console, wandb]': config key 'trainer.logger' must be a list, "
+        "each one of console, file, tensorboard, got [\"console\",\"wandb\"]"}) {
+    EXPECT_NE(wandb.output.find(expected), std::string::npos) << wandb.output;
+  }
+  EXPECT_EQ(wandb.output.find("[rank"), std::string::npos) << "a rank started\n" << wandb.output;
+}
+
 // A run stopped after 4 steps and continued to 6 logs the same losses as a run of 6 steps: the
 // model, optimizer, schedule and data order all come back from the checkpoint.
 TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
@@ -170,10 +227,21 @@ TEST(Trainer, TrainsOnTwoRanksLogsMetricsAndResumesBitwise) {
   }
   EXPECT_TRUE(fs::exists(dir + "/resumed/checkpoints/global_step_4"));
 
-  auto second = train(
-      path, {"trainer.default_local_dir=" + dir + "/resumed", "trainer.total_training_steps=6"});
+  // The checkpoint load shows its progress (here at every tensor: SHARDRL_PROGRESS_SECONDS=0), on
+  // rank 0 only, and how long it took.
+  auto second =
+      run_process({bin("shardrl"), "train", path, "trainer.default_local_dir=" + dir + "/resumed",
+                   "trainer.total_training_steps=6"},
+                  {{"SHARDRL_PROGRESS_SECONDS", "0"}}, 300);
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  const std::string load = "checkpoint load from " + dir + "/resumed/checkpoints/global_step_4: ";
+  EXPECT_NE(second.output.find("[rank 0] " + load), std::string::npos) << second.output;
+  EXPECT_NE(second.output.find("(100%)"), std::string::npos) << second.output;
+  EXPECT_TRUE(std::regex_search(
+      second.output, std::regex(R"(checkpoint load from \S+: ([0-9.]+ KB)/\1 in [0-9.]+m?s \()")))
+      << second.output;
+  EXPECT_EQ(second.output.find("[rank 1] " + load), std::string::npos) << second.output;
   // Straight through with private unsharded params: the ranks' host-shared image (the default,
   // above) trains to the same bits.
   auto straight = train(
@@ -474,18 +542,31 @@ TEST(Trainer, LmGrpoRaisesTheArithmeticReward) {
 // Pre-empted mid-run (SIGTERM to `shardrl train`, which stops its ranks), then started again with
 // trainer.resume_mode=auto: the run continues from its last checkpoint and every step, the ones it
 // redoes included, logs what an uninterrupted run logs.
-void expect_lm_grpo_resumes_after_a_kill(const std::string& tag,
-                                         const std::vector<std::string>& overrides) {
-  const auto dir = make_temp_dir(tag);
+// With `watch`, each run also logs to TensorBoard (TENSORBOARD_DIR <run>/tb), dumps its rollouts
+// (trainer.rollout_data_dir <run>/rollouts) and validates on 8 held-out problems every 10 steps,
+// 3 of its generations going to TensorBoard. The runs go to `dir`.
+void expect_lm_grpo_resumes_after_a_kill(const std::string& dir,
+                                         const std::vector<std::string>& overrides,
+                                         bool watch = false) {
   auto argv = [&](const std::string& run) {
-    std::vector<std::string> a = {
-        bin("shardrl"),
-        "train",
-        std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
-        "trainer.default_local_dir=" + dir + "/" + run,
-        "sft.cache_dir=" + dir + "/cache",
-        "trainer.total_training_steps=24",
-        "trainer.save_freq=5"};
+    std::vector<std::string> a;
+    if (watch) a = {"env", "TENSORBOARD_DIR=" + dir + "/" + run + "/tb"};
+    for (const std::string& arg :
+         {bin("shardrl"), std::string("train"),
+          std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
+          "trainer.default_local_dir=" + dir + "/" + run, "sft.cache_dir=" + dir + "/cache",
+          std::string("trainer.total_training_steps=24"), std::string("trainer.save_freq=5")}) {
+      a.push_back(arg);
+    }
+    if (watch) {
+      for (const std::string& arg :
+           {std::string("trainer.logger=[console, file, tensorboard]"),
+            "trainer.rollout_data_dir=" + dir + "/" + run + "/rollouts",
+            std::string("data.val_size=8"), std::string("trainer.test_freq=10"),
+            std::string("trainer.log_val_generations=3")}) {
+        a.push_back(arg);
+      }
+    }
     a.insert(a.end(), overrides.begin(), overrides.end());
     return a;
   };
@@ -503,21 +584,76 @@ void expect_lm_grpo_resumes_after_a_kill(const std::string& tag,
   auto resumed = run_process(argv("killed"), {}, 300);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", 24,
+  // Validation before training is line 0.
+  expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", watch ? 25 : 24,
                       {"step", "reward_mean", "loss"});
 }
 
 TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
-  expect_lm_grpo_resumes_after_a_kill("trainer_grpo_kill", {});
+  expect_lm_grpo_resumes_after_a_kill(make_temp_dir("trainer_grpo_kill"), {});
+}
+
+// A run watched as a verl user watches one, killed and resumed: TensorBoard's reader finds each
+// step once with the values of metrics.jsonl (the steps the killed run logged after its last
+// checkpoint are forgotten, their redone values kept), the validation generations as text at the
+// steps validated, and the killed run's event file cut inside any record still reads up to the
+// last whole one. Each step's rollouts are dumped as verl dumps them.
+TEST(Trainer, LmGrpoWatchedInTensorBoardThroughAKill) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_tensorboard_reader());
+  const auto dir = make_temp_dir("trainer_grpo_watched");
+  expect_lm_grpo_resumes_after_a_kill(dir, {}, /*watch=*/true);
+  if (HasFatalFailure()) return;
+  const auto files = event_files(dir + "/killed/tb");
+  ASSERT_EQ(files.size(), 2u) << "the killed run's file and the resumed run's";
+  const json expect = {{"texts", {{"val/generations", {0, 10, 20, 24}}}},
+                       {"text_contains",
+                        {"**Generation Results - Step", "### Sample 3", "**Input:** ",
+                         "**Output:** ", "**Score:** "}}};
+  for (const std::string run : {"killed", "straight"}) {
+    SCOPED_TRACE(run);
+    expect_checks_pass(read_tensorboard({"run", dir + "/" + run + "/tb",
+                                         dir + "/" + run + "/metrics.jsonl", expect.dump()}),
+                       30);
+    // 16 prompts x 8 answers a step.
+    expect_checks_pass(
+        read_tensorboard({"rollouts", dir + "/" + run + "/rollouts",
+                          dir + "/" + run + "/metrics.jsonl", json({{"samples", 128}}).dump()}),
+        25);
+  }
+  expect_checks_pass(read_tensorboard({"truncated", files[0]}), 20);
+  // Three generations, not more.
+  std::ifstream first(files[0], std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(first)),
+                          std::istreambuf_iterator<char>());
+  EXPECT_NE(bytes.find("### Sample 3"), std::string::npos);
+  EXPECT_EQ(bytes.find("### Sample 4"), std::string::npos);
+  // The answers the dump holds are the prompts' of the task, scored against the right sums.
+  const auto samples = read_jsonl(dir + "/straight/rollouts/1.jsonl");
+  ASSERT_EQ(samples.size(), 128u);
+  for (const auto& sample : samples) {
+    const std::string input = sample["input"];
+    ASSERT_EQ(input.size(), 4u) << sample.dump();  // "3+4="
+    EXPECT_EQ(sample["gts"], std::to_string((input[0] - '0') + (input[2] - '0'))) << sample.dump();
+  }
 }
 
 // The same with LoRA+ (optim.loraplus_lr_ratio): a GroupedOptimizer, whose two AdamWs' state goes
 // through the sharded checkpoint.
 TEST(Trainer, LmGrpoWithAGroupedOptimizerResumesAfterAKillBitwise) {
   expect_lm_grpo_resumes_after_a_kill(
-      "trainer_grpo_loraplus_kill",
+      make_temp_dir("trainer_grpo_loraplus_kill"),
       {"actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.optim.lr=1e-3",
        "actor_rollout_ref.actor.optim.loraplus_lr_ratio=8"});
+}
+
+// With FSDP2's offload policy to the file tier (params, grads and AdamW state out of memory during
+// the update too), the checkpoint saves and loads unit by unit, each unit in memory only while it
+// is written or read; the resumed run still equals the straight one.
+TEST(Trainer, LmGrpoWithItsStateInFilesResumesAfterAKillBitwise) {
+  const std::string f = "actor_rollout_ref.actor.fsdp_config.";
+  expect_lm_grpo_resumes_after_a_kill(
+      make_temp_dir("trainer_grpo_offload_kill"),
+      {f + "param_offload=true", f + "optimizer_offload=true", f + "offload_policy=true"});
 }
 
 // With LoRA the rollout replica gets the frozen base once and then the adapter alone each step. At
@@ -554,7 +690,7 @@ TEST(Trainer, LoraPlusErrorsNameTheKey) {
             "must be a number > 0"},
            {{"actor_rollout_ref.model.lora_rank=8",
              "actor_rollout_ref.actor.optim.loraplus_lr_ratio=fast"},
-            "wrong type"}}) {
+            "must be a number > 0, or null (no LoRA+), got \"fast\""}}) {
     std::vector<std::string> argv = {bin("shardrl"), "train", config,
                                      "trainer.default_local_dir=" + dir, "sft.cache_dir=" + dir};
     argv.insert(argv.end(), overrides.begin(), overrides.end());
@@ -574,8 +710,17 @@ TEST(Trainer, LoraPlusErrorsNameTheKey) {
 TEST(Trainer, LmGrpoRunsOnAPretrainedChatModelDirectory) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_smollm2_gguf());
   const auto dir = make_temp_dir("trainer_chat_grpo");
-  auto imported = run_process({bin("shardrl"), "import", smollm2_gguf(), dir + "/imported"});
+  // The import shows its progress (here at every tensor: SHARDRL_PROGRESS_SECONDS=0).
+  auto imported = run_process({bin("shardrl"), "import", smollm2_gguf(), dir + "/imported"},
+                              {{"SHARDRL_PROGRESS_SECONDS", "0"}});
   ASSERT_EQ(imported.exit_code, 0) << imported.output;
+  EXPECT_TRUE(std::regex_search(
+      imported.output,
+      std::regex(R"(writing \S+imported\S*: [0-9.]+ MB/[0-9.]+ MB \([0-9]+%\), )")))
+      << imported.output;
+  EXPECT_TRUE(std::regex_search(
+      imported.output, std::regex(R"(writing \S+imported\S*: ([0-9.]+ MB)/\1 in [0-9.]+m?s \()")))
+      << imported.output;
   const std::string model = dir + "/tiny";
   models::LlamaConfig c = llama_test_config();
   c.vocab_size = 49152;  // SmolLM2's tokenizer
@@ -606,8 +751,14 @@ TEST(Trainer, LmGrpoRunsOnAPretrainedChatModelDirectory) {
   };
   // In two parts, as the real job may be run: the second resumes from the first's checkpoint,
   // and the summary still spans both (validation before training is step 0 of metrics.jsonl).
-  auto first = run_process(argv("run", {"trainer.total_training_steps=1"}), {}, 300);
+  // The model's weights load with progress (at every tensor: SHARDRL_PROGRESS_SECONDS=0).
+  auto first = run_process(argv("run", {"trainer.total_training_steps=1"}),
+                           {{"SHARDRL_PROGRESS_SECONDS", "0"}}, 300);
   ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("[rank 0] loading " + model + ": "), std::string::npos)
+      << first.output;
+  EXPECT_EQ(first.output.find("[rank 1] loading " + model + ": "), std::string::npos)
+      << first.output;
   EXPECT_NE(first.output.find("before RL: greedy accuracy on 4 held-out problems"),
             std::string::npos)
       << first.output;

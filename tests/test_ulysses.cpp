@@ -87,6 +87,34 @@ TEST(Ulysses, LlamaPolicyLossAtSp2EqualsSp1) {
   ASSERT_EQ(sp2.exchange_bytes.size(), 2u);
 }
 
+// verl's use_remove_padding under Ulysses: each micro-batch's sequences packed into one row (its
+// length padded for the group as one more sequence), split by position across the 2 ranks, the
+// head run on each rank's scored positions; it trains as the padded rows do on 1 rank.
+TEST(Ulysses, PackedSequencesAtSp2TrainAsPaddedRowsAtSp1) {
+  const auto dir = make_temp_dir("ulysses_llama_packed");
+  const std::vector<std::string> args = {"--model",         "llama",   "--loss",   "policy",
+                                         "--length",        "13",      "--prompt", "9",
+                                         "--checkpointing", "--steps", "3"};
+  const auto padded = run_worker(1, dir + "/sp1", with(args, {"--sp", "1"}));
+  const auto packed = run_worker(2, dir + "/sp2", with(args, {"--sp", "2", "--remove-padding"}));
+  expect_same_training(packed, padded, 3);
+}
+
+// The other decoder families split as Llama does: Qwen3 (q/k norms per head before the
+// exchange, head_dim 12 apart from hidden / heads) and Llama 3's RoPE scaling (head_dim 16).
+TEST(Ulysses, Qwen3AndLlama3PolicyLossAtSp2EqualsSp1) {
+  for (const std::string family : {"qwen3", "llama3"}) {
+    SCOPED_TRACE(family);
+    const auto dir = make_temp_dir("ulysses_" + family);
+    const std::vector<std::string> args = {"--model",  "llama",  "--family", family,
+                                           "--loss",   "policy", "--length", "13",
+                                           "--prompt", "9",      "--steps",  "2"};
+    const auto sp1 = run_worker(1, dir + "/sp1", with(args, {"--sp", "1"}));
+    const auto sp2 = run_worker(2, dir + "/sp2", with(args, {"--sp", "2"}));
+    expect_same_training(sp2, sp1, 2);
+  }
+}
+
 // One key/value head for 2 ranks (repeated, as verl's repeat_kv), the whole logits gathered for
 // a next-token loss, LoRA on a frozen base and activation checkpointing (the recompute repeats the
 // forward's all-to-alls inside the backward).
@@ -203,6 +231,41 @@ TEST(Ulysses, LmGrpoThroughShardrlTrainAtSp2MatchesOneRank) {
   expect_same_steps(dir + "/sp2/metrics.jsonl", dir + "/sp1/metrics.jsonl", 6, {"kl"}, 2e-4);
 }
 
+// actor_rollout_ref.model.use_remove_padding=true: the update and the reference pass run on
+// packed sequences, with each answer's padding after its EOS left out, and log what the padded
+// rows log: on 2 data-parallel ranks, and split by Ulysses on 2 ranks against 1 padded rank.
+TEST(Ulysses, LmGrpoWithPaddingRemovedLogsThePaddedRunsSteps) {
+  const auto dir = make_temp_dir("ulysses_lm_grpo_packed");
+  auto run = [&](const std::string& name, int nproc, int sp, bool remove_padding) {
+    auto result = run_process(
+        train_argv(
+            "arithmetic_grpo.yaml",
+            {"trainer.default_local_dir=" + dir + "/" + name, "sft.cache_dir=" + dir + "/cache",
+             "trainer.nproc_per_node=" + std::to_string(nproc),
+             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=" + std::to_string(sp),
+             std::string("actor_rollout_ref.model.use_remove_padding=") +
+                 (remove_padding ? "true" : "false"),
+             "trainer.total_training_steps=4", "data.train_batch_size=4", "trainer.save_freq=-1"}),
+        {}, 300);
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+  };
+  run("padded_dp2", 2, 1, false);
+  run("packed_dp2", 2, 1, true);
+  run("padded_1", 1, 1, false);
+  run("packed_sp2", 2, 2, true);
+  const std::vector<std::string> keys = {"reward_mean", "response_length", "loss", "pg_loss",
+                                         "grad_norm"};
+  for (const auto& [packed, padded] :
+       {std::pair{"packed_dp2", "padded_dp2"}, {"packed_sp2", "padded_1"}}) {
+    SCOPED_TRACE(packed);
+    const auto metrics = [&](const char* name) { return dir + "/" + name + "/metrics.jsonl"; };
+    expect_same_steps(metrics(packed), metrics(padded), 4, keys, 3e-5);
+    expect_same_steps(metrics(packed), metrics(padded), 4, {"kl"}, 2e-4);
+  }
+  // Answers end before response_length: there was padding to remove.
+  EXPECT_LT(read_jsonl(dir + "/padded_1/metrics.jsonl")[0]["response_length"].get<double>(), 4.0);
+}
+
 // Sizes that do not split the world or the heads fail before any stage, naming the key.
 TEST(Ulysses, SizesThatDoNotSplitAreErrorsNamingTheKey) {
   expect_invalid_argument_naming([] { ulysses::check_heads(9, 3, 2); },
@@ -221,7 +284,8 @@ TEST(Ulysses, SizesThatDoNotSplitAreErrorsNamingTheKey) {
       {"arithmetic_grpo.yaml", {actor_key + "=0"}, "'" + actor_key + "' must be an integer >= 1"},
       {"arithmetic_grpo.yaml",
        {"actor_rollout_ref.ref.ulysses_sequence_parallel_size=2.5"},
-       "'actor_rollout_ref.ref.ulysses_sequence_parallel_size' must be an integer >= 1, got 2.5"},
+       "'actor_rollout_ref.ref.ulysses_sequence_parallel_size' must be an integer >= 1, or null "
+       "(the actor's), got 2.5"},
       // A ref group splitting samples of two actor groups (the actor does not split at all).
       {"arithmetic_grpo.yaml",
        {"actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"},

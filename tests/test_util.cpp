@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -48,6 +49,28 @@ void expect_same_metrics(const std::string& resumed_jsonl, const std::string& st
   for (size_t i = 0; i < lines; ++i) {
     for (const auto& key : keys) EXPECT_EQ(a[i][key], b[i][key]) << key << ", line " << i + 1;
   }
+}
+
+ProcessResult read_tensorboard(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {SHARDRL_PYTHON,
+                                   SHARDRL_SOURCE_DIR "/tests/python/tensorboard_events.py"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, {}, 300);
+}
+
+std::string missing_tensorboard_reader() {
+  return missing_python_modules({"tensorboard", "PIL", "numpy"});
+}
+
+std::vector<std::string> event_files(const std::string& dir) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("events.out.tfevents.", 0) == 0) files.push_back(entry.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
 }
 
 std::string bin(const std::string& name) {

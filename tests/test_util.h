@@ -98,6 +98,14 @@ actor_rollout_ref:
     ppo_micro_batch_size_per_gpu: 2
 )";
 
+// TensorBoard's own reader on what a run wrote: tests/python/tensorboard_events.py with `args`
+// (its modes: run, scalars, truncated, rollouts), its checks for expect_checks_pass.
+ProcessResult read_tensorboard(const std::vector<std::string>& args);
+// The Python modules read_tensorboard needs; "" when they are there.
+std::string missing_tensorboard_reader();
+// The TensorBoard event files in `dir`, in name order (the order TensorBoard reads them in).
+std::vector<std::string> event_files(const std::string& dir);
+
 std::string bin(const std::string& name);
 // One JSON value per line, as metrics.jsonl holds them.
 std::vector<nlohmann::json> read_jsonl(const std::string& path);

@@ -171,10 +171,12 @@ struct LoadResult {
 
 // Collective. Loads a checkpoint saved at any world size: each rank reads only the rows it holds
 // now, from whichever files contain them, after checking each file's size and crc32 (a missing,
-// truncated or damaged file throws std::runtime_error naming it). Restores the AdamW state
-// (optimizer may be null to load weights only), the scheduler's step (may be null) and the RNG.
+// truncated or damaged file throws std::runtime_error naming it, the model unchanged). Restores
+// the AdamW state (optimizer may be null to load weights only), the scheduler's step (may be null)
+// and the RNG. files_checked: the caller has just run find_damage on `dir` and found nothing, so
+// the files are not read a second time for the check (a resume picking a whole checkpoint).
 LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::Optimizer* optimizer,
-                optim::LRScheduler* scheduler);
+                optim::LRScheduler* scheduler, bool files_checked = false);
 
 // The directory `latest` points to, or the highest global_step_* when the pointer is absent;
 // nullopt when root holds no checkpoint. Checks nothing but that the index exists; see

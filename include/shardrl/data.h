@@ -82,6 +82,8 @@ torch::Tensor captioned_grid(const torch::Tensor& images, int64_t nrow,
 
 // Writes a uint8 image [H, W] (grey), [H, W, 1] or [H, W, 3] (RGB) as an 8-bit PNG.
 void write_png(const std::string& path, const torch::Tensor& image);
+// The bytes of that PNG file (TensorBoard's image summaries hold them).
+std::string encode_png(const torch::Tensor& image);
 // Reads an 8-bit grey or RGB PNG as uint8 [H, W, C].
 torch::Tensor read_png(const std::string& path);
 

@@ -178,6 +178,10 @@ class ProcessGroup {
   double wait_seconds_ = 0;
 };
 
+// Every rank's string, in group rank order, on every rank of `group` (tensors on `device`).
+std::vector<std::string> all_gather_strings(ProcessGroup& group, const std::string& mine,
+                                            torch::Device device);
+
 // The job: this process's place in it, the store, and the global process group.
 class World {
  public:

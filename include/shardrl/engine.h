@@ -110,6 +110,9 @@ using ModelBuilder = std::function<Model(const nlohmann::json& model_config,
 // A model type's training loss, built from EngineConfig::loss: what verl-omni's PPO, DPO and NFT
 // engine subclasses override.
 using LossFactory = std::function<LossFn(const nlohmann::json& loss_config)>;
+struct ModelSize;  // memory_plan.h
+// A model's units and activation sizes for the memory plan, counted without allocating it.
+using ModelSizer = std::function<ModelSize(const nlohmann::json& model_config)>;
 
 // Metrics of one train_batch: loss-function metrics plus grad_norm, lr and whether the step was
 // skipped because the gradient norm was not finite.
@@ -208,7 +211,8 @@ class Engine {
   // and goes back after it.
   std::string save_checkpoint(const std::string& root, int64_t step,
                               const nlohmann::json& extra = nlohmann::json::object());
-  checkpoint::LoadResult load_checkpoint(const std::string& dir);
+  // files_checked as checkpoint::load's.
+  checkpoint::LoadResult load_checkpoint(const std::string& dir, bool files_checked = false);
 
   int data_parallel_rank() const { return mesh_.data_parallel_rank(); }
   int data_parallel_size() const { return mesh_.data_parallel_size(); }
@@ -243,9 +247,13 @@ class Engine {
 class EngineRegistry {
  public:
   static void register_model(const std::string& model_type, const std::string& backend,
-                             ModelBuilder builder, LossFactory loss = nullptr);
+                             ModelBuilder builder, LossFactory loss = nullptr,
+                             ModelSizer sizer = nullptr);
   static std::unique_ptr<Engine> create(const EngineConfig& config,
                                         std::shared_ptr<dist::World> world);
+  // The model's size as the memory plan reads it (memory_plan.h); an error for a model type
+  // registered without a sizer.
+  static ModelSize model_size(const EngineConfig& config);
   static std::vector<std::string> keys();  // "model_type/backend"
 };
 

@@ -90,5 +90,7 @@ void log_memory(const std::string& phase, const fsdp::FSDPModule& model,
 
 // VmRSS from /proc/self/status, in bytes (0 where there is no /proc).
 int64_t process_rss_bytes();
+// VmHWM, the largest resident set this process has had (the memory plan's measured peak).
+int64_t process_peak_rss_bytes();
 
 }  // namespace shardrl::offload

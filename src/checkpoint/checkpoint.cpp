@@ -1,6 +1,7 @@
 // Sharded save and resharding load.
 #include <ATen/core/Generator.h>
 #include <fmt/format.h>
+#include <malloc.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "checkpoint/reader.h"
 #include "compat.h"
 #include "shardrl/optim.h"
+#include "shardrl/progress.h"
 
 namespace shardrl::checkpoint {
 
@@ -45,28 +47,6 @@ std::vector<int64_t> rows_shape(const std::vector<int64_t>& global_shape, int64_
   return shape;
 }
 
-std::vector<std::string> all_gather_strings(dist::ProcessGroup& group, const std::string& mine,
-                                            torch::Device device) {
-  const int n = group.size();
-  const torch::Tensor length =
-      torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong).to(device);
-  torch::Tensor lengths = torch::empty({n}, torch::dtype(torch::kLong).device(device));
-  group.all_gather(length, lengths);
-  lengths = lengths.cpu();
-  const int64_t longest = lengths.max().item<int64_t>();
-  torch::Tensor bytes = torch::zeros({longest}, torch::kByte);
-  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  torch::Tensor all = torch::empty({n * longest}, torch::dtype(torch::kByte).device(device));
-  group.all_gather(bytes.to(device), all);
-  all = all.cpu();
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r) {
-    const char* p = reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest;
-    out.emplace_back(p, static_cast<size_t>(lengths[r].item<int64_t>()));
-  }
-  return out;
-}
-
 // Rank 0's string on every rank of group.
 std::string broadcast_string(dist::ProcessGroup& group, const std::string& mine,
                              torch::Device device) {
@@ -86,11 +66,11 @@ std::string broadcast_string(dist::ProcessGroup& group, const std::string& mine,
 // Every rank's JSON, in DeviceMesh::rank() order (replica-major).
 std::vector<json> all_gather_json(const dist::DeviceMesh& mesh, const json& mine) {
   json shard_group = json::array();
-  for (const auto& s : all_gather_strings(mesh.shard_group(), mine.dump(), mesh.device()))
+  for (const auto& s : dist::all_gather_strings(mesh.shard_group(), mine.dump(), mesh.device()))
     shard_group.push_back(json::parse(s));
   std::vector<json> out;
   if (dist::ProcessGroup* replicas = mesh.replicate_group()) {
-    for (const auto& s : all_gather_strings(*replicas, shard_group.dump(), mesh.device())) {
+    for (const auto& s : dist::all_gather_strings(*replicas, shard_group.dump(), mesh.device())) {
       for (auto& j : json::parse(s)) out.push_back(std::move(j));
     }
   } else {
@@ -192,6 +172,13 @@ std::vector<std::string> names_of(const std::vector<fsdp::ShardedParameter>& par
 
 // A tensor shaped like p's shard whose padding rows are zero and whose valid rows are left for a
 // read to fill (zeroing them too would write every loaded byte twice).
+// The bytes of p's valid rows in fp32: what a load reads of it (and of each moment).
+int64_t valid_bytes(const fsdp::ShardedParameter& p) {
+  int64_t row = 1;
+  for (size_t d = 1; d < p.global_shape.size(); ++d) row *= p.global_shape[d];
+  return p.valid_rows * row * static_cast<int64_t>(sizeof(float));
+}
+
 torch::Tensor empty_with_zero_padding(const fsdp::ShardedParameter& p) {
   torch::Tensor t = torch::empty_like(p.shard.detach());
   if (t.dim() == 0) return t;
@@ -236,11 +223,19 @@ json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, const StateO
     }
     const std::string file = model_file(rank);
     SafetensorsWriter writer((dir / file).string(), infos, file_metadata, options.progress);
-    for (size_t i = 0; i < written.size(); ++i) {
-      const auto& p = *written[i];
-      writer.write(p.name, p.shard.detach().narrow(0, 0, p.valid_rows));
-      meta["model"][p.name] = shard_entry(file, writer.tensors()[i], p.row_offset, p.valid_rows);
-    }
+    // Unit by unit, each brought in from the offload tier only while it is written, so a model
+    // whose state does not fit in memory saves too.
+    size_t i = 0;
+    model.for_each_resident(fsdp::ShardUse::kParams, [&](std::vector<fsdp::ShardedParameter>& in) {
+      for (const auto& p : in) {
+        if (p.valid_rows == 0) continue;
+        writer.write(p.name, p.shard.detach().narrow(0, 0, p.valid_rows));
+        meta["model"][p.name] = shard_entry(file, writer.tensors()[i], p.row_offset, p.valid_rows);
+        ++i;
+      }
+    });
+    TORCH_CHECK(i == written.size(), "checkpoint save: ", written.size(), " params to write, ", i,
+                " came");
     record_file(file, writer.close());
   }
 
@@ -249,26 +244,33 @@ json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, const StateO
   std::vector<TensorInfo> infos;
   struct MomentRows {
     const fsdp::ShardedParameter* param;
-    const char* moment;
-    torch::Tensor data;
+    size_t moment;
   };
   std::vector<MomentRows> pending;
-  for (const auto& p : params) {
+  // The state's tensors by moment (their shapes are known while their bytes are offloaded).
+  auto moments_of = [](const torch::optim::AdamWParamState& state) {
+    return std::array<const torch::Tensor*, 3>{&state.exp_avg(), &state.exp_avg_sq(),
+                                               &state.max_exp_avg_sq()};
+  };
+  auto state_of = [&](const fsdp::ShardedParameter& p) -> const torch::optim::AdamWParamState* {
     const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
-    if (owner == owners.end() || !writes_shards) continue;
+    if (owner == owners.end()) return nullptr;
     const auto& states = owner->second->state();
     auto it = states.find(compat::optimizer_state_key(p.shard));
-    if (it == states.end()) continue;
-    const auto& state = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-    meta["optimizer_step"][p.name] = state.step();
+    if (it == states.end()) return nullptr;
+    return &static_cast<const torch::optim::AdamWParamState&>(*it->second);
+  };
+  for (const auto& p : params) {
+    const auto* state = writes_shards ? state_of(p) : nullptr;
+    if (!state) continue;
+    meta["optimizer_step"][p.name] = state->step();
     if (p.valid_rows == 0) continue;
-    const std::array<const torch::Tensor*, 3> moments = {&state.exp_avg(), &state.exp_avg_sq(),
-                                                         &state.max_exp_avg_sq()};
+    const auto moments = moments_of(*state);
     for (size_t m = 0; m < kMoments.size(); ++m) {
       if (!moments[m]->defined()) continue;
       infos.push_back(
           {p.name + "." + kMoments[m], torch::kFloat, rows_shape(p.global_shape, p.valid_rows)});
-      pending.push_back({&p, kMoments[m], moments[m]->narrow(0, 0, p.valid_rows)});
+      pending.push_back({&p, m});
     }
   }
   torch::Tensor rng;
@@ -279,12 +281,26 @@ json write_rank_files(const fs::path& dir, fsdp::FSDPModule& model, const StateO
   }
   infos.push_back({kRngTensor, rng.scalar_type(), rng.sizes().vec()});
   SafetensorsWriter writer((dir / file).string(), infos, file_metadata, options.progress);
-  for (size_t i = 0; i < pending.size(); ++i) {
-    const auto& item = pending[i];
-    writer.write(infos[i].name, item.data);
-    meta["optimizer"][item.param->name][item.moment] =
-        shard_entry(file, writer.tensors()[i], item.param->row_offset, item.param->valid_rows);
+  size_t next = 0;
+  if (!pending.empty()) {
+    // Unit by unit, as the params: a unit's state is in memory only while it is written.
+    model.for_each_resident(fsdp::ShardUse::kStep, [&](std::vector<fsdp::ShardedParameter>& in) {
+      for (const auto& p : in) {
+        while (next < pending.size() && pending[next].param->name == p.name) {
+          const auto& item = pending[next];
+          const auto* state = state_of(p);
+          TORCH_CHECK(state, "checkpoint save: the optimizer state of ", p.name, " went away");
+          writer.write(infos[next].name,
+                       moments_of(*state)[item.moment]->narrow(0, 0, p.valid_rows));
+          meta["optimizer"][p.name][kMoments[item.moment]] =
+              shard_entry(file, writer.tensors()[next], p.row_offset, p.valid_rows);
+          ++next;
+        }
+      }
+    });
   }
+  TORCH_CHECK(next == pending.size(), "checkpoint save: ", pending.size(),
+              " optimizer tensors to write, ", next, " came");
   writer.write(kRngTensor, rng);
   record_file(file, writer.close());
   return meta;
@@ -411,11 +427,87 @@ std::string save(const std::string& root, int64_t step, fsdp::FSDPModule& model,
   return final_dir.string();
 }
 
+namespace {
+
+// A load's buffers (whole tensors on the reading rank, a full-size broadcast buffer on every rank)
+// are freed once it ends, but glibc keeps freed heap for reuse (World's allocator tuning sets
+// M_TRIM_THRESHOLD to its maximum, for the steps' sake): without this, a rank's resident set keeps
+// the largest tensor's bytes for the whole job (1.1-1.5 GB on Qwen2.5-1.5B's rank 0,
+// BENCHMARKS.md).
+void return_freed_heap() {
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
+}
+
+// This rank's saved RNG state (undefined when the checkpoint was saved at fewer ranks).
+torch::Tensor read_rng(const json& index, CheckpointReader& reader, int rank,
+                       const std::string& dir) {
+  if (rank < static_cast<int>(index.at("rng").size())) {
+    const json& where = index["rng"][rank];
+    return reader.file(where.at("file").get<std::string>())
+        .read(where.at("tensor").get<std::string>());
+  }
+  spdlog::info("checkpoint {}: saved at {} ranks, rank {} keeps its RNG state", dir,
+               index["rng"].size(), rank);
+  return {};
+}
+
+// What a load sets once the model and optimizer have theirs: the schedule, the RNG, the result.
+void finish_load(const json& index, CheckpointReader& reader, int rank, const std::string& dir,
+                 optim::LRScheduler* scheduler, LoadResult& result) {
+  const torch::Tensor rng = read_rng(index, reader, rank, dir);
+  if (scheduler && !index.at("scheduler").is_null())
+    scheduler->set_last_step(index["scheduler"].at("last_step").get<int64_t>());
+  if (rng.defined()) {
+    auto gen = cpu_generator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng);
+  }
+  result.step = index.at("step").get<int64_t>();
+  result.saved_world_size = index.at("world_size").get<int>();
+  result.extra = index.value("extra", json::object());
+}
+
+// One param's AdamW state as a checkpoint saved it (`saved`: its entry under optimizer.state), its
+// padding rows zero, as a fresh AdamW state would have them.
+std::unique_ptr<torch::optim::AdamWParamState> read_adamw_state(CheckpointReader& reader,
+                                                                const json& saved,
+                                                                const fsdp::ShardedParameter& p,
+                                                                Progress& progress) {
+  auto state = std::make_unique<torch::optim::AdamWParamState>();
+  state->step(saved.at("step").get<int64_t>());
+  for (const char* moment : kMoments) {
+    if (!saved.contains(moment)) continue;
+    torch::Tensor t = empty_with_zero_padding(p);
+    reader.read_rows(saved[moment], p.name + "." + moment, p.row_offset, p.valid_rows,
+                     t.narrow(0, 0, p.valid_rows));
+    progress.advance(valid_bytes(p));
+    if (std::string(moment) == "exp_avg") state->exp_avg(t);
+    if (std::string(moment) == "exp_avg_sq") state->exp_avg_sq(t);
+    if (std::string(moment) == "max_exp_avg_sq") state->max_exp_avg_sq(t);
+  }
+  return state;
+}
+
+}  // namespace
+
 LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::Optimizer* optimizer,
-                optim::LRScheduler* scheduler) {
+                optim::LRScheduler* scheduler, bool files_checked) {
   const auto& mesh = model.mesh();
   LoadResult result;
   collectively(mesh, fmt::format("checkpoint load from {}", dir), [&] {
+    // Every file is checked first, unless the caller just did (size and crc32, one read pass split
+    // over the shard group, before anything that could fail on one rank alone): a damaged file
+    // then leaves the model as it was, and the state loads in place, with no second copy of it in
+    // memory. Reading it all into fresh tensors first once doubled the shards for the load
+    // (SD3.5-medium's resume peaked 1.5x its plan).
+    if (!files_checked) {
+      if (const auto problem = find_damage(dir, mesh.shard_group(), mesh.device());
+          !problem.empty()) {
+        throw std::runtime_error(problem);
+      }
+    }
     CheckpointReader reader(dir);
     const json& index = reader.index();
     torch::NoGradGuard no_grad;
@@ -429,73 +521,43 @@ LoadResult load(const std::string& dir, fsdp::FSDPModule& model, torch::optim::O
                                              c10::str(c10::IntArrayRef(p.global_shape))));
       }
     }
-    // Read everything before changing anything, so a damaged file leaves the model as it was.
-    std::vector<torch::Tensor> shards;
+    // A large model's load takes a while: rank 0 shows its progress through its own rows.
+    const json& saved = index.at("optimizer").at("state");
+    int64_t planned = 0;
     for (const auto& p : params) {
-      torch::Tensor shard = empty_with_zero_padding(p);
-      reader.read_rows(reader.model_entry(p.name), p.name, p.row_offset, p.valid_rows,
-                       shard.narrow(0, 0, p.valid_rows));
-      shards.push_back(shard);
-    }
-    using StateKey = decltype(compat::optimizer_state_key(torch::Tensor()));
-    struct LoadedState {
-      torch::optim::AdamW* owner;
-      StateKey key;
-      std::unique_ptr<torch::optim::AdamWParamState> state;
-    };
-    std::vector<LoadedState> states;
-    StateOwners owners;
-    if (optimizer) {
-      owners = adamw_owners(*optimizer, params, fmt::format("checkpoint load from {}", dir));
-      const json& saved = index.at("optimizer").at("state");
-      for (const auto& p : params) {
-        const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
-        if (owner == owners.end() || !saved.contains(p.name)) continue;
-        auto state = std::make_unique<torch::optim::AdamWParamState>();
-        state->step(saved[p.name].at("step").get<int64_t>());
-        for (const char* moment : kMoments) {
-          if (!saved[p.name].contains(moment)) continue;
-          // Zero padding rows, as a fresh AdamW state would have.
-          torch::Tensor t = empty_with_zero_padding(p);
-          reader.read_rows(saved[p.name][moment], p.name + "." + moment, p.row_offset, p.valid_rows,
-                           t.narrow(0, 0, p.valid_rows));
-          if (std::string(moment) == "exp_avg") state->exp_avg(t);
-          if (std::string(moment) == "exp_avg_sq") state->exp_avg_sq(t);
-          if (std::string(moment) == "max_exp_avg_sq") state->max_exp_avg_sq(t);
-        }
-        states.push_back({owner->second, compat::optimizer_state_key(p.shard), std::move(state)});
+      int64_t tensors = 1;
+      if (optimizer && saved.contains(p.name)) {
+        for (const char* moment : kMoments) tensors += saved[p.name].contains(moment) ? 1 : 0;
       }
+      planned += tensors * valid_bytes(p);
     }
-    const int rank = mesh.rank();
-    torch::Tensor rng;
-    if (rank < static_cast<int>(index.at("rng").size())) {
-      const json& where = index["rng"][rank];
-      rng = reader.file(where.at("file").get<std::string>())
-                .read(where.at("tensor").get<std::string>());
-    } else {
-      spdlog::info("checkpoint {}: saved at {} ranks, rank {} keeps its RNG state", dir,
-                   index["rng"].size(), rank);
-    }
-
-    for (size_t i = 0; i < params.size(); ++i) params[i].shard.detach().copy_(shards[i]);
+    Progress progress(fmt::format("checkpoint load from {}", dir), planned,
+                      {.unit = "B", .enabled = mesh.rank() == 0});
+    StateOwners owners;
+    if (optimizer)
+      owners = adamw_owners(*optimizer, params, fmt::format("checkpoint load from {}", dir));
+    // Unit by unit when an offload layer keeps the state out of memory (FSDP2's offload policy,
+    // the file tier: a model whose state does not fit in memory loads too), else all at once. A
+    // param's old AdamW state goes before its saved one is read; a param the checkpoint has no
+    // state for starts fresh, as it would have.
+    model.for_each_resident(fsdp::ShardUse::kStep, [&](std::vector<fsdp::ShardedParameter>& in) {
+      for (const auto& p : in) {
+        reader.read_rows(reader.model_entry(p.name), p.name, p.row_offset, p.valid_rows,
+                         p.shard.detach().narrow(0, 0, p.valid_rows));
+        progress.advance(valid_bytes(p));
+        const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
+        if (owner == owners.end()) continue;
+        const auto key = compat::optimizer_state_key(p.shard);
+        owner->second->state().erase(key);
+        if (!saved.contains(p.name)) continue;
+        owner->second->state()[key] = read_adamw_state(reader, saved[p.name], p, progress);
+      }
+    });
     model.mark_loaded(names_of(params));
-    // Params this checkpoint has no state for start fresh, as they would have been.
-    for (const auto& p : params) {
-      const auto owner = owners.find(p.shard.unsafeGetTensorImpl());
-      if (owner != owners.end()) owner->second->state().erase(compat::optimizer_state_key(p.shard));
-    }
-    for (auto& loaded : states) loaded.owner->state()[loaded.key] = std::move(loaded.state);
-    if (scheduler && !index.at("scheduler").is_null())
-      scheduler->set_last_step(index["scheduler"].at("last_step").get<int64_t>());
-    if (rng.defined()) {
-      auto gen = cpu_generator();
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng);
-    }
-    result.step = index.at("step").get<int64_t>();
-    result.saved_world_size = index.at("world_size").get<int>();
-    result.extra = index.value("extra", json::object());
+    finish_load(index, reader, mesh.rank(), dir, scheduler, result);
+    progress.finish();
   });
+  return_freed_heap();
   return result;
 }
 
@@ -562,6 +624,22 @@ std::vector<fsdp::ShardedParameter> selected_parameters(
   return params;
 }
 
+// The fp32 bytes of p's full tensor.
+int64_t full_bytes(const fsdp::ShardedParameter& p) {
+  int64_t numel = 1;
+  for (const int64_t d : p.global_shape) numel *= d;
+  return numel * static_cast<int64_t>(sizeof(float));
+}
+
+// A large model's weights take a while to load: rank 0 shows its progress through them.
+Progress weights_progress(const std::string& hf_dir, const fsdp::FSDPModule& model,
+                          const std::vector<fsdp::ShardedParameter>& params) {
+  int64_t planned = 0;
+  for (const auto& p : params) planned += full_bytes(p);
+  return Progress(fmt::format("loading {}", hf_dir), planned,
+                  {.unit = "B", .enabled = model.mesh().rank() == 0});
+}
+
 // [chunk rows, row numel] view of a shard (a scalar's shard is one row).
 torch::Tensor shard_rows(const fsdp::ShardedParameter& p) {
   const torch::Tensor shard = p.shard.detach();
@@ -576,6 +654,7 @@ void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::stri
   auto& group = mesh.shard_group();
   const auto params = selected_parameters(model, select);
   auto tensors = open_hf_on_group_leader(hf_dir, prefix, model, params, "load_hf");
+  Progress progress = weights_progress(hf_dir, model, params);
   torch::NoGradGuard no_grad;
   for (const auto& p : params) {
     // The one full tensor this rank holds, released before the next.
@@ -588,7 +667,9 @@ void load_hf(const std::string& hf_dir, fsdp::FSDPModule& model, const std::stri
     torch::Tensor shard = shard_rows(p);
     shard.narrow(0, 0, p.valid_rows).copy_(full.narrow(0, p.row_offset, p.valid_rows));
     shard.narrow(0, p.valid_rows, shard.size(0) - p.valid_rows).zero_();
+    progress.advance(full_bytes(p));
   }
+  progress.finish();
   model.mark_loaded(names_of(params));
 }
 
@@ -600,6 +681,7 @@ void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
   const int me = group.rank(), n = group.size();
   const auto params = selected_parameters(model, select);
   auto tensors = open_hf_on_group_leader(hf_dir, prefix, model, params, "load_hf_from_rank0");
+  Progress progress = weights_progress(hf_dir, model, params);
   torch::NoGradGuard no_grad;
   for (const auto& p : params) {
     torch::Tensor shard = shard_rows(p);
@@ -623,8 +705,11 @@ void load_hf_from_rank0(const std::string& hf_dir, fsdp::FSDPModule& model,
       }
       group.broadcast(buffer, 0);
     }
+    progress.advance(full_bytes(p));
   }
+  progress.finish();
   model.mark_loaded(names_of(params));
+  return_freed_heap();
 }
 
 std::optional<std::string> find_latest(const std::string& root) {
@@ -644,7 +729,7 @@ std::optional<std::string> find_latest(const std::string& root) {
 std::string find_damage(const std::string& dir, dist::ProcessGroup& group, torch::Device device) {
   const std::string mine =
       find_damage(dir, static_cast<size_t>(group.rank()), static_cast<size_t>(group.size()));
-  for (const auto& problem : all_gather_strings(group, mine, device)) {
+  for (const auto& problem : dist::all_gather_strings(group, mine, device)) {
     if (!problem.empty()) return problem;
   }
   return "";

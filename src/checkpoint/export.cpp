@@ -5,6 +5,7 @@
 
 #include "checkpoint/io.h"
 #include "checkpoint/reader.h"
+#include "shardrl/progress.h"
 
 namespace shardrl::checkpoint {
 
@@ -41,6 +42,10 @@ std::vector<std::string> write_hf(const std::string& out_dir,
     files.back().push_back(i);
   }
 
+  int64_t planned = 0;
+  for (const auto& t : tensors) planned += TensorInfo{t.name, dtype, t.shape}.nbytes();
+  Progress progress(fmt::format("writing {}", out_dir), planned, {.unit = "B"});
+
   fs::create_directories(out_dir);
   const bool indexed = files.size() > 1 || !layout.single_file_unindexed;
   json weight_map = json::object();
@@ -58,6 +63,7 @@ std::vector<std::string> write_hf(const std::string& out_dir,
       writer.write(infos[k].name, read(files[f][k]).to(dtype));
       weight_map[infos[k].name] = name;
       total += infos[k].nbytes();
+      progress.update(total);
     }
     written.push_back(writer.close().path);
   }
@@ -72,6 +78,7 @@ std::vector<std::string> write_hf(const std::string& out_dir,
   const std::string config_path = (fs::path(out_dir) / "config.json").string();
   write_file_durably(config_path, config.dump(2));
   written.push_back(config_path);
+  progress.finish();
   return written;
 }
 

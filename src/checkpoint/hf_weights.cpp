@@ -37,7 +37,10 @@ HfWeights::HfWeights(const std::string& path) : path_(path) {
       const json index = json::parse(std::ifstream(index_path));
       for (const auto& [name, file] : index.at("weight_map").items()) {
         const auto file_name = file.get<std::string>();
-        if (file_name.empty() || fs::path(file_name).has_parent_path()) {
+        // A plain name: no directory part, not "." or ".." (the folder itself or its parent),
+        // no NUL (the file opened would be another, the name cut at it).
+        if (file_name.empty() || fs::path(file_name).has_parent_path() || file_name == "." ||
+            file_name == ".." || file_name.find('\0') != std::string::npos) {
           throw std::runtime_error(fmt::format(
               "weight_map.{}: '{}' is not a file name in the directory", name, file_name));
         }

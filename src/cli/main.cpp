@@ -268,11 +268,61 @@ int main(int argc, char** argv) {
   train_cmd->add_option("config", train_config, "YAML config file")->required();
   train_cmd->add_option("overrides", train_overrides, "dotted.key=value overrides");
 
+  std::string config_task;
+  bool config_list = false, config_markdown = false;
+  auto* config_cmd = app.add_subcommand(
+      "config",
+      "Print every config key of a task with its default and what it does, as YAML (a config to "
+      "start from)");
+  auto* config_task_opt = config_cmd->add_option("task", config_task, "The task (trainer.task)");
+  auto* config_list_opt = config_cmd->add_flag("--list", config_list, "List the tasks");
+  auto* config_markdown_opt = config_cmd->add_flag(
+      "--markdown", config_markdown, "Every task's keys as markdown tables (docs/config.md)");
+  config_task_opt->excludes(config_list_opt)->excludes(config_markdown_opt);
+  config_list_opt->excludes(config_markdown_opt);
+
+  std::string plan_config, plan_device;
+  std::vector<std::string> plan_overrides;
+  double plan_memory_gb = 0;
+  bool plan_json = false;
+  auto* plan_cmd = app.add_subcommand(
+      "plan",
+      "Print a training config's memory plan (per rank: params, grads, optimizer state, gathered "
+      "units, activations, rollout, and the tier of each) without running it; exits 1 when it "
+      "does not fit, naming the settings that would make it fit");
+  plan_cmd->add_option("config", plan_config, "YAML config file")->required();
+  plan_cmd->add_option("overrides", plan_overrides,
+                       "dotted.key=value overrides (trainer.nnodes, trainer.n_gpus_per_node, ...)");
+  plan_cmd->add_option("--device", plan_device, "cpu or cuda (default: cuda when a GPU is visible)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  plan_cmd
+      ->add_option("--memory-gb", plan_memory_gb,
+                   "Memory to fit in, GB: a host's on cpu, a GPU's on cuda (default: this host's "
+                   "available memory on cpu, no check on cuda)")
+      ->check(CLI::PositiveNumber);
+  plan_cmd->add_flag("--json", plan_json, "Print the plan as JSON");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand(train_cmd)) {
       return shardrl::trainer::train_main(train_config, train_overrides,
                                           std::filesystem::read_symlink("/proc/self/exe"));
+    }
+    if (app.got_subcommand(config_cmd)) {
+      if (config_task.empty() && !config_list && !config_markdown) {
+        std::cerr << "shardrl config: name a task, or --list them\n";
+        return 2;
+      }
+      return shardrl::trainer::config_main(config_task, config_list, config_markdown);
+    }
+    if (app.got_subcommand(plan_cmd)) {
+      shardrl::trainer::PlanOptions options;
+      if (!plan_device.empty()) {
+        options.device = plan_device == "cuda" ? torch::kCUDA : torch::kCPU;
+      }
+      options.capacity_bytes = static_cast<int64_t>(plan_memory_gb * 1e9);
+      options.json = plan_json;
+      return shardrl::trainer::plan_main(plan_config, plan_overrides, options);
     }
     if (app.got_subcommand(launch_cmd)) return shardrl::dist::launch(launch);
     if (app.got_subcommand(inspect_cmd)) return inspect(ckpt_dir);

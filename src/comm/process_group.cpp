@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
 #include <functional>
 #include <thread>
 
@@ -417,6 +418,28 @@ void ProcessGroup::raise_failure(const std::string& op, const std::string& cause
       fmt::format("{} failed on rank {} (process group '{}', timeout {} ms): {}. "
                   "Transport said: {}",
                   op, impl_->world_rank, impl_->name, impl_->timeout.count(), culprit, first_line));
+}
+
+std::vector<std::string> all_gather_strings(ProcessGroup& group, const std::string& mine,
+                                            torch::Device device) {
+  const int n = group.size();
+  const torch::Tensor length =
+      torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong).to(device);
+  torch::Tensor lengths = torch::empty({n}, torch::dtype(torch::kLong).device(device));
+  group.all_gather(length, lengths);
+  lengths = lengths.cpu();
+  const int64_t longest = lengths.max().item<int64_t>();
+  torch::Tensor bytes = torch::zeros({longest}, torch::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  torch::Tensor all = torch::empty({n * longest}, torch::dtype(torch::kByte).device(device));
+  group.all_gather(bytes.to(device), all);
+  all = all.cpu();
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r) {
+    const char* p = reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest;
+    out.emplace_back(p, static_cast<size_t>(lengths[r].item<int64_t>()));
+  }
+  return out;
 }
 
 }  // namespace shardrl::dist

@@ -100,9 +100,9 @@ models::LlamaConfig config_from_gguf(const checkpoint::GgufFile& gguf,
   c.num_key_value_heads = read_int("num_key_value_heads", kv_key);
   c.max_position_embeddings = metadata_int(gguf, p + "context_length");
   c.rms_norm_eps = metadata_number(gguf, p + "attention.layer_norm_rms_epsilon");
-  c.rope_theta = gguf.metadata().contains(p + "rope.freq_base")
-                     ? metadata_number(gguf, p + "rope.freq_base")
-                     : 10000.0;
+  c.rope_parameters.rope_theta = gguf.metadata().contains(p + "rope.freq_base")
+                                     ? metadata_number(gguf, p + "rope.freq_base")
+                                     : 10000.0;
   if (gguf.metadata().contains(p + "vocab_size")) {
     c.vocab_size = read_int("vocab_size", p + "vocab_size");
   } else {
@@ -119,12 +119,13 @@ models::LlamaConfig config_from_gguf(const checkpoint::GgufFile& gguf,
   }
   // ShardRL's attention has head_dim = hidden / heads and plain RoPE over all of it.
   for (const char* key : {"rope.dimension_count", "attention.key_length"}) {
-    if (gguf.metadata().contains(p + key) && metadata_int(gguf, p + key) != c.head_dim()) {
+    if (gguf.metadata().contains(p + key) &&
+        metadata_int(gguf, p + key) != c.attention_head_dim()) {
       throw std::invalid_argument(fmt::format(
           "GGUF {}: metadata '{}{}' = {} differs from head_dim {} ('{}embedding_length' {} / "
           "'{}attention.head_count' {}), which ShardRL's attention requires",
-          gguf.path(), p, key, metadata_int(gguf, p + key), c.head_dim(), p, c.hidden_size, p,
-          c.num_attention_heads));
+          gguf.path(), p, key, metadata_int(gguf, p + key), c.attention_head_dim(), p,
+          c.hidden_size, p, c.num_attention_heads));
     }
   }
   if (gguf.metadata().contains(p + "rope.scaling.type") &&

@@ -2,8 +2,10 @@
 #include <fmt/format.h>
 #include <png.h>
 
+#include <cerrno>
 #include <csetjmp>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 
@@ -59,31 +61,39 @@ torch::Tensor image_grid(const torch::Tensor& images, int64_t nrow, int64_t padd
   return grid;
 }
 
-void write_png(const std::string& path, const torch::Tensor& image) {
-  TORCH_CHECK(image.scalar_type() == torch::kUInt8, "write_png(", path,
-              "): image must be uint8, got ", image.scalar_type());
+namespace {
+
+// libpng's write callback: appends to the std::string behind the io pointer.
+void append_png_bytes(png_structp png, png_bytep data, png_size_t length) {
+  static_cast<std::string*>(png_get_io_ptr(png))
+      ->append(reinterpret_cast<const char*>(data), length);
+}
+void no_flush(png_structp) {}
+
+// `what` names the image in errors (the file it is for).
+std::string encode_png_for(const torch::Tensor& image, const std::string& what) {
+  TORCH_CHECK(image.scalar_type() == torch::kUInt8, what, ": image must be uint8, got ",
+              image.scalar_type());
   auto img = image.dim() == 2 ? image.unsqueeze(2) : image;
-  TORCH_CHECK(img.dim() == 3 && (img.size(2) == 1 || img.size(2) == 3), "write_png(", path,
-              "): image must be [H, W], [H, W, 1] or [H, W, 3], got ", image.sizes());
+  TORCH_CHECK(img.dim() == 3 && (img.size(2) == 1 || img.size(2) == 3), what,
+              ": image must be [H, W], [H, W, 1] or [H, W, 3], got ", image.sizes());
   img = img.to(torch::kCPU).contiguous();
   const auto height = static_cast<png_uint_32>(img.size(0));
   const auto width = static_cast<png_uint_32>(img.size(1));
   const int64_t channels = img.size(2);
 
-  File file(std::fopen(path.c_str(), "wb"));
-  if (!file) throw std::runtime_error(fmt::format("write_png: cannot open '{}' for writing", path));
-  std::string error;
+  std::string error, bytes;
   png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, &error, on_png_error, nullptr);
   png_infop info = png ? png_create_info_struct(png) : nullptr;
   if (!info) {
     png_destroy_write_struct(&png, nullptr);
-    throw std::runtime_error(fmt::format("write_png({}): out of memory", path));
+    throw std::runtime_error(fmt::format("{}: out of memory", what));
   }
-  FILE* fp = file.get();
+  std::string* out = &bytes;
   const uint8_t* base = img.data_ptr<uint8_t>();
   const int color = channels == 1 ? PNG_COLOR_TYPE_GRAY : PNG_COLOR_TYPE_RGB;
-  const bool ok = png_guarded(png, [png, info, fp, base, width, height, channels, color] {
-    png_init_io(png, fp);
+  const bool ok = png_guarded(png, [png, info, out, base, width, height, channels, color] {
+    png_set_write_fn(png, out, append_png_bytes, no_flush);
     png_set_IHDR(png, info, width, height, 8, color, PNG_INTERLACE_NONE,
                  PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
     png_write_info(png, info);
@@ -91,7 +101,25 @@ void write_png(const std::string& path, const torch::Tensor& image) {
     png_write_end(png, nullptr);
   });
   png_destroy_write_struct(&png, &info);
-  if (!ok) throw std::runtime_error(fmt::format("write_png({}): {}", path, error));
+  if (!ok) throw std::runtime_error(fmt::format("{}: {}", what, error));
+  return bytes;
+}
+
+}  // namespace
+
+std::string encode_png(const torch::Tensor& image) {
+  return encode_png_for(image, "encode_png");
+}
+
+void write_png(const std::string& path, const torch::Tensor& image) {
+  const std::string bytes = encode_png_for(image, fmt::format("write_png({})", path));
+  File file(std::fopen(path.c_str(), "wb"));
+  if (!file) throw std::runtime_error(fmt::format("write_png: cannot open '{}' for writing", path));
+  if (std::fwrite(bytes.data(), 1, bytes.size(), file.get()) != bytes.size() ||
+      std::fflush(file.get()) != 0) {
+    throw std::runtime_error(
+        fmt::format("write_png: cannot write '{}': {}", path, std::strerror(errno)));
+  }
 }
 
 torch::Tensor read_png(const std::string& path) {

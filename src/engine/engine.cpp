@@ -388,16 +388,16 @@ void Engine::get_per_tensor_param(const TensorCallback& callback,
 std::string Engine::save_checkpoint(const std::string& root, int64_t step,
                                     const nlohmann::json& extra) {
   TORCH_CHECK(optimizer_, "save_checkpoint: this engine is forward_only (a reference model)");
-  ModeScope state_in = offloaded_state_in(/*params_only=*/false);
+  // checkpoint::save and load bring offloaded state in unit by unit themselves (through the
+  // offload layer's residency): nothing is onloaded whole, so a model beyond memory saves too.
   nlohmann::json saved = model_.export_info;
   saved.update(extra);
   return checkpoint::save(root, step, model_.fsdp, *optimizer_, scheduler_.get(), saved,
                           config_.checkpoint);
 }
 
-checkpoint::LoadResult Engine::load_checkpoint(const std::string& dir) {
-  ModeScope state_in = offloaded_state_in(/*params_only=*/false);
-  return checkpoint::load(dir, model_.fsdp, optimizer_.get(), scheduler_.get());
+checkpoint::LoadResult Engine::load_checkpoint(const std::string& dir, bool files_checked) {
+  return checkpoint::load(dir, model_.fsdp, optimizer_.get(), scheduler_.get(), files_checked);
 }
 
 }  // namespace shardrl::engine

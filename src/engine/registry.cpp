@@ -3,12 +3,15 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <regex>
 #include <stdexcept>
 
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/engine.h"
+#include "shardrl/memory_plan.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/sd3.h"
@@ -106,10 +109,26 @@ Model finish(Holder holder, const fsdp::FSDPModule& sharded, const std::string& 
   return Model{holder.ptr(), sharded, holder, std::move(info), sequence_parallel};
 }
 
+// The model's config.json fields: those of the pretrained folder model.path when it has a
+// config.json (a user's download brings its own, as lm_grpo reads it), else model.config.
+json language_model_config(const json& j) {
+  const auto path = field<std::string>(j, "path", "");
+  if (!path.empty() && fs::exists(fs::path(path) / "config.json")) {
+    std::ifstream in(fs::path(path) / "config.json");
+    try {
+      return json::parse(in);
+    } catch (const json::exception& e) {
+      throw std::invalid_argument(
+          fmt::format("model.path: {}/config.json is not valid JSON: {}", path, e.what()));
+    }
+  }
+  return j.contains("config") && !j["config"].is_null() ? j["config"] : json::object();
+}
+
 Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
                            const fsdp::Options& options) {
   const auto family = field<std::string>(j, "family", "llama");
-  const json config = j.value("config", json::object());
+  const json config = language_model_config(j);
   const bool checkpointing = field<bool>(j, "enable_gradient_checkpointing", false);
   const auto path = pretrained_path(j);
   if (family == "gpt") {
@@ -140,6 +159,83 @@ Model build_language_model(const json& j, const dist::DeviceMesh& mesh,
     models::shard_llama(model, mesh, options);
     load_sharded(path, model.fsdp());
     return finish(model, model.fsdp(), family, c.to_json(), plan, /*sequence_parallel=*/true);
+  }
+  throw std::invalid_argument(
+      fmt::format("model.family: '{}' is not a language model family (gpt, llama)", family));
+}
+
+// A model built without bytes (fsdp::EmptyInit), counted unit by unit: each param belongs to the
+// unit whose pattern matches its name (the first capture names the unit), or to the root. The
+// patterns follow the family's sharding function (shard_llama, shard_transformer, shard_sd3);
+// EngineRegistry's tests hold the two to the same units.
+ModelSize count_units(torch::nn::Module& module, const std::vector<std::regex>& unit_patterns) {
+  ModelSize size;
+  size.units.push_back({"root", 0, 0});
+  std::map<std::string, size_t> index;
+  for (const auto& item : module.named_parameters()) {
+    size_t at = 0;
+    std::smatch match;
+    for (const auto& pattern : unit_patterns) {
+      if (std::regex_match(item.key(), match, pattern)) {
+        auto [it, added] = index.emplace(match[1].str(), size.units.size());
+        if (added) size.units.push_back({match[1].str(), 0, 0});
+        at = it->second;
+        break;
+      }
+    }
+    size.units[at].params += item.value().numel();
+    if (item.value().requires_grad()) size.units[at].trainable += item.value().numel();
+  }
+  return size;
+}
+
+// The activations of a pre-norm decoder block per token, in fp32: about 12 hidden-wide tensors
+// (norms, q/k/v, the attention output and projection input, residuals) and 4 MLP-wide ones (gate,
+// up, their product, the down projection's input); the attention probabilities [heads, T, T] and
+// their pre-softmax scores add 2 x heads floats per position.
+void decoder_activations(ModelSize& size, int64_t blocks, int64_t hidden, int64_t mlp,
+                         int64_t heads) {
+  size.blocks = blocks;
+  size.block_input_bytes_per_token = 4.0 * static_cast<double>(hidden);
+  size.block_activation_bytes_per_token = 4.0 * static_cast<double>(12 * hidden + 4 * mlp);
+  size.block_attention_bytes_per_token_position = 4.0 * 2.0 * static_cast<double>(heads);
+}
+
+ModelSize language_model_size(const json& j) {
+  const auto family = field<std::string>(j, "family", "llama");
+  const json config = language_model_config(j);
+  fsdp::EmptyInit empty;
+  if (family == "gpt") {
+    const auto c = models::TransformerConfig::from_json(config);
+    models::Transformer model(c);
+    add_adapters(*model, adapter_plan(j, {"q_proj", "v_proj"}));
+    auto size = count_units(*model, {std::regex(R"((blocks\.\d+)\..*)"),
+                                     std::regex(R"((tok_emb)\..*)"), std::regex(R"((head)\..*)")});
+    decoder_activations(size, c.n_layers, c.d_model, c.mlp_ratio * c.d_model, c.n_heads);
+    size.vocab_size = c.vocab_size;
+    size.kv_bytes_per_token = 2 * 4 * c.n_layers * c.d_model;
+    return size;
+  }
+  if (family == "llama") {
+    const auto c = models::LlamaConfig::from_json(config);
+    models::LlamaForCausalLM model(c);
+    add_adapters(*model, adapter_plan(j, {"q_proj", "k_proj", "v_proj", "o_proj"}));
+    std::vector<std::regex> units = {std::regex(R"((model\.layers\.\d+)\..*)")};
+    if (!c.tie_word_embeddings) {
+      units.emplace_back(R"((model\.embed_tokens)\..*)");
+      units.emplace_back(R"((lm_head)\..*)");
+    }
+    auto size = count_units(*model, units);
+    decoder_activations(size, c.num_hidden_layers, c.hidden_size, c.intermediate_size,
+                        c.num_attention_heads);
+    // Attention through at::scaled_dot_product_attention: the flash kernels keep a log-sum-exp
+    // per query and head for backward, no [heads, T, T] scores.
+    size.block_activation_bytes_per_token += 4.0 * static_cast<double>(c.num_attention_heads);
+    size.block_attention_bytes_per_token_position = 0;
+    size.vocab_size = c.vocab_size;
+    size.kv_bytes_per_token =
+        2 * 4 * c.num_hidden_layers * c.num_key_value_heads * c.attention_head_dim();
+    return size;
   }
   throw std::invalid_argument(
       fmt::format("model.family: '{}' is not a language model family (gpt, llama)", family));
@@ -208,6 +304,34 @@ ModelBuilder sd3_builder(std::vector<std::string> default_states) {
   };
 }
 
+ModelSize sd3_size(const json& j, const std::vector<std::string>& default_states) {
+  const auto dir = diffusers_transformer_dir(j);
+  const auto c = dir.empty() ? models::SD3Config::from_json(j.value("config", json::object()))
+                             : models::SD3Config::load((fs::path(dir) / "config.json").string());
+  fsdp::EmptyInit empty;
+  models::SD3Transformer2DModel model(c);
+  auto plan = adapter_plan(j, {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                               "add_v_proj", "to_add_out"});
+  if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
+  add_adapters(*model, plan);
+  auto size = count_units(*model, {std::regex(R"((transformer_blocks\.\d+)\..*)")});
+  size.buffer_bytes = model->pos_embed_table().numel() * 4;
+  // A joint block per token of either stream: about 16 inner-wide tensors (modulated norms,
+  // q/k/v, attention output, gates, residuals) and the feed-forward's 4x-wide input, GELU and
+  // output (12 inner widths); attention probabilities and scores over the joint sequence.
+  const auto d = c.inner_dim();
+  size.blocks = c.num_layers;
+  size.block_input_bytes_per_token = 4.0 * static_cast<double>(d);
+  size.block_activation_bytes_per_token = 4.0 * static_cast<double>(28 * d);
+  size.block_attention_bytes_per_token_position =
+      4.0 * 2.0 * static_cast<double>(c.num_attention_heads);
+  return size;
+}
+
+ModelSizer sd3_sizer(std::vector<std::string> default_states) {
+  return [default_states](const json& j) { return sd3_size(j, default_states); };
+}
+
 // The loss of a diffusion model type: algos::diffusion_loss with the settings of
 // EngineConfig::loss, divided by the micro-batch count so that the accumulated gradient is the
 // mean over the rank's rows.
@@ -239,6 +363,7 @@ LossFactory diffusion_loss(const std::string& model_type) {
 struct Entry {
   ModelBuilder builder;
   LossFactory loss;
+  ModelSizer sizer;
 };
 
 struct Registry {
@@ -246,15 +371,16 @@ struct Registry {
   std::map<std::string, Entry> builders;
 
   Registry() {
-    builders["language_model/fsdp"] = {build_language_model, nullptr};
+    builders["language_model/fsdp"] = {build_language_model, nullptr, language_model_size};
     // verl-omni's PPODiffusersFSDPEngine, DPODiffusersFSDPEngine and NFTDiffusersFSDPEngine.
-    builders["diffusion_model/fsdp"] = {sd3_builder({"default"}),
-                                        diffusion_loss("diffusion_model")};
-    builders["diffusion_dpo_model/fsdp"] = {sd3_builder({"default"}),
-                                            diffusion_loss("diffusion_dpo_model")};
+    builders["diffusion_model/fsdp"] = {sd3_builder({"default"}), diffusion_loss("diffusion_model"),
+                                        sd3_sizer({"default"})};
+    builders["diffusion_dpo_model/fsdp"] = {
+        sd3_builder({"default"}), diffusion_loss("diffusion_dpo_model"), sd3_sizer({"default"})};
     // NFT's behaviour policy "old" starts as a copy of the trained adapter and follows it by EMA.
     builders["diffusion_nft_model/fsdp"] = {sd3_builder({"default", "old"}),
-                                            diffusion_loss("diffusion_nft_model")};
+                                            diffusion_loss("diffusion_nft_model"),
+                                            sd3_sizer({"default", "old"})};
   }
 
   static Registry& get() {
@@ -266,14 +392,15 @@ struct Registry {
 }  // namespace
 
 void EngineRegistry::register_model(const std::string& model_type, const std::string& backend,
-                                    ModelBuilder builder, LossFactory loss) {
+                                    ModelBuilder builder, LossFactory loss, ModelSizer sizer) {
   auto& registry = Registry::get();
   std::lock_guard lock(registry.mutex);
-  registry.builders[model_type + "/" + backend] = {std::move(builder), std::move(loss)};
+  registry.builders[model_type + "/" + backend] = {std::move(builder), std::move(loss),
+                                                   std::move(sizer)};
 }
 
-std::unique_ptr<Engine> EngineRegistry::create(const EngineConfig& config,
-                                               std::shared_ptr<dist::World> world) {
+namespace {
+Entry find_entry(const EngineConfig& config) {
   auto& registry = Registry::get();
   Entry entry;
   {
@@ -289,9 +416,26 @@ std::unique_ptr<Engine> EngineRegistry::create(const EngineConfig& config,
     }
     entry = it->second;
   }
+  return entry;
+}
+}  // namespace
+
+std::unique_ptr<Engine> EngineRegistry::create(const EngineConfig& config,
+                                               std::shared_ptr<dist::World> world) {
+  const Entry entry = find_entry(config);
   // The loss is built first: a bad setting fails before any rank allocates the model.
   LossFn loss = entry.loss ? entry.loss(config.loss) : nullptr;
   return std::make_unique<Engine>(config, std::move(world), entry.builder, std::move(loss));
+}
+
+ModelSize EngineRegistry::model_size(const EngineConfig& config) {
+  const Entry entry = find_entry(config);
+  if (!entry.sizer) {
+    throw std::invalid_argument(
+        fmt::format("model_type/backend '{}/{}' registers no model size: it has no memory plan",
+                    config.model_type, config.backend));
+  }
+  return entry.sizer(config.model);
 }
 
 std::vector<std::string> EngineRegistry::keys() {

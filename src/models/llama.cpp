@@ -7,6 +7,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numbers>
+#include <numeric>
 #include <optional>
 #include <regex>
 #include <set>
@@ -26,18 +28,37 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
   return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
-// cos and sin [..., head_dim] of `positions` (int64, any shape), computed in fp32 as HF does.
-std::pair<torch::Tensor, torch::Tensor> rotary(const LlamaConfig& c,
-                                               const torch::Tensor& positions) {
-  const auto device = positions.device();
-  const int64_t hd = c.head_dim();
+// The rotary inverse frequencies [head_dim / 2], in fp32 as transformers computes them.
+torch::Tensor inverse_frequencies(const LlamaConfig& c, torch::Device device) {
+  const auto& rope = c.rope_parameters;
+  const int64_t hd = c.attention_head_dim();
   auto inv_freq =
       1.0 /
       torch::pow(
-          c.rope_theta,
+          rope.rope_theta,
           torch::arange(0, hd, 2, torch::dtype(torch::kLong).device(device)).to(torch::kFloat) /
               static_cast<double>(hd));
-  auto freqs = positions.to(torch::kFloat).unsqueeze(-1) * inv_freq;
+  if (rope.rope_type != "llama3") return inv_freq;
+  // transformers' _compute_llama3_parameters: wavelengths longer than the pretraining context /
+  // low_freq_factor are stretched by `factor`, those shorter than it / high_freq_factor kept,
+  // the ones between blended.
+  const double old_context = static_cast<double>(rope.original_max_position_embeddings);
+  const double low_freq_wavelen = old_context / rope.low_freq_factor;
+  const double high_freq_wavelen = old_context / rope.high_freq_factor;
+  const auto wavelen = 2 * std::numbers::pi / inv_freq;
+  auto scaled = torch::where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq);
+  const auto smooth = (old_context / wavelen - rope.low_freq_factor) /
+                      (rope.high_freq_factor - rope.low_freq_factor);
+  const auto smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled;
+  const auto medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen);
+  return torch::where(medium, smoothed, scaled);
+}
+
+// cos and sin [..., head_dim] of `positions` (int64, any shape), computed in fp32 as HF does.
+std::pair<torch::Tensor, torch::Tensor> rotary(const LlamaConfig& c,
+                                               const torch::Tensor& positions) {
+  auto freqs =
+      positions.to(torch::kFloat).unsqueeze(-1) * inverse_frequencies(c, positions.device());
   auto emb = torch::cat({freqs, freqs}, -1);
   return {emb.cos(), emb.sin()};
 }
@@ -56,23 +77,62 @@ void LlamaConfig::validate() const {
   positive(num_attention_heads, "num_attention_heads");
   positive(num_key_value_heads, "num_key_value_heads");
   positive(max_position_embeddings, "max_position_embeddings");
-  if (hidden_size % num_attention_heads != 0 || head_dim() % 2 != 0) {
+  if (head_dim < 0 || (head_dim == 0 && hidden_size % num_attention_heads != 0) ||
+      attention_head_dim() <= 0 || attention_head_dim() % 2 != 0) {
     throw std::invalid_argument(fmt::format(
-        "config: hidden_size {} must split into num_attention_heads {} heads of even size",
-        hidden_size, num_attention_heads));
+        "config: head_dim {} must be a positive even size (without head_dim, hidden_size {} "
+        "must split into num_attention_heads {} heads of even size)",
+        attention_head_dim(), hidden_size, num_attention_heads));
   }
   if (num_attention_heads % num_key_value_heads != 0) {
     throw std::invalid_argument(
         fmt::format("config: num_key_value_heads {} must divide num_attention_heads {}",
                     num_key_value_heads, num_attention_heads));
   }
+  if (model_type != "llama" && model_type != "qwen2" && model_type != "qwen3") {
+    throw std::invalid_argument(
+        fmt::format("config: model_type is '{}' (expected llama, qwen2 or qwen3)", model_type));
+  }
   if (!(rms_norm_eps > 0)) throw std::invalid_argument("config: rms_norm_eps must be positive");
-  if (!(rope_theta > 0)) throw std::invalid_argument("config: rope_theta must be positive");
+  const auto& rope = rope_parameters;
+  if (!(rope.rope_theta > 0)) {
+    throw std::invalid_argument("config: rope_parameters.rope_theta must be positive");
+  }
+  if (rope.rope_type == "llama3") {
+    if (!(rope.factor > 0)) {
+      throw std::invalid_argument(
+          fmt::format("config: rope_parameters.factor must be positive, got {}", rope.factor));
+    }
+    if (!(rope.low_freq_factor > 0 && rope.high_freq_factor > rope.low_freq_factor)) {
+      throw std::invalid_argument(fmt::format(
+          "config: rope_parameters.high_freq_factor ({}) must exceed low_freq_factor ({}) > 0",
+          rope.high_freq_factor, rope.low_freq_factor));
+    }
+    positive(rope.original_max_position_embeddings,
+             "rope_parameters.original_max_position_embeddings");
+  } else if (rope.rope_type != "default") {
+    throw std::invalid_argument(fmt::format(
+        "config: rope_parameters.rope_type is '{}' (default and llama3 are implemented)",
+        rope.rope_type));
+  }
 }
 
 nlohmann::json LlamaConfig::to_json() const {
-  const bool qwen = model_type == "qwen2";
-  nlohmann::json j = {{"architectures", {qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+  const char* architecture = model_type == "qwen2"   ? "Qwen2ForCausalLM"
+                             : model_type == "qwen3" ? "Qwen3ForCausalLM"
+                                                     : "LlamaForCausalLM";
+  const auto& rope = rope_parameters;
+  nlohmann::json rope_json = {{"rope_type", rope.rope_type}, {"rope_theta", rope.rope_theta}};
+  nlohmann::json scaling = nullptr;
+  if (rope.rope_type == "llama3") {
+    scaling = {{"rope_type", rope.rope_type},
+               {"factor", rope.factor},
+               {"low_freq_factor", rope.low_freq_factor},
+               {"high_freq_factor", rope.high_freq_factor},
+               {"original_max_position_embeddings", rope.original_max_position_embeddings}};
+    rope_json.update(scaling);
+  }
+  nlohmann::json j = {{"architectures", {architecture}},
                       {"model_type", model_type},
                       {"vocab_size", vocab_size},
                       {"hidden_size", hidden_size},
@@ -82,22 +142,161 @@ nlohmann::json LlamaConfig::to_json() const {
                       {"num_key_value_heads", num_key_value_heads},
                       {"max_position_embeddings", max_position_embeddings},
                       {"rms_norm_eps", rms_norm_eps},
-                      {"rope_theta", rope_theta},  // for readers before transformers 5
-                      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", rope_theta}}},
+                      {"rope_theta", rope.rope_theta},  // for readers before transformers 5
+                      {"rope_parameters", rope_json},
                       {"tie_word_embeddings", tie_word_embeddings},
                       {"hidden_act", "silu"},
                       {"torch_dtype", "float32"}};
-  if (!qwen) j["attention_bias"] = attention_bias;
+  // Readers before transformers 5 know the scaling by this name only (it is what Llama 3.2's
+  // published config.json holds); transformers 5 reads it as rope_parameters.
+  if (!scaling.is_null()) j["rope_scaling"] = scaling;
+  if (model_type != "qwen2") j["attention_bias"] = attention_bias;
+  // Qwen2's config has no head_dim field (its attention reads one when given).
+  if (model_type != "qwen2" || (head_dim > 0 && head_dim * num_attention_heads != hidden_size)) {
+    j["head_dim"] = attention_head_dim();
+  }
   return j;
 }
+
+namespace {
+
+// `obj`.`key` into `value` when present, errors naming `parent`.`key`.
+template <class T>
+void read_nested(const nlohmann::json& obj, const std::string& parent, const char* key, T& value) {
+  if (!obj.contains(key) || obj[key].is_null()) return;
+  try {
+    value = obj[key].get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw std::invalid_argument(fmt::format("config.json: field {}.{} has the wrong type ({})",
+                                            parent, key, obj[key].dump()));
+  }
+}
+
+// rope_parameters (transformers 5) or rope_scaling (before it; it wins when both are there, as in
+// transformers), over the top-level rope_theta.
+RopeParameters read_rope(const nlohmann::json& j, const LlamaConfig& c) {
+  RopeParameters rope;
+  detail::read_field(j, "rope_theta", rope.rope_theta, false);
+  const bool scaling = j.contains("rope_scaling") && !j["rope_scaling"].is_null();
+  const char* name = scaling ? "rope_scaling" : "rope_parameters";
+  if (!j.contains(name) || j[name].is_null()) return rope;
+  const auto& r = j[name];
+  if (!r.is_object()) {
+    throw std::invalid_argument(
+        fmt::format("config.json: field {} has the wrong type ({})", name, r.dump()));
+  }
+  // Older files name the type "type".
+  read_nested(r, name, "type", rope.rope_type);
+  read_nested(r, name, "rope_type", rope.rope_type);
+  std::set<std::string> known = {"type", "rope_type", "rope_theta"};
+  if (rope.rope_type == "llama3") {
+    known.insert(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"});
+    rope.original_max_position_embeddings = c.max_position_embeddings;  // transformers' default
+    // Phi-3 style: a top-level field wins over the one inside (transformers' exception).
+    detail::read_field(j, "original_max_position_embeddings", rope.original_max_position_embeddings,
+                       false);
+    if (!j.contains("original_max_position_embeddings")) {
+      read_nested(r, name, "original_max_position_embeddings",
+                  rope.original_max_position_embeddings);
+    }
+    for (const char* key : {"factor", "low_freq_factor", "high_freq_factor"}) {
+      if (!r.contains(key) || r[key].is_null()) {
+        throw std::invalid_argument(fmt::format(
+            "config.json: field {}.{} is missing (rope_type llama3 needs it)", name, key));
+      }
+    }
+    read_nested(r, name, "factor", rope.factor);
+    read_nested(r, name, "low_freq_factor", rope.low_freq_factor);
+    read_nested(r, name, "high_freq_factor", rope.high_freq_factor);
+  } else if (rope.rope_type != "default") {
+    throw std::invalid_argument(
+        fmt::format("config.json: field {}.rope_type is '{}' (default and llama3 are implemented)",
+                    name, rope.rope_type));
+  }
+  read_nested(r, name, "rope_theta", rope.rope_theta);
+  for (const auto& [key, value] : r.items()) {
+    if (!known.count(key)) {
+      // A per-layer-type dict ({"full_attention": {...}, ...}) or another type's parameter
+      // (partial_rotary_factor, attention_factor, mrope_section, ...).
+      throw std::invalid_argument(
+          fmt::format("config.json: field {}.{} is not implemented for rope_type {}", name, key,
+                      rope.rope_type));
+    }
+  }
+  return rope;
+}
+
+// Fields of transformers' configs that change the math and that this decoder does not implement:
+// an error naming the field when they are in use.
+void refuse_unimplemented(const nlohmann::json& j, const LlamaConfig& c) {
+  auto refuse = [](const std::string& field, const nlohmann::json& value, const char* why) {
+    throw std::invalid_argument(
+        fmt::format("config.json: field {} is {} ({})", field, value.dump(), why));
+  };
+  auto present = [&](const char* field) { return j.contains(field) && !j[field].is_null(); };
+  if (present("mlp_bias") && j["mlp_bias"] != false) {
+    refuse("mlp_bias", j["mlp_bias"], "MLP biases are not implemented");
+  }
+  if (present("partial_rotary_factor") && j["partial_rotary_factor"] != 1 &&
+      j["partial_rotary_factor"] != 1.0) {
+    refuse("partial_rotary_factor", j["partial_rotary_factor"],
+           "RoPE over part of the head is not implemented");
+  }
+  if (present("attention_dropout") && j["attention_dropout"] != 0 &&
+      j["attention_dropout"] != 0.0) {
+    refuse("attention_dropout", j["attention_dropout"], "dropout is not implemented");
+  }
+  if (present("quantization_config")) {
+    refuse("quantization_config", j["quantization_config"],
+           "quantized weights are not implemented: give the dequantized model");
+  }
+  // Mixture of experts (Qwen3-MoE, Mixtral, DeepSeek fields).
+  for (const char* field : {"num_experts", "num_local_experts", "n_routed_experts",
+                            "num_experts_per_tok", "moe_intermediate_size"}) {
+    if (present(field) && j[field] != 0) {
+      refuse(field, j[field], "mixture-of-experts layers are not implemented");
+    }
+  }
+  // Sliding-window attention: Qwen2 / Qwen3 slide on the layers layer_types names, by default
+  // those from max_window_layers on when use_sliding_window is on (sliding_window defaults to
+  // 4096 there); the Llama model has none.
+  if (c.model_type == "llama") return;
+  if (present("layer_types")) {
+    const auto& types = j["layer_types"];
+    if (!types.is_array()) refuse("layer_types", types, "expected a list of layer types");
+    for (size_t i = 0; i < types.size(); ++i) {
+      if (types[i] != "full_attention") {
+        throw std::invalid_argument(fmt::format(
+            "config.json: field layer_types[{}] is {} (only full_attention is implemented)", i,
+            types[i].dump()));
+      }
+    }
+    return;
+  }
+  bool sliding = false;
+  detail::read_field(j, "use_sliding_window", sliding, false);
+  int64_t max_window_layers = 28;  // transformers' default
+  detail::read_field(j, "max_window_layers", max_window_layers, false);
+  const bool window_given_as_null = j.contains("sliding_window") && j["sliding_window"].is_null();
+  if (sliding && !window_given_as_null && max_window_layers < c.num_hidden_layers) {
+    throw std::invalid_argument(fmt::format(
+        "config.json: field use_sliding_window is true (a sliding window of {} on layers {} and "
+        "up, from max_window_layers): sliding-window attention is not implemented",
+        present("sliding_window") ? j["sliding_window"].dump() : "4096", max_window_layers));
+  }
+}
+
+}  // namespace
 
 LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
   LlamaConfig c;
   detail::read_field(j, "model_type", c.model_type, false);
-  if (c.model_type != "llama" && c.model_type != "qwen2") {
+  if (c.model_type != "llama" && c.model_type != "qwen2" && c.model_type != "qwen3") {
     throw std::invalid_argument(fmt::format(
-        "config.json: field model_type is '{}' (expected llama or qwen2)", c.model_type));
+        "config.json: field model_type is '{}' (expected llama, qwen2 or qwen3)", c.model_type));
   }
+  const bool llama = c.model_type == "llama";
   // Qwen2 always has q/k/v biases and no attention_bias field.
   c.attention_bias = c.model_type == "qwen2";
   detail::read_field(j, "vocab_size", c.vocab_size, true);
@@ -105,65 +304,38 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
   detail::read_field(j, "intermediate_size", c.intermediate_size, true);
   detail::read_field(j, "num_hidden_layers", c.num_hidden_layers, true);
   detail::read_field(j, "num_attention_heads", c.num_attention_heads, true);
-  c.num_key_value_heads = c.num_attention_heads;  // HF's default: plain multi-head attention
+  // Divides hidden_size (attention_head_dim()) in what follows: checked before any use.
+  detail::require_positive(c.num_attention_heads, "num_attention_heads");
+  // transformers' defaults for absent fields: Llama's key/value heads are the attention heads and
+  // its head_dim hidden / heads; Qwen2's and Qwen3's configs default to 32 key/value heads and a
+  // longer context, and Qwen3's to heads of 128.
+  c.num_key_value_heads = llama ? c.num_attention_heads : 32;
   detail::read_field(j, "num_key_value_heads", c.num_key_value_heads, false);
+  c.max_position_embeddings = llama ? 2048 : 32768;
   detail::read_field(j, "max_position_embeddings", c.max_position_embeddings, false);
-  detail::read_field(j, "rms_norm_eps", c.rms_norm_eps, false);
-  // transformers 5 writes rope_parameters {rope_type, rope_theta}; earlier versions rope_theta.
-  detail::read_field(j, "rope_theta", c.rope_theta, false);
-  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
-    const auto& rope = j["rope_parameters"];
-    std::string rope_type = "default";
-    detail::read_field(rope, "rope_type", rope_type, false);
-    if (rope_type != "default") {
-      throw std::invalid_argument(fmt::format(
-          "config.json: field rope_parameters.rope_type is '{}' (only default is supported)",
-          rope_type));
-    }
-    detail::read_field(rope, "rope_theta", c.rope_theta, false);
+  c.head_dim = c.model_type == "qwen3" ? 128 : 0;
+  detail::read_field(j, "head_dim", c.head_dim, false);
+  if (c.head_dim <= 0 && (j.contains("head_dim") && !j["head_dim"].is_null())) {
+    throw std::invalid_argument(
+        fmt::format("config.json: field head_dim must be positive, got {}", c.head_dim));
   }
+  detail::read_field(j, "rms_norm_eps", c.rms_norm_eps, false);
+  c.rope_parameters = read_rope(j, c);
   detail::read_field(j, "tie_word_embeddings", c.tie_word_embeddings, false);
-  if (c.model_type == "llama") detail::read_field(j, "attention_bias", c.attention_bias, false);
+  if (c.model_type != "qwen2") detail::read_field(j, "attention_bias", c.attention_bias, false);
   std::string act = "silu";
   detail::read_field(j, "hidden_act", act, false);
   if (act != "silu") {
     throw std::invalid_argument(
         fmt::format("config.json: field hidden_act is '{}' (only silu is supported)", act));
   }
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-    throw std::invalid_argument("config.json: field rope_scaling is not supported");
-  }
-  // Fields of transformers' configs this decoder does not implement: refused, not ignored.
-  int64_t head_dim = c.head_dim();
-  detail::read_field(j, "head_dim", head_dim, false);
-  if (head_dim != c.head_dim()) {
-    throw std::invalid_argument(fmt::format(
-        "config.json: field head_dim is {} (only hidden_size / num_attention_heads = {} is "
-        "supported)",
-        head_dim, c.head_dim()));
-  }
-  for (const char* flag : {"mlp_bias", "use_sliding_window"}) {
-    bool on = false;
-    detail::read_field(j, flag, on, false);
-    if (on) {
-      throw std::invalid_argument(
-          fmt::format("config.json: field {} is true (not supported)", flag));
-    }
-  }
+  refuse_unimplemented(j, c);
   c.validate();
   return c;
 }
 
 LlamaConfig LlamaConfig::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(fmt::format("{}: not valid JSON ({})", path, e.what()));
-  }
-  return from_json(j);
+  return detail::with_path(path, [](const nlohmann::json& j) { return from_json(j); });
 }
 
 void LlamaConfig::save(const std::string& path) const {
@@ -185,7 +357,9 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
-    : heads_(c.num_attention_heads), kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim()) {
+    : heads_(c.num_attention_heads),
+      kv_heads_(c.num_key_value_heads),
+      head_dim_(c.attention_head_dim()) {
   const int64_t d = c.hidden_size;
   auto linear = [&](const char* name, int64_t in, int64_t out, bool bias) {
     return register_module(name, lora::LoraLinear(torch::nn::LinearOptions(in, out).bias(bias)));
@@ -193,19 +367,27 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c)
   q_proj = linear("q_proj", d, heads_ * head_dim_, c.attention_bias);
   k_proj = linear("k_proj", d, kv_heads_ * head_dim_, c.attention_bias);
   v_proj = linear("v_proj", d, kv_heads_ * head_dim_, c.attention_bias);
-  // Qwen2 biases q/k/v but not o; Llama's attention_bias covers all four.
+  // Qwen2 biases q/k/v but not o; Llama's and Qwen3's attention_bias covers all four.
   o_proj = linear("o_proj", heads_ * head_dim_, d, c.attention_bias && c.model_type != "qwen2");
+  if (c.qk_norm()) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim_, c.rms_norm_eps));
+    k_norm = register_module("k_norm", RMSNorm(head_dim_, c.rms_norm_eps));
+  }
 }
 
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                          const torch::Tensor& sin, const torch::Tensor& blocked,
+                                          const torch::Tensor& sin, const AttentionMask& mask,
                                           KVCache* cache, size_t layer) {
   const int64_t B = x.size(0), T = x.size(1);
-  auto split = [&](const torch::Tensor& t, int64_t heads) {
-    return t.view({B, T, heads, head_dim_}).transpose(1, 2);
+  // [B, T, heads, head_dim], normalized per head first where the model does (Qwen3), then
+  // [B, heads, T, head_dim].
+  auto split = [&](const torch::Tensor& t, int64_t heads, RMSNorm& norm) {
+    auto h = t.view({B, T, heads, head_dim_});
+    return (norm ? norm(h) : h).transpose(1, 2);
   };
-  auto q = split(q_proj(x), heads_), k = split(k_proj(x), kv_heads_),
-       v = split(v_proj(x), kv_heads_);
+  RMSNorm none{nullptr};
+  auto q = split(q_proj(x), heads_, q_norm), k = split(k_proj(x), kv_heads_, k_norm),
+       v = split(v_proj(x), kv_heads_, none);
   auto c = cos.to(q.scalar_type()), s = sin.to(q.scalar_type());
   q = q * c + rotate_half(q) * s;
   k = k * c + rotate_half(k) * s;
@@ -224,19 +406,35 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     k = ulysses::gather_seq_scatter_heads(k, 2, 1, *sequence_parallel_);
     v = ulysses::gather_seq_scatter_heads(v, 2, 1, *sequence_parallel_);
   }
-  // Grouped-query attention: each key/value head serves rep = heads / kv_heads consecutive query
-  // heads. Those heads' queries are stacked as rows of one matrix per key/value head, so the
-  // keys and values are read in place rather than repeated: under sampling they are the whole
-  // cache, which a repeat would copy rep times at every token.
-  const int64_t Bq = q.size(0), Hq = q.size(1), Tq = q.size(2), kvh = k.size(1);
-  const int64_t rep = Hq / kvh;
-  auto scores = torch::matmul(q.reshape({Bq, kvh, rep * Tq, head_dim_}), k.transpose(-2, -1))
-                    .view({Bq, Hq, Tq, k.size(2)}) /
-                std::sqrt(static_cast<double>(head_dim_));
-  scores = scores.masked_fill(blocked, -std::numeric_limits<float>::infinity());
-  auto probs = torch::softmax(scores.to(torch::kFloat), -1).to(q.scalar_type());
-  auto out =
-      torch::matmul(probs.view({Bq, kvh, rep * Tq, k.size(2)}), v).view({Bq, Hq, Tq, head_dim_});
+  // Grouped-query attention inside the kernel (enable_gqa): each key/value head serves
+  // heads / kv_heads consecutive query heads and is read in place, not repeated (under sampling
+  // it is the whole cache). The CPU's flash kernel keeps no [T, T] scores for backward, only a
+  // log-sum-exp per query; scale 1 / sqrt(head_dim) is its default.
+  std::optional<torch::Tensor> allowed;
+  if (mask.allowed.defined()) {
+    allowed = mask.allowed.is_floating_point() ? mask.allowed.to(q.scalar_type()) : mask.allowed;
+  }
+  torch::Tensor out;
+  if (mask.sequence_lengths.empty()) {
+    out = at::scaled_dot_product_attention(q, k, v, allowed, /*dropout_p=*/0.0,
+                                           /*is_causal=*/!allowed && mask.causal,
+                                           /*scale=*/std::nullopt, /*enable_gqa=*/true);
+  } else {
+    // Packed sequences: one causal call per sequence, so the work is the sum of their squared
+    // lengths. A block-diagonal mask over all N tokens would compute N^2 scores and hold the
+    // mask; BENCHMARKS compares the two.
+    TORCH_CHECK(!cache && !allowed, "packed sequences take no cache and no mask");
+    const c10::IntArrayRef lengths(mask.sequence_lengths);
+    auto qs = q.split_with_sizes(lengths, 2), ks = k.split_with_sizes(lengths, 2),
+         vs = v.split_with_sizes(lengths, 2);
+    std::vector<torch::Tensor> outs;
+    outs.reserve(lengths.size());
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      outs.push_back(at::scaled_dot_product_attention(qs[i], ks[i], vs[i], std::nullopt, 0.0,
+                                                      /*is_causal=*/true, std::nullopt, true));
+    }
+    out = torch::cat(outs, 2);
+  }
   if (sequence_parallel) {
     out =
         ulysses::gather_heads_scatter_seq(out, /*head_dim=*/1, /*seq_dim=*/2, *sequence_parallel_);
@@ -266,21 +464,21 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, size_t index)
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                             torch::Tensor blocked, KVCache* cache) {
-  if (!checkpoint_activations || cache) return compute(x, cos, sin, blocked, cache);
+                                             const AttentionMask& mask, KVCache* cache) {
+  if (!checkpoint_activations || cache) return compute(x, cos, sin, mask, cache);
   // The mask needs no grad: captured, not an input of the recompute.
   return checkpointed(
-      [this, blocked](const std::vector<torch::Tensor>& in) {
-        return compute(in[0], in[1], in[2], blocked, nullptr);
+      [this, mask](const std::vector<torch::Tensor>& in) {
+        return compute(in[0], in[1], in[2], mask, nullptr);
       },
       {x, cos, sin});
 }
 
 torch::Tensor LlamaDecoderLayerImpl::compute(const torch::Tensor& x_in, const torch::Tensor& cos,
-                                             const torch::Tensor& sin, const torch::Tensor& blocked,
+                                             const torch::Tensor& sin, const AttentionMask& mask,
                                              KVCache* cache) {
   torch::Tensor x = x_in;
-  x = x + self_attn(input_layernorm(x), cos, sin, blocked, cache, index_);
+  x = x + self_attn(input_layernorm(x), cos, sin, mask, cache, index_);
   return x + mlp(post_attention_layernorm(x));
 }
 
@@ -316,10 +514,15 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens_in, KVCache* c
   const auto device = tokens.device();
   torch::Tensor positions =
       torch::arange(past, past + T, torch::dtype(torch::kLong).device(device));
-  // The keys each query may not see: [T, past + T] (the future), or per row [B, 1, T, past + T].
-  const auto future =
-      torch::ones({T, past + T}, torch::dtype(torch::kBool).device(device)).triu(past + 1);
-  torch::Tensor blocked = future;
+  // The keys each query sees: the causal kernel alone when queries and keys are the same
+  // positions, every key for one new token after a cache; a mask [T, past + T] for several new
+  // tokens after a cache, or per row [B, 1, T, past + T] with padding.
+  AttentionMask mask;
+  mask.causal = past == 0 || T > 1;
+  const auto future = [&] {
+    return torch::ones({T, past + T}, torch::dtype(torch::kBool).device(device)).triu(past + 1);
+  };
+  if (past > 0 && T > 1) mask.allowed = ~future();
   if (attention_mask.defined()) {
     TORCH_CHECK(attention_mask.dim() == 2 && attention_mask.size(0) == B &&
                     attention_mask.size(1) == past + T,
@@ -333,9 +536,38 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens_in, KVCache* c
     // and spread it through the values.
     const auto itself =
         torch::eye(T, past + T, torch::dtype(torch::kBool).device(device)).roll(past, 1);
-    blocked = (future.unsqueeze(0) | ~valid.unsqueeze(1)) & ~itself.unsqueeze(0);
-    blocked = blocked.unsqueeze(1);  // [B, 1, T, past + T]: one mask for every head
+    mask.allowed = ((~future().unsqueeze(0) & valid.unsqueeze(1)) | itself.unsqueeze(0))
+                       .unsqueeze(1);  // [B, 1, T, past + T]: one mask for every head
   }
+  return run(tokens, positions, std::move(mask), cache, slice);
+}
+
+torch::Tensor LlamaModelImpl::forward_packed(const PackedSequences& packed) {
+  const int64_t N = packed.tokens.numel();
+  TORCH_CHECK(packed.tokens.dim() == 2 && packed.tokens.size(0) == 1 &&
+                  packed.position_ids.sizes() == packed.tokens.sizes(),
+              "packed sequences: tokens and position_ids must be [1, N], got ",
+              packed.tokens.sizes(), " and ", packed.position_ids.sizes());
+  TORCH_CHECK(std::accumulate(packed.lengths.begin(), packed.lengths.end(), int64_t{0}) == N,
+              "packed sequences: the lengths do not sum to the ", N, " tokens");
+  AttentionMask mask;
+  mask.sequence_lengths = packed.lengths;
+  torch::Tensor tokens = packed.tokens, positions = packed.position_ids;
+  std::optional<ulysses::SequenceSlice> slice;
+  if (sequence_parallel) {
+    // The group's padding is one more sequence at the end, which no real token sees.
+    slice = ulysses::sequence_slice(N, *sequence_parallel);
+    const int64_t pad = slice->padded_length - N;
+    tokens = at::constant_pad_nd(tokens, {0, pad}, 0);
+    positions = at::constant_pad_nd(positions, {0, pad}, 0);
+    if (pad > 0) mask.sequence_lengths.push_back(pad);
+  }
+  return run(tokens, positions, std::move(mask), nullptr, slice);
+}
+
+torch::Tensor LlamaModelImpl::run(torch::Tensor tokens, const torch::Tensor& positions,
+                                  AttentionMask mask, KVCache* cache,
+                                  const std::optional<ulysses::SequenceSlice>& slice) {
   auto [cos, sin] = rotary(config_, positions);
   if (cos.dim() == 3) cos = cos.unsqueeze(1), sin = sin.unsqueeze(1);  // [B, 1, T, head_dim]
   if (slice) {
@@ -344,7 +576,14 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens_in, KVCache* c
     sin = sin.narrow(-2, slice->begin, slice->local_length);
   }
   auto x = embed_tokens(tokens);
-  for (auto& layer : layers) x = layer(x, cos, sin, blocked, cache);
+  // The mask as SDPA adds it to the scores, built once for every layer: SDPA would convert a
+  // bool mask in each layer's call, and each layer's flash kernel would keep its own copy for
+  // backward.
+  if (mask.allowed.defined()) {
+    mask.allowed = torch::zeros(mask.allowed.sizes(), x.options())
+                       .masked_fill(~mask.allowed, -std::numeric_limits<float>::infinity());
+  }
+  for (auto& layer : layers) x = layer(x, cos, sin, mask, cache);
   return norm(x);
 }
 
@@ -394,29 +633,77 @@ torch::Tensor LlamaForCausalLMImpl::forward(torch::Tensor tokens, KVCache* cache
     return next_tokens.defined() ? target_log_probs(logits, next_tokens, temperature) : logits;
   }
   // h is this rank's slice of the padded sequence.
-  auto& group = *model->sequence_parallel;
-  const auto slice = ulysses::sequence_slice(T, group);
   if (!next_tokens.defined()) {
+    auto& group = *model->sequence_parallel;
     auto logits = ulysses::gather_outputs_and_unpad(head(h), 1, T, group);
     return keep < T ? logits.narrow(1, T - keep, keep) : logits;
   }
-  // The head runs on this rank's kept positions [lo, hi) only, so no rank holds more than its
-  // share of the logits. A rank with none runs it on one position at weight 0: every rank must
-  // run every FSDP unit and every all-to-all of the backward, whatever its slice holds.
-  const int64_t lo = std::clamp(T - keep - slice.begin, int64_t{0}, slice.local_length);
-  const int64_t hi = std::clamp(T - slice.begin, int64_t{0}, slice.local_length);
+  return log_probs_at(h, T, torch::arange(T - keep, T, torch::dtype(torch::kLong)), next_tokens,
+                      temperature);
+}
+
+torch::Tensor LlamaForCausalLMImpl::forward(const PackedSequences& packed, torch::Tensor scored,
+                                            torch::Tensor next_tokens, double temperature) {
+  TORCH_CHECK(scored.dim() == 1 && next_tokens.sizes() == scored.sizes(),
+              "LlamaForCausalLM: scored positions and next_tokens must both be [K], got ",
+              scored.sizes(), " and ", next_tokens.sizes());
+  auto h = model->forward_packed(packed);
+  return log_probs_at(h, packed.tokens.size(1), scored, next_tokens.unsqueeze(0), temperature)
+      .squeeze(0);
+}
+
+torch::Tensor LlamaForCausalLMImpl::log_probs_at(const torch::Tensor& h, int64_t T,
+                                                 const torch::Tensor& positions,
+                                                 const torch::Tensor& next_tokens,
+                                                 double temperature) {
+  const auto group = model->sequence_parallel;
+  std::optional<ulysses::SequenceSlice> slice;
+  if (group) slice = ulysses::sequence_slice(T, *group);
+  const int64_t begin = slice ? slice->begin : 0, local_length = slice ? slice->local_length : T;
+  // The head runs on this rank's scored positions only, so no rank holds more than its share of
+  // the logits. A rank with none runs it on one position at weight 0: every rank must run every
+  // FSDP unit and every all-to-all of the backward, whatever its slice holds.
+  const auto scored = positions.to(h.device());
+  const auto here = (scored >= begin) & (scored < begin + local_length);
+  const auto local_positions = scored.masked_select(here) - begin;
+  const auto targets = next_tokens.to(h.device()).index({torch::indexing::Slice(), here});
   torch::Tensor local;
-  if (hi > lo) {
-    const auto targets = next_tokens.narrow(1, slice.begin + lo - (T - keep), hi - lo);
-    local =
-        at::constant_pad_nd(target_log_probs(head(h.narrow(1, lo, hi - lo)), targets, temperature),
-                            {lo, slice.local_length - hi}, 0);
+  if (local_positions.numel() > 0) {
+    local = target_log_probs(head(h.index_select(1, local_positions)), targets, temperature);
   } else {
-    const auto unused =
-        target_log_probs(head(h.narrow(1, 0, 1)), next_tokens.narrow(1, 0, 1) * 0, temperature);
-    local = torch::zeros({h.size(0), slice.local_length}, unused.options()) + 0.0 * unused.sum();
+    const auto unused = target_log_probs(head(h.narrow(1, 0, 1)),
+                                         targets.new_zeros({next_tokens.size(0), 1}), temperature);
+    local = torch::zeros({h.size(0), 0}, unused.options()) + 0.0 * unused.sum();
   }
-  return ulysses::gather_outputs_and_unpad(local, 1, T, group).narrow(1, T - keep, keep);
+  if (!slice) return local;
+  const auto index = local_positions.unsqueeze(0).expand({h.size(0), -1});
+  const auto row =
+      torch::zeros({h.size(0), local_length}, local.options()).scatter(1, index, local);
+  return ulysses::gather_outputs_and_unpad(row, 1, T, *group).index_select(1, scored);
+}
+
+PackedSequences pack_sequences(const torch::Tensor& tokens, const torch::Tensor& valid_in) {
+  if (tokens.dim() != 2 || valid_in.sizes() != tokens.sizes()) {
+    throw std::invalid_argument(
+        fmt::format("pack_sequences: tokens and valid must both be [B, T], got {} and {}",
+                    c10::str(tokens.sizes()), c10::str(valid_in.sizes())));
+  }
+  const auto valid = valid_in.to(torch::kBool);
+  const auto lengths = valid.sum(1).to(torch::kLong).cpu().contiguous();
+  PackedSequences packed;
+  packed.lengths.assign(lengths.data_ptr<int64_t>(), lengths.data_ptr<int64_t>() + lengths.numel());
+  for (size_t row = 0; row < packed.lengths.size(); ++row) {
+    if (packed.lengths[row] == 0) {
+      throw std::invalid_argument(fmt::format("pack_sequences: row {} has no valid token", row));
+    }
+  }
+  packed.indices = valid.flatten().nonzero().squeeze(1);
+  packed.tokens = tokens.flatten().index_select(0, packed.indices).unsqueeze(0);
+  // Each token's position in its sequence: HF's position_ids of the padded row,
+  // cumsum(mask) - 1, at the valid tokens.
+  packed.position_ids =
+      (valid.to(torch::kLong).cumsum(1) - 1).flatten().index_select(0, packed.indices).unsqueeze(0);
+  return packed;
 }
 
 void LlamaForCausalLMImpl::set_sequence_parallel(std::shared_ptr<dist::ProcessGroup> group) {
@@ -460,10 +747,18 @@ void check_config_against_weights(const LlamaConfig& c,
   check_dim(embed, 0, c.vocab_size, "vocab_size", c.vocab_size);
   check_dim(embed, 1, c.hidden_size, "hidden_size", c.hidden_size);
   const std::string l0 = "model.layers.0.";
-  check_dim(l0 + "self_attn.k_proj.weight", 0, c.num_key_value_heads * c.head_dim(),
-            "num_key_value_heads", c.num_key_value_heads);
-  check_dim(l0 + "self_attn.q_proj.weight", 0, c.num_attention_heads * c.head_dim(),
-            "num_attention_heads", c.num_attention_heads);
+  const int64_t hd = c.attention_head_dim();
+  if (c.qk_norm()) check_dim(l0 + "self_attn.q_norm.weight", 0, hd, "head_dim", hd);
+  const auto q = shapes.find(l0 + "self_attn.q_proj.weight");
+  if (q != shapes.end() && !q->second.empty() && q->second[0] != c.num_attention_heads * hd) {
+    throw std::invalid_argument(fmt::format(
+        "config fields num_attention_heads = {} and head_dim = {} disagree with tensor {} of "
+        "shape [{}] ({} rows expected)",
+        c.num_attention_heads, hd, q->first, fmt::join(q->second, ", "),
+        c.num_attention_heads * hd));
+  }
+  check_dim(l0 + "self_attn.k_proj.weight", 0, c.num_key_value_heads * hd, "num_key_value_heads",
+            c.num_key_value_heads);
   check_dim(l0 + "mlp.gate_proj.weight", 0, c.intermediate_size, "intermediate_size",
             c.intermediate_size);
   const bool has_q_bias = shapes.count(l0 + "self_attn.q_proj.bias") > 0;

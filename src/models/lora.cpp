@@ -8,7 +8,6 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <unordered_set>
 
 namespace shardrl::models::lora {
@@ -34,17 +33,6 @@ std::string adapter_of(const std::string& name) {
   if (at == std::string::npos) return "";
   const size_t begin = at + kMarkerSize, end = name.find('.', begin);
   return end == std::string::npos ? "" : name.substr(begin, end - begin);
-}
-
-bool targets(const LoraConfig& config, const std::string& name) {
-  for (const auto& t : config.target_modules) {
-    if (name == t ||
-        (name.size() > t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0 &&
-         name[name.size() - t.size() - 1] == '.')) {
-      return true;
-    }
-  }
-  return !config.target_regex.empty() && std::regex_match(name, std::regex(config.target_regex));
 }
 
 // For every adapter tensor of `dst`, the tensor of `src` at the same place.
@@ -199,16 +187,13 @@ std::vector<std::string> apply_lora(torch::nn::Module& model, const LoraConfig& 
                                     const std::string& name, bool trainable) {
   std::vector<std::string> targeted;
   for (auto& [module_name, layer] : lora_linears(model)) {
-    if (!targets(config, module_name)) continue;
+    if (!is_target(config, module_name)) continue;
     layer->add_adapter(name, config, trainable);
     targeted.push_back(module_name);
   }
   if (targeted.empty()) {
-    std::string wanted;
-    for (const auto& t : config.target_modules) wanted += (wanted.empty() ? "" : ", ") + t;
-    if (!config.target_regex.empty())
-      wanted += (wanted.empty() ? "regex " : ", regex ") + config.target_regex;
-    TORCH_CHECK(false, "LoraConfig.target_modules: no LoraLinear matches [", wanted, "]");
+    TORCH_CHECK(false, "LoraConfig.target_modules: no LoraLinear matches [",
+                config.describe_targets(), "]");
   }
   // Only adapters train, as PEFT does; frozen adapters (an EMA target) stay frozen.
   for (auto& item : model.named_parameters()) {
@@ -322,39 +307,6 @@ std::map<std::string, torch::Tensor> peft_state_dict(
   return out;
 }
 
-std::string peft_adapter_config(const LoraConfig& config, const std::string& base_model) {
-  nlohmann::json j = {{"peft_type", "LORA"},
-                      {"r", config.r},
-                      {"lora_alpha", config.alpha},
-                      {"lora_dropout", config.dropout},
-                      {"target_modules", config.target_modules},
-                      {"bias", "none"},
-                      {"fan_in_fan_out", false},
-                      {"inference_mode", true},
-                      {"base_model_name_or_path", base_model}};
-  if (!config.target_regex.empty()) j["target_modules"] = config.target_regex;
-  return j.dump(2);
-}
-
-LoraConfig config_from_peft(const nlohmann::json& peft, const std::string& where) {
-  LoraConfig config;
-  try {
-    config.r = peft.at("r").get<int64_t>();
-    config.alpha = peft.at("lora_alpha").get<double>();
-    config.dropout = peft.value("lora_dropout", 0.0);
-    const auto& targets = peft.at("target_modules");
-    if (targets.is_string()) {
-      config.target_regex = targets.get<std::string>();
-    } else {
-      config.target_modules = targets.get<std::vector<std::string>>();
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(fmt::format("{}: not a PEFT LoRA config: {}", where, e.what()));
-  }
-  if (config.r <= 0) throw std::invalid_argument(fmt::format("{}: r must be > 0", where));
-  return config;
-}
-
 namespace {
 
 // One adapter tensor as exported: its name in the model and in PEFT's file.
@@ -435,19 +387,8 @@ const nlohmann::json& checkpoint_adapter_config(const nlohmann::json& index,
 void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& name) {
   namespace fs = std::filesystem;
   const std::string config_path = (fs::path(dir) / kPeftConfigFile).string();
-  std::ifstream config_file(config_path);
-  if (!config_file) throw std::invalid_argument(fmt::format("{}: cannot open", config_path));
-  nlohmann::json peft;
-  try {
-    peft = nlohmann::json::parse(config_file);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(fmt::format("{}: {}", config_path, e.what()));
-  }
-  if (peft.value("peft_type", "LORA") != "LORA") {
-    throw std::invalid_argument(fmt::format("{}: peft_type is '{}' (only LORA is supported)",
-                                            config_path, peft["peft_type"].dump()));
-  }
-  apply_lora(model, config_from_peft(peft, config_path), name);
+  const LoraConfig config = read_peft_config(config_path);
+  apply_lora(model, config, name);
   set_active_adapter(model, name);
 
   const std::string weights_path = (fs::path(dir) / kPeftWeightsFile).string();
@@ -460,7 +401,7 @@ void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const s
     if (!wanted.count(key)) {
       throw std::invalid_argument(
           fmt::format("{}: tensor {} is no adapter tensor of this model (targets: {})",
-                      weights_path, key, peft["target_modules"].dump()));
+                      weights_path, key, config.describe_targets()));
     }
   }
   torch::NoGradGuard no_grad;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "models/json_fields.h"
 #include "shardrl/checkpoint.h"
@@ -75,6 +76,11 @@ void SD3Config::validate() const {
   detail::require_positive(pooled_projection_dim, "pooled_projection_dim");
   detail::require_positive(out_channels, "out_channels");
   detail::require_positive(pos_embed_max_size, "pos_embed_max_size");
+  if (attention_head_dim > std::numeric_limits<int64_t>::max() / num_attention_heads) {
+    throw std::invalid_argument(
+        fmt::format("config: num_attention_heads {} * attention_head_dim {} overflows int64",
+                    num_attention_heads, attention_head_dim));
+  }
   if (caption_projection_dim != inner_dim()) {
     // The text stream enters the joint blocks at their width.
     throw std::invalid_argument(fmt::format(
@@ -152,13 +158,7 @@ SD3Config SD3Config::from_json(const nlohmann::json& j) {
 }
 
 SD3Config SD3Config::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::invalid_argument(fmt::format("cannot read {}", path));
-  try {
-    return from_json(nlohmann::json::parse(in));
-  } catch (const std::exception& e) {
-    throw std::invalid_argument(fmt::format("{}: {}", path, e.what()));
-  }
+  return detail::with_path(path, [](const nlohmann::json& j) { return from_json(j); });
 }
 
 // ---- embeddings --------------------------------------------------------------------------------

@@ -149,36 +149,6 @@ TORCH_MODULE(Bert);
 const std::set<std::string> kUnusedTensors = {"embeddings.position_ids", "pooler.dense.weight",
                                               "pooler.dense.bias"};
 
-nlohmann::json read_json(const std::string& path) {
-  if (!fs::is_regular_file(path)) {
-    throw std::invalid_argument(fmt::format("text encoder: {} is missing", path));
-  }
-  try {
-    return nlohmann::json::parse(text::detail::read_file("text encoder", path));
-  } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(fmt::format("{}: not valid JSON ({})", path, e.what()));
-  }
-}
-
-// Runs `read` on a config file's JSON; its errors get the file's path in front (in place of the
-// field readers' "config.json: " / "config: ").
-template <class F>
-auto with_path(const std::string& path, F&& read) {
-  const auto json = read_json(path);
-  try {
-    return read(json);
-  } catch (const std::invalid_argument& e) {
-    std::string what = e.what();
-    if (what.rfind(path, 0) == 0) throw;
-    for (const std::string generic : {"config.json: ", "config: "}) {
-      if (what.rfind(generic, 0) == 0) what = what.substr(generic.size());
-    }
-    throw std::invalid_argument(fmt::format("{}: {}", path, what));
-  } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(fmt::format("{}: {}", path, e.what()));
-  }
-}
-
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() &&
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -248,7 +218,7 @@ BertConfig BertConfig::from_json(const nlohmann::json& j) {
 }
 
 BertConfig BertConfig::load(const std::string& path) {
-  return with_path(path, [](const nlohmann::json& j) { return from_json(j); });
+  return detail::with_path(path, [](const nlohmann::json& j) { return from_json(j); });
 }
 
 // ---- encoder -----------------------------------------------------------------------------------
@@ -271,7 +241,7 @@ TextEncoder TextEncoder::load(const std::string& dir) {
   const std::string modules_path = dir + "/modules.json";
   std::string pooling_dir;
   bool normalize = false;
-  with_path(modules_path, [&](const nlohmann::json& modules) {
+  detail::with_path(modules_path, [&](const nlohmann::json& modules) {
     if (!modules.is_array()) throw std::invalid_argument("must be a list of modules");
     std::vector<std::string> kinds;
     for (const auto& m : modules) {
@@ -295,7 +265,7 @@ TextEncoder TextEncoder::load(const std::string& dir) {
     if (kinds.size() < 2) throw std::invalid_argument("needs a Transformer and a Pooling module");
     return 0;
   });
-  with_path(pooling_dir + "/config.json", [](const nlohmann::json& j) {
+  detail::with_path(pooling_dir + "/config.json", [](const nlohmann::json& j) {
     bool mean = j.value("pooling_mode", std::string()) == "mean";
     for (auto it = j.begin(); it != j.end(); ++it) {
       const std::string& key = it.key();
@@ -317,7 +287,7 @@ TextEncoder TextEncoder::load(const std::string& dir) {
   int64_t max_seq_length = config.max_position_embeddings;
   const std::string st_config = dir + "/sentence_bert_config.json";
   if (fs::exists(st_config)) {
-    with_path(st_config, [&](const nlohmann::json& j) {
+    detail::with_path(st_config, [&](const nlohmann::json& j) {
       detail::read_field(j, "max_seq_length", max_seq_length, false);
       bool lower = false;
       detail::read_field(j, "do_lower_case", lower, false);
@@ -355,9 +325,10 @@ TextEncoder TextEncoder::load(const std::string& dir) {
   for (auto& p : impl->bert->parameters()) p.set_requires_grad(false);
 
   // What encode() depends on besides the prompts: the weights, the vocabulary and every setting.
-  std::string settings = fmt::format(
-      "{}|{}|{}|{}|{}", text::detail::read_file("text encoder", dir + "/vocab.txt"),
-      read_json(dir + "/config.json").dump(), max_seq_length, normalize, fs::file_size(weights));
+  std::string settings =
+      fmt::format("{}|{}|{}|{}|{}", text::detail::read_file("text encoder", dir + "/vocab.txt"),
+                  detail::read_json_file(dir + "/config.json").dump(), max_seq_length, normalize,
+                  fs::file_size(weights));
   const auto& o = impl->tokenizer.options();
   settings += fmt::format("|{}|{}|{}|{}|{}|{}{}{}{}{}", o.do_lower_case, o.strip_accents,
                           o.tokenize_chinese_chars, o.clean_text, o.max_input_chars_per_word,

@@ -3,14 +3,17 @@
 #include "shardrl/offload.h"
 
 #include <fmt/format.h>
+#include <signal.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <set>
 #include <unordered_set>
 
@@ -94,12 +97,18 @@ class Residency : public fsdp::ShardResidency {
 
   void release(const ShardedUnit& unit, ShardUse use) override {
     auto& rec = record(unit);
+    bool moved = false;
     for (Kind kind : kinds_for(use)) {
       std::optional<Tier> home = rec.acquired_from[kind];
       rec.acquired_from[kind].reset();
       if (!home && lives_offloaded(kind)) home = options.tier;
-      if (home) move(unit, kind, *home);
+      if (home) move(unit, kind, *home), moved = true;
     }
+    // The unit's state just left compute memory, but glibc keeps freed heap (tune_allocator sets
+    // its trim threshold to the maximum so that steps reuse their buffers), and units of other
+    // sizes do not fit the holes: unreturned, the whole offloaded state piled up in the resident
+    // set within two steps (Qwen3-1.7B's 27.5 GB met the OOM killer). Hand it back now.
+    if (moved) release_free_memory();
   }
 
   // Moves one kind of one unit's state to `tier`; a no-op when it is all there already.
@@ -219,12 +228,31 @@ class Residency : public fsdp::ShardResidency {
   }
 };
 
+// A rank killed by a signal (a pre-empted job, the OOM killer) leaves its scratch directory, as
+// large as its offloaded state, behind: the next job on the host removes those of processes that
+// no longer exist. One whose pid is alive is kept, whoever has that pid now.
+void remove_stale_scratch(const std::filesystem::path& base) {
+  static const std::regex scratch(R"(shardrl-offload-(\d+)-rank\d+)");
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(base, ec)) {
+    std::smatch match;
+    const std::string name = entry.path().filename().string();
+    if (!std::regex_match(name, match, scratch)) continue;
+    const pid_t pid = static_cast<pid_t>(std::stoll(match[1].str()));
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code removed;
+    const auto bytes = std::filesystem::remove_all(entry.path(), removed);
+    if (!removed) spdlog::info("removed {}, left by a rank that is gone ({} files)", name, bytes);
+  }
+}
+
 // Ranks of one job on one host write apart; so do jobs (the pid) unless the user picks the dir.
 std::string rank_dir(const std::string& dir, int rank) {
   if (!dir.empty()) return fmt::format("{}/rank{}", dir, rank);
   std::error_code ec;
   auto base = std::filesystem::temp_directory_path(ec);
   if (ec) base = "/tmp";
+  remove_stale_scratch(base);
   return (base / fmt::format("shardrl-offload-{}-rank{}", ::getpid(), rank)).string();
 }
 
@@ -345,13 +373,25 @@ void log_memory(const std::string& phase, const fsdp::FSDPModule& model,
       mib(m.optimizer.offloaded), mib(m.unsharded), mib(m.process_rss));
 }
 
-int64_t process_rss_bytes() {
+namespace {
+// A field of /proc/self/status in bytes (its values are kB), 0 where there is none.
+int64_t status_bytes(const char* field) {
   std::ifstream status("/proc/self/status");
   std::string line;
+  const size_t length = std::char_traits<char>::length(field);
   while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // kB
+    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(length)) * 1024;
   }
   return 0;
+}
+}  // namespace
+
+int64_t process_rss_bytes() {
+  return status_bytes("VmRSS:");
+}
+
+int64_t process_peak_rss_bytes() {
+  return status_bytes("VmHWM:");
 }
 
 }  // namespace shardrl::offload

@@ -209,4 +209,59 @@ torch::Tensor response_log_probs(models::LlamaForCausalLM& model, const torch::T
                sequences.narrow(1, prompt_length, length), temperature);
 }
 
+torch::Tensor packed_response_log_probs(models::LlamaForCausalLM& model,
+                                        const torch::Tensor& sequences, int64_t prompt_length,
+                                        double temperature, const torch::Tensor& attention_mask,
+                                        const torch::Tensor& response_mask) {
+  check_tokens(sequences, "packed_response_log_probs: sequences");
+  const int64_t rows = sequences.size(0), total = sequences.size(1), length = total - prompt_length;
+  if (prompt_length < 1 || length < 1) {
+    throw std::invalid_argument(fmt::format(
+        "packed_response_log_probs: prompt_length must be in [1, {}) for sequences of length {}, "
+        "got {}",
+        total, total, prompt_length));
+  }
+  if (!response_mask.defined() || response_mask.sizes() != c10::IntArrayRef{rows, length} ||
+      (attention_mask.defined() && attention_mask.sizes() != sequences.sizes())) {
+    throw std::invalid_argument(fmt::format(
+        "packed_response_log_probs: response_mask must be [{}, {}] and attention_mask [{}, {}] "
+        "or undefined, got {} and {}",
+        rows, length, rows, total,
+        response_mask.defined() ? c10::str(response_mask.sizes()) : "undefined",
+        attention_mask.defined() ? c10::str(attention_mask.sizes()) : "undefined"));
+  }
+  const auto device = sequences.device();
+  const auto prompt_valid =
+      attention_mask.defined()
+          ? attention_mask.narrow(1, 0, prompt_length).to(device).to(torch::kBool)
+          : torch::ones({rows, prompt_length}, torch::dtype(torch::kBool).device(device));
+  // A response counts up to its mask's last 1 (its EOS); what follows is padding.
+  const auto response_valid = response_mask.to(device).to(torch::kBool);
+  const auto kept =
+      std::get<0>(response_valid.to(torch::kLong).flip(1).cummax(1)).flip(1).to(torch::kBool);
+  const auto packed = models::pack_sequences(sequences, torch::cat({prompt_valid, kept}, 1));
+  // A packed token's index, at its place in the padded batch (-1: padding).
+  const auto packed_index =
+      torch::full({rows * total}, -1, torch::dtype(torch::kLong).device(device))
+          .index_put_({packed.indices},
+                      torch::arange(packed.indices.numel(), packed.indices.options()));
+  // Response token (row, j) is predicted at the packed index of the token before it.
+  const auto flat =
+      (torch::arange(rows, torch::dtype(torch::kLong).device(device)) * total).unsqueeze(1) +
+      prompt_length + torch::arange(length, torch::dtype(torch::kLong).device(device));
+  const auto scored_flat = flat.masked_select(response_valid);
+  const auto scored = packed_index.index_select(0, scored_flat - 1);
+  if (scored.numel() > 0 && scored.min().item<int64_t>() < 0) {
+    throw std::invalid_argument(
+        "packed_response_log_probs: a response follows a prompt with no valid token");
+  }
+  const auto log_probs =
+      model(packed, scored, sequences.flatten().index_select(0, scored_flat), temperature);
+  const auto in_response =
+      (scored_flat.div(total, "floor") * length) + (scored_flat.remainder(total) - prompt_length);
+  return torch::zeros({rows * length}, log_probs.options())
+      .index_put({in_response}, log_probs)
+      .view({rows, length});
+}
+
 }  // namespace shardrl::rollout

@@ -107,10 +107,13 @@ struct ByteLevelBpeTokenizer::Impl {
 void ByteLevelBpeTokenizer::Impl::init(std::vector<std::string> tokens,
                                        std::vector<std::pair<std::string, std::string>> m,
                                        std::vector<AddedToken> a, std::vector<bool> normalized) {
+  // Ids are dense, so no added token's id reaches the count of all tokens.
+  const size_t total = tokens.size() + a.size();
   for (const auto& token : a) {
-    if (token.id < 0) {
+    if (token.id < 0 || token.id >= static_cast<int64_t>(total)) {
       throw std::invalid_argument(
-          fmt::format("added token '{}' has the negative id {}", token.content, token.id));
+          fmt::format("added token '{}' has id {}, outside [0, {}) (the count of all tokens)",
+                      token.content, token.id, total));
     }
     if (token.content.empty()) {
       throw std::invalid_argument(fmt::format("added token {} is empty", token.id));
@@ -137,7 +140,16 @@ void ByteLevelBpeTokenizer::Impl::init(std::vector<std::string> tokens,
   }
   decoder = std::move(tokens);
   for (const auto& token : a) decoder[token.id] = token.content;
-  for (const auto& [first, second] : m) {
+  // As tokenizers' BPE: a merge of tokens the vocabulary lacks, or into one, is refused (bpe()
+  // then finds every merged token).
+  for (size_t k = 0; k < m.size(); ++k) {
+    const auto& [first, second] = m[k];
+    for (const std::string& token : {first, second, first + second}) {
+      if (!encoder.count(token)) {
+        throw std::invalid_argument(fmt::format(
+            "merges[{}] ('{}', '{}'): '{}' is not in the vocabulary", k, first, second, token));
+      }
+    }
     merge_ranks.emplace(first + ' ' + second, static_cast<int64_t>(merge_ranks.size()));
   }
   merges = std::move(m);
@@ -158,13 +170,17 @@ std::vector<int64_t> ByteLevelBpeTokenizer::Impl::bpe(const std::string& piece) 
     auto hit = cache.find(piece);
     if (hit != cache.end()) return hit->second;
   }
-  std::vector<std::string> word;
-  for (unsigned char b : piece) word.push_back(byte_encoder[b]);
   if (ignore_merges) {
     std::string whole;
-    for (const auto& c : word) whole += c;
+    for (unsigned char b : piece) whole += byte_encoder[b];
     auto it = encoder.find(whole);
     if (it != encoder.end()) return {it->second};
+  }
+  // A byte whose character the vocabulary lacks is dropped, as tokenizers drops it (with no
+  // unk_token); the rest merge across the gap.
+  std::vector<std::string> word;
+  for (unsigned char b : piece) {
+    if (encoder.count(byte_encoder[b])) word.push_back(byte_encoder[b]);
   }
   while (word.size() > 1) {
     int64_t best = std::numeric_limits<int64_t>::max();
@@ -322,12 +338,30 @@ void require_field(const json& object, const std::string& key, const json& neutr
                   where, key, object[key].dump(), neutral.dump()));
 }
 
+// object.key when present and not null, else `fallback`; a value of another type than the
+// fallback's is an error naming the field (nlohmann's value() would throw its own type_error).
+template <class T>
+T optional_field(const json& object, const std::string& key, T fallback, const std::string& where,
+                 const std::string& path) {
+  if (!object.is_object() || !object.contains(key) || object[key].is_null()) return fallback;
+  const json& value = object[key];
+  if constexpr (std::is_same_v<T, bool>) {
+    if (value.is_boolean()) return value.get<bool>();
+  } else {
+    if (value.is_string()) return value.get<std::string>();
+  }
+  throw std::invalid_argument(fmt::format("tokenizer: '{}': {}{} is {}, expected a {}", path, where,
+                                          key, value.dump(),
+                                          std::is_same_v<T, bool> ? "boolean" : "string"));
+}
+
 void require_byte_level_pre_tokenizer(const json& pre, const std::string& path) {
-  if (pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers") &&
-      pre["pretokenizers"].is_array() && pre["pretokenizers"].size() == 1) {
+  const std::string type = optional_field<std::string>(pre, "type", "", "pre_tokenizer.", path);
+  if (type == "Sequence" && pre.contains("pretokenizers") && pre["pretokenizers"].is_array() &&
+      pre["pretokenizers"].size() == 1) {
     return require_byte_level_pre_tokenizer(pre["pretokenizers"][0], path);
   }
-  if (!pre.is_object() || pre.value("type", "") != "ByteLevel") {
+  if (!pre.is_object() || type != "ByteLevel") {
     throw std::invalid_argument(fmt::format(
         "tokenizer: '{}': pre_tokenizer is {}; ShardRL reads the ByteLevel pre-tokenizer "
         "(GPT-2's regex)",
@@ -339,10 +373,10 @@ void require_byte_level_pre_tokenizer(const json& pre, const std::string& path) 
 
 // ByteLevel only trims offsets; transformers' GGUF conversion writes a TemplateProcessing whose
 // single-sequence template is the sequence alone. Either leaves encode's ids as they are.
-bool adds_no_tokens(const json& post) {
+bool adds_no_tokens(const json& post, const std::string& path) {
   if (post.is_null()) return true;
   if (!post.is_object()) return false;
-  const std::string type = post.value("type", "");
+  const auto type = optional_field<std::string>(post, "type", "", "post_processor.", path);
   if (type == "ByteLevel") return true;
   if (type != "TemplateProcessing" || !post.contains("single") || !post["single"].is_array()) {
     return false;
@@ -372,9 +406,10 @@ ByteLevelBpeTokenizer ByteLevelBpeTokenizer::load_tokenizer_json(const std::stri
     return object[key];
   };
   const json& model = field(file, "model", "", json::value_t::object);
-  if (model.value("type", "BPE") != "BPE") {
-    throw std::invalid_argument(fmt::format(
-        "tokenizer: '{}': model.type is '{}'; ShardRL reads BPE", path, model.value("type", "")));
+  const auto type = optional_field<std::string>(model, "type", "BPE", "model.", path);
+  if (type != "BPE") {
+    throw std::invalid_argument(
+        fmt::format("tokenizer: '{}': model.type is '{}'; ShardRL reads BPE", path, type));
   }
   require_field(model, "dropout", nullptr, "model", path);
   require_field(model, "continuing_subword_prefix", nullptr, "model", path);
@@ -385,18 +420,28 @@ ByteLevelBpeTokenizer ByteLevelBpeTokenizer::load_tokenizer_json(const std::stri
     throw std::invalid_argument(fmt::format("tokenizer: '{}': no pre_tokenizer", path));
   }
   require_byte_level_pre_tokenizer(file["pre_tokenizer"], path);
-  if (file.contains("post_processor") && !adds_no_tokens(file["post_processor"])) {
+  if (file.contains("post_processor") && !adds_no_tokens(file["post_processor"], path)) {
     throw std::invalid_argument(fmt::format(
         "tokenizer: '{}': post_processor is {}; ShardRL's encode adds no tokens, so it reads "
         "none or ByteLevel",
         path, file["post_processor"].dump()));
   }
 
+  // Ids are dense: every id below the largest is a vocab entry or an added token. So none is
+  // beyond their count, which bounds what the table of tokens allocates.
+  const json& vocab = field(model, "vocab", "model.", json::value_t::object);
+  const size_t max_tokens =
+      vocab.size() + (file.contains("added_tokens") && file["added_tokens"].is_array()
+                          ? file["added_tokens"].size()
+                          : 0);
   std::vector<std::string> tokens;
-  for (const auto& [token, id] : field(model, "vocab", "model.", json::value_t::object).items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || token.empty()) {
-      throw std::invalid_argument(
-          fmt::format("tokenizer: '{}': model.vocab entry '{}' has id {}", path, token, id.dump()));
+  for (const auto& [token, id] : vocab.items()) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || token.empty() ||
+        id.get<uint64_t>() >= max_tokens) {
+      throw std::invalid_argument(fmt::format(
+          "tokenizer: '{}': model.vocab entry '{}' has id {}, expected an integer in [0, {}) (the "
+          "number of entries and added tokens)",
+          path, token, id.dump(), max_tokens));
     }
     const auto i = static_cast<size_t>(id.get<int64_t>());
     if (i >= tokens.size()) tokens.resize(i + 1);
@@ -429,12 +474,12 @@ ByteLevelBpeTokenizer ByteLevelBpeTokenizer::load_tokenizer_json(const std::stri
       }
       added.push_back({field(token, "id", where, json::value_t::number_unsigned).get<int64_t>(),
                        field(token, "content", where, json::value_t::string).get<std::string>(),
-                       token.value("special", false)});
-      normalized.push_back(token.value("normalized", !added.back().special));
+                       optional_field(token, "special", false, where, path)});
+      normalized.push_back(optional_field(token, "normalized", !added.back().special, where, path));
     }
   }
   ByteLevelBpeTokenizer tokenizer;
-  tokenizer.impl_->ignore_merges = model.value("ignore_merges", false);
+  tokenizer.impl_->ignore_merges = optional_field(model, "ignore_merges", false, "model.", path);
   try {
     tokenizer.impl_->init(std::move(tokens), std::move(merges), std::move(added),
                           std::move(normalized));

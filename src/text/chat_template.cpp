@@ -14,6 +14,18 @@ namespace {
 
 constexpr const char* kStart = "<|im_start|>";
 constexpr const char* kEnd = "<|im_end|>";
+constexpr const char* kBos = "<|begin_of_text|>";
+constexpr const char* kHeaderStart = "<|start_header_id|>";
+constexpr const char* kHeaderEnd = "<|end_header_id|>";
+constexpr const char* kEot = "<|eot_id|>";
+
+// Jinja's trim: the text without leading and trailing whitespace.
+std::string trimmed(const std::string& text) {
+  const char* space = " \t\n\r\f\v";
+  const size_t begin = text.find_first_not_of(space);
+  if (begin == std::string::npos) return "";
+  return text.substr(begin, text.find_last_not_of(space) - begin + 1);
+}
 
 // A Jinja string literal's text: '\n' escapes become newlines (a template may also hold a literal
 // newline, which stays as it is).
@@ -33,10 +45,28 @@ std::string unescape(const std::string& literal) {
 }  // namespace
 
 ChatTemplate::ChatTemplate(const std::string& jinja, const std::string& source) {
-  if (jinja.find(kStart) == std::string::npos || jinja.find(kEnd) == std::string::npos) {
+  const auto has = [&](const char* text) { return jinja.find(text) != std::string::npos; };
+  if (has(kHeaderStart) && has(kHeaderEnd) && has(kEot)) {
+    if (has("Cutting Knowledge Date") || has("Today Date")) {
+      throw std::invalid_argument(fmt::format(
+          "{}: a Llama 3.1-style chat template, whose system turn carries the date it runs on; "
+          "ShardRL renders Llama 3's header template without it (give the model a template of "
+          "<|start_header_id|> turns alone)",
+          source));
+    }
+    format_ = Format::kLlama3;
+    bos_ = has("bos_token") || has(kBos);
+    std::string compact;
+    for (char c : jinja) {
+      if (c != ' ') compact += c;
+    }
+    trim_ = compact.find("|trim") != std::string::npos;
+    return;
+  }
+  if (!has(kStart) || !has(kEnd)) {
     throw std::invalid_argument(fmt::format(
-        "{}: the chat template is not ChatML (no <|im_start|> / <|im_end|>); ShardRL renders "
-        "ChatML templates only",
+        "{}: the chat template is neither ChatML (<|im_start|> / <|im_end|>) nor Llama 3's "
+        "(<|start_header_id|> / <|end_header_id|> / <|eot_id|>); ShardRL renders those two only",
         source));
   }
   // The default system turn is a literal in the template: '<|im_start|>system\n...<|im_end|>\n'.
@@ -58,6 +88,15 @@ ChatTemplate::ChatTemplate(const std::string& jinja, const std::string& source) 
 std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
                                  bool add_generation_prompt) const {
   std::string out;
+  if (format_ == Format::kLlama3) {
+    if (bos_) out += kBos;
+    for (const auto& m : messages) {
+      out += fmt::format("{}{}{}\n\n{}{}", kHeaderStart, m.role, kHeaderEnd,
+                         trim_ ? trimmed(m.content) : m.content, kEot);
+    }
+    if (add_generation_prompt) out += fmt::format("{}assistant{}\n\n", kHeaderStart, kHeaderEnd);
+    return out;
+  }
   if (default_system_ && (messages.empty() || messages.front().role != "system")) {
     out += fmt::format("{}system\n{}{}\n", kStart, *default_system_, kEnd);
   }

@@ -98,6 +98,9 @@ struct WordPieceTokenizer::Impl {
   int64_t cls = 0, sep = 0, pad = 0, unk = 0;
 
   int64_t special_id(const std::string& token, const char* field) const {
+    // An empty one would match everywhere in encode's scan for special tokens, without advancing.
+    if (token.empty())
+      throw std::invalid_argument(fmt::format("WordPiece: the {} is empty", field));
     auto it = ids.find(token);
     if (it == ids.end()) {
       throw std::invalid_argument(

@@ -1,11 +1,14 @@
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
+#include "config_table.h"
 #include "shardrl/trainer.h"
 
 namespace shardrl::trainer {
@@ -41,7 +44,9 @@ json scalar_to_json(const YAML::Node& node, const std::string& source) {
   try {
     size_t used = 0;
     const double d = std::stod(text, &used);
-    if (used == text.size()) return d;
+    // "nan" and "inf" are strings in YAML 1.2's core schema (it spells them .nan and .inf), and
+    // JSON has no way to write them: the config could not be printed or written back.
+    if (used == text.size() && std::isfinite(d)) return d;
   } catch (const std::exception&) {
   }
   return text;
@@ -170,12 +175,46 @@ void reject_renamed_keys(const json& config, const std::string& prefix, const st
   }
 }
 
-void merge_into(json& base, const json& over, const std::string& prefix,
-                const std::string& source) {
+// Lists that a single string also sets, as a list of that one item: verl's Tracking reads
+// `logger: console` as [console], and configs in the wild still say so.
+constexpr const char* kListsTakingOneString[] = {"trainer.logger"};
+
+bool takes_one_string(const std::string& key) {
+  for (const char* k : kListsTakingOneString) {
+    if (key == k) return true;
+  }
+  return false;
+}
+
+// What a merge needs beyond the two documents: the keys below which any key may be added (a
+// model's config.json), and where to record the source of each value it sets.
+struct MergeContext {
+  const std::string& source;
+  const std::set<std::string>* free_form = nullptr;
+  ConfigOrigins* origins = nullptr;
+
+  bool is_free_form(const std::string& key) const { return free_form && free_form->count(key); }
+  void record(const std::string& key) const {
+    if (origins) (*origins)[key] = source;
+  }
+};
+
+// A free-form mapping: keys merge, new ones included, and values replace whatever was there.
+void merge_free_form(json& base, const json& over) {
+  for (const auto& [key, value] : over.items()) {
+    if (base.contains(key) && base[key].is_object() && value.is_object()) {
+      merge_free_form(base[key], value);
+    } else {
+      base[key] = value;
+    }
+  }
+}
+
+void merge_into(json& base, const json& over, const std::string& prefix, const MergeContext& ctx) {
   for (const auto& [key, value] : over.items()) {
     const std::string name = prefix.empty() ? key : prefix + "." + key;
     if (!base.contains(key)) {
-      throw std::invalid_argument(fmt::format("{}: unknown config key '{}'", source, name));
+      throw std::invalid_argument(fmt::format("{}: unknown config key '{}'", ctx.source, name));
     }
     json& target = base[key];
     if (target.is_object() && value.is_null()) {
@@ -183,52 +222,56 @@ void merge_into(json& base, const json& over, const std::string& prefix,
       // than erasing them, after which every key of it would read as missing.
       continue;
     }
-    if (target.is_null()) {
+    if (ctx.is_free_form(name)) {
+      // Any keys, any values: the table's check of the key sees the result.
+      if (target.is_object() && value.is_object()) {
+        merge_free_form(target, value);
+      } else {
+        target = value;
+      }
+      ctx.record(name);
+    } else if (target.is_null()) {
       target = value;
+      ctx.record(name);
     } else if (value.is_null()) {
       // `lr:` left empty: every read of the key would fail later, in an error naming no file.
       throw std::invalid_argument(
-          fmt::format("{}: config key '{}' must be {}, got null", source, name, kind(target)));
+          fmt::format("{}: config key '{}' must be {}, got null", ctx.source, name, kind(target)));
     } else if (target.is_object() && value.is_object()) {
-      merge_into(target, value, name, source);
+      merge_into(target, value, name, ctx);
+    } else if (target.is_array() && value.is_string() && takes_one_string(name)) {
+      target = json::array({value});
+      ctx.record(name);
     } else if (!same_kind(target, value)) {
-      throw std::invalid_argument(fmt::format("{}: config key '{}' must be {}, got {}", source,
+      throw std::invalid_argument(fmt::format("{}: config key '{}' must be {}, got {}", ctx.source,
                                               name, kind(target), value.dump()));
     } else {
       target = value;
+      ctx.record(name);
     }
   }
 }
 
-}  // namespace
-
-json yaml_to_json(const std::string& yaml_text, const std::string& source) {
-  try {
-    Expansion budget{source, 16 * yaml_text.size() + 4096};
-    return node_to_json(YAML::Load(yaml_text), budget, 0);
-  } catch (const YAML::Exception& e) {
-    throw std::invalid_argument(fmt::format("{}: not valid YAML: {}", source, e.what()));
-  }
-}
-
-json merge_config(const json& defaults, const json& config, const std::string& source) {
+json merge_document(const json& defaults, const json& config, const MergeContext& ctx) {
   json merged = defaults;
   if (config.is_null()) return merged;
   if (!config.is_object()) {
-    throw std::invalid_argument(fmt::format("{}: the config must be a mapping", source));
+    throw std::invalid_argument(fmt::format("{}: the config must be a mapping", ctx.source));
   }
-  reject_renamed_keys(config, "", source);
-  merge_into(merged, config, "", source);
+  reject_renamed_keys(config, "", ctx.source);
+  merge_into(merged, config, "", ctx);
   return merged;
 }
 
-json load_config(const std::string& path, const std::vector<std::string>& overrides,
-                 const json& defaults) {
+json load_document(const std::string& path, const std::vector<std::string>& overrides,
+                   const json& defaults, const std::set<std::string>* free_form,
+                   ConfigOrigins* origins) {
   std::ifstream in(path);
   if (!in) throw std::invalid_argument(fmt::format("config file '{}' cannot be read", path));
   std::stringstream text;
   text << in.rdbuf();
-  json config = merge_config(defaults, yaml_to_json(text.str(), path), path);
+  json config =
+      merge_document(defaults, yaml_to_json(text.str(), path), {path, free_form, origins});
   for (const auto& item : overrides) {
     const auto eq = item.find('=');
     if (eq == std::string::npos || eq == 0) {
@@ -244,9 +287,35 @@ json load_config(const std::string& path, const std::vector<std::string>& overri
       if (it->empty()) throw std::invalid_argument(fmt::format("override '{}': empty key", item));
       nested = json{{*it, nested}};
     }
-    config = merge_config(config, nested, "override '" + item + "'");
+    config = merge_document(config, nested, {"override '" + item + "'", free_form, origins});
   }
   return config;
+}
+
+}  // namespace
+
+json yaml_to_json(const std::string& yaml_text, const std::string& source) {
+  try {
+    Expansion budget{source, 16 * yaml_text.size() + 4096};
+    return node_to_json(YAML::Load(yaml_text), budget, 0);
+  } catch (const YAML::Exception& e) {
+    throw std::invalid_argument(fmt::format("{}: not valid YAML: {}", source, e.what()));
+  }
+}
+
+json merge_config(const json& defaults, const json& config, const std::string& source) {
+  return merge_document(defaults, config, {source});
+}
+
+json load_config(const std::string& path, const std::vector<std::string>& overrides,
+                 const json& defaults) {
+  return load_document(path, overrides, defaults, nullptr, nullptr);
+}
+
+json load_config(const std::string& path, const std::vector<std::string>& overrides,
+                 const ConfigTable& table, ConfigOrigins* origins) {
+  const auto free_form = table.free_form();
+  return load_document(path, overrides, table.defaults(), &free_form, origins);
 }
 
 const json& at(const json& config, const std::string& dotted_key) {

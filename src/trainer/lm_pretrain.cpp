@@ -17,11 +17,8 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+// The table has checked that data.train_files exists.
 torch::Tensor read_corpus(const std::string& path) {
-  if (!fs::exists(path)) {
-    throw std::invalid_argument(
-        fmt::format("config key 'data.train_files': '{}' does not exist", path));
-  }
   std::vector<fs::path> files;
   if (fs::is_directory(path)) {
     for (const auto& entry : fs::directory_iterator(path))
@@ -58,18 +55,17 @@ engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& 
   return {models::next_token_loss(logits, tokens) / mb.count, {}, {}};
 }
 
-json lm_pretrain_defaults() {
-  json d = {{"trainer", {{"task", "lm_pretrain"}}},
-            {"data",
-             {{"train_files", "/usr/share/common-licenses"},
-              {"train_batch_size", 32},
-              {"max_seq_len", 64}}},
-            {"actor_rollout_ref", engine_defaults()}};
-  d["actor_rollout_ref"]["model"]["family"] = "gpt";
-  d["actor_rollout_ref"]["model"]["config"] = {
-      {"vocab_size", 256}, {"max_seq_len", 64}, {"d_model", 128}, {"n_heads", 4}, {"n_layers", 4}};
-  d["actor_rollout_ref"]["actor"]["optim"]["lr"] = 3e-3;
-  return d;
+PlanInput lm_pretrain_plan(const json& config, const engine::Layout& layout) {
+  PlanInput in{engine_config(config, "language_model", "actor"), {}};
+  const int64_t dp = layout.world_size() / ulysses_sequence_parallel_size(config, "actor");
+  const int64_t local = std::max<int64_t>(1, get<int64_t>(config, "data.train_batch_size") / dp);
+  const int64_t micro = in.engine.micro_batch_size_per_gpu;
+  in.workload.micro_batch_rows = micro > 0 ? std::min(micro, local) : local;
+  in.workload.tokens_per_row = get<int64_t>(config, "data.max_seq_len");
+  in.workload.gradient_checkpointing =
+      get<bool>(config, "actor_rollout_ref.model.enable_gradient_checkpointing");
+  in.workload.logits = true;
+  return in;
 }
 
 int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
@@ -80,7 +76,11 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
 
   const auto& model = at(config, "actor_rollout_ref.model");
   if (model.value("family", json()) == "llama") {
-    const auto c = models::LlamaConfig::from_json(model.at("config"));
+    const auto path = get<std::string>(config, "actor_rollout_ref.model.path");
+    // A pretrained folder brings its own config.json (the engine's builder reads it too).
+    const auto c = !path.empty() && fs::exists(path + "/config.json")
+                       ? models::LlamaConfig::load(path + "/config.json")
+                       : models::LlamaConfig::from_json(model.at("config"));
     check_sequence_parallel_heads(config, "actor", c.num_attention_heads, c.num_key_value_heads);
   }
   torch::manual_seed(seed);  // identical initial weights on every rank
@@ -93,7 +93,8 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
         global_batch, dp));
   }
   const int64_t local = global_batch / dp;
-  Run run(config, *world);
+  // Tokens trained a step, all ranks together, per second of the step.
+  Run run(config, *world, {"perf/tokens_per_s", "tok/s"});
   for (int64_t step = run.resume(*engine) + 1; step <= run.total_steps(); ++step) {
     // Each step's windows depend on the seed and step only, so a resumed run sees the same data.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + step);
@@ -105,9 +106,36 @@ int run_lm_pretrain(const json& config, std::shared_ptr<dist::World> world) {
         engine::slice_batch(batch, engine->data_parallel_rank() * local, local), next_token_loss);
     metrics["step_time"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    metrics["perf/tokens_per_s"] =
+        static_cast<double>(global_batch * seq) / std::max(metrics["step_time"], 1e-9);
     run.after_step(*engine, step, metrics);
   }
   return 0;
+}
+
+Task lm_pretrain_task() {
+  Task task;
+  task.description = "next-token pretraining of a language model on a text corpus, byte-level";
+  task.keys = {
+      {"data.train_files", "/usr/share/common-licenses", text().existing_path().required(),
+       "the text: a file, or a folder whose files are read in name order (each byte a token)"},
+      {"data.train_batch_size", 32, integer().at_least(1),
+       "sequences a step, all ranks together (divides by the data-parallel ranks)"},
+      {"data.max_seq_len", 64, integer().at_least(1), "tokens a sequence"},
+  };
+  task.defaults = {
+      {"actor_rollout_ref.model.family", "gpt"},
+      {"actor_rollout_ref.model.config",
+       {{"vocab_size", 256},
+        {"max_seq_len", 64},
+        {"d_model", 128},
+        {"n_heads", 4},
+        {"n_layers", 4}}},
+      {"actor_rollout_ref.actor.optim.lr", 3e-3},
+  };
+  task.run = run_lm_pretrain;
+  task.plan = lm_pretrain_plan;
+  return task;
 }
 
 }  // namespace shardrl::trainer

@@ -7,9 +7,20 @@
 namespace shardrl::trainer {
 
 void register_builtin_tasks(std::map<std::string, Task>& tasks) {
-  tasks["lm_pretrain"] = {lm_pretrain_defaults, run_lm_pretrain};
-  tasks["diffusion_rl"] = {diffusion_rl_defaults, run_diffusion_rl};
-  tasks["lm_grpo"] = {lm_grpo_defaults, run_lm_grpo};
+  tasks["lm_pretrain"] = lm_pretrain_task();
+  tasks["diffusion_rl"] = diffusion_rl_task();
+  tasks["lm_grpo"] = lm_grpo_task();
+}
+
+engine::Workload::Rollout rollout_engine(const nlohmann::json& config,
+                                         engine::Workload::Rollout hf_mode) {
+  const auto name = get<std::string>(config, "actor_rollout_ref.rollout.name");
+  if (name == "replica") return engine::Workload::Rollout::kReplica;
+  if (name == "hf") return hf_mode;
+  throw std::invalid_argument(fmt::format(
+      "config key 'actor_rollout_ref.rollout.name' is '{}': replica (an unsharded rollout model "
+      "on each rank, fed by the weight sync) or hf (the actor's sharded module samples)",
+      name));
 }
 
 void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,

@@ -1,4 +1,4 @@
-"""verl-omni's diffusion algorithms, as verl-omni computes them (tests/test_diffusion_algos_reference.cpp).
+"""verl-omni's diffusion algorithms, as verl-omni computes them (tests/test_diffusion_reference.cpp).
 
 Transcribed from verl-project/verl-omni at a1139ba, not from ShardRL:
   verl_omni/pipelines/schedulers/flow_match_sde.py   FlowMatchSDEDiscreteScheduler.sample_previous_step

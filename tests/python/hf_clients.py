@@ -10,8 +10,10 @@ usage:
       and greedy tokens equal `shardrl generate` on the same directories; the safetensors library
       reads every .safetensors file under the checkpoint and the exports.
   hf_clients.py pretrained SHARDRL WORK_DIR
-      transformers' save_pretrained of randomly initialised LLaMA / Qwen2 models (GQA, tied and
-      untied embeddings) loads in `shardrl generate`, with transformers' logits and greedy tokens.
+      transformers' save_pretrained of randomly initialised Llama / Qwen2 / Qwen3 / Llama 3.x
+      models (several GQA ratios, tied and untied embeddings, head_dim unlike hidden / heads,
+      Llama 3's RoPE scaling) loads in `shardrl generate`, with transformers' logits and greedy
+      tokens; so does a PEFT LoRA adapter PEFT saved on top of each, with PEFT's.
 """
 import glob
 import json
@@ -139,17 +141,40 @@ def exports(shardrl, base_dir, merged_dir, adapter_dir, ckpt_dir, tokens_csv, ya
     check_safetensors_files(files)
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
 def pretrained(shardrl, work_dir):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
     common = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
-                  rms_norm_eps=1e-6, rope_theta=10000.0)
+                  rms_norm_eps=1e-6)
+    theta = dict(rope_theta=10000.0)
     cases = {
-        "llama, GQA, untied": (LlamaForCausalLM, LlamaConfig(tie_word_embeddings=False, **common)),
+        "llama, GQA, untied": (LlamaForCausalLM, LlamaConfig(
+            tie_word_embeddings=False, **common, **theta)),
         "llama, tied, attention bias": (LlamaForCausalLM, LlamaConfig(
-            tie_word_embeddings=True, attention_bias=True, **common)),
-        "qwen2, GQA, tied": (Qwen2ForCausalLM, Qwen2Config(tie_word_embeddings=True, **common)),
-        "qwen2, untied": (Qwen2ForCausalLM, Qwen2Config(tie_word_embeddings=False, **common)),
+            tie_word_embeddings=True, attention_bias=True, **common, **theta)),
+        "qwen2, GQA, tied": (Qwen2ForCausalLM, Qwen2Config(
+            tie_word_embeddings=True, **common, **theta)),
+        "qwen2, untied": (Qwen2ForCausalLM, Qwen2Config(
+            tie_word_embeddings=False, **common, **theta)),
+        # Qwen3: q/k norms per head; head_dim 12 and 16, not hidden 48 / 6 heads = 8.
+        "qwen3, GQA 3:1, head_dim 12, tied": (Qwen3ForCausalLM, Qwen3Config(
+            tie_word_embeddings=True, head_dim=12, rope_theta=1e6, **common)),
+        "qwen3, GQA 6:1, head_dim 16, untied, attention bias": (Qwen3ForCausalLM, Qwen3Config(
+            **{**common, "num_key_value_heads": 1}, head_dim=16, tie_word_embeddings=False,
+            attention_bias=True)),
+        # Llama 3.x: RoPE scaling (a context of 32 puts frequencies in all three of its bands).
+        "llama3 rope, GQA 3:1, tied": (LlamaForCausalLM, LlamaConfig(
+            tie_word_embeddings=True, rope_parameters=dict(LLAMA3_ROPE), **common)),
+        "llama3 rope, no GQA, head_dim 16, untied": (LlamaForCausalLM, LlamaConfig(
+            **{**common, "num_key_value_heads": 6}, head_dim=16, tie_word_embeddings=False,
+            rope_parameters=dict(LLAMA3_ROPE))),
     }
     tokens = [3, 17, 45, 2, 88, 61, 9, 30, 30, 1, 72]
     for i, (name, (cls, config)) in enumerate(cases.items()):
@@ -161,8 +186,28 @@ def pretrained(shardrl, work_dir):
                 p.normal_(0, 0.2)
         out_dir = os.path.join(work_dir, f"case{i}")
         model.save_pretrained(out_dir)
+        base = transformers_run(model, tokens)
         compare(f"shardrl loads transformers' save_pretrained ({name})",
-                shardrl_generate(shardrl, out_dir, tokens), transformers_run(model, tokens))
+                shardrl_generate(shardrl, out_dir, tokens), base)
+        # A LoRA adapter PEFT made and saved (B drawn non-zero, so it acts), read by ShardRL.
+        torch.manual_seed(100 + i)
+        peft_model = get_peft_model(
+            cls.from_pretrained(out_dir, dtype=torch.float32),
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                          "gate_proj", "up_proj", "down_proj"]))
+        with torch.no_grad():
+            for n, p in peft_model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.2)
+        adapter_dir = os.path.join(work_dir, f"case{i}-adapter")
+        peft_model.save_pretrained(adapter_dir)
+        peft_out = transformers_run(PeftModel.from_pretrained(
+            cls.from_pretrained(out_dir, dtype=torch.float32), adapter_dir).eval(), tokens)
+        compare(f"shardrl loads PEFT's save_pretrained adapter ({name})",
+                shardrl_generate(shardrl, out_dir, tokens, adapter=adapter_dir), peft_out)
+        effect = relative_error(peft_out[0], base[0])
+        report(f"the PEFT adapter changes the logits ({name})", effect > 100 * TOLERANCE,
+               effect=effect)
 
 
 def main():

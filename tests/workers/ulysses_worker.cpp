@@ -2,14 +2,17 @@
 // ulysses_sequence_parallel_size --sp trains --steps steps on its data-parallel share of a global
 // batch that every layout sees alike, and rank 0 writes each step's metrics and the final params.
 //   --model llama   the LLaMA decoder (4 heads, --kv-heads key/value heads, tied or --untied
-//                   embeddings, --lora-rank); --loss policy: GRPO's dual-clip loss on the response
-//                   log-probs of left-padded sequences of --length tokens, the first --prompt of
-//                   them prompt (old log-probs from the model before the step, under no grad);
+//                   embeddings, --lora-rank; --family qwen3: q/k norms and head_dim 12, --family
+//                   llama3: Llama 3's RoPE scaling and head_dim 16); --loss policy: GRPO's
+//                   dual-clip loss on the response log-probs of left-padded sequences of --length
+//                   tokens, the first --prompt of them prompt (old log-probs from the model before
+//                   the step, under no grad);
 //                   --loss next_token: cross-entropy of the whole logits over the real tokens
 //   --model sd3     the SD3 MMDiT of sd3_scenario.h (2 heads, a dual-attention block, qk RMSNorm)
 //   on
 //                   a --image x --image latent of 2 x 2 patches and --text text tokens: Flow-GRPO's
 //                   registered loss on the rows of a rollout the engine's model samples
+// --remove-padding packs the policy loss's sequences (verl's use_remove_padding).
 // --checkpointing turns on activation checkpointing. OUT/metrics.txt: "loss grad_norm" a step;
 // OUT/final: the gathered params; OUT/exchange.json: the bytes this rank sent in its Ulysses
 // group's collectives over the run.
@@ -35,26 +38,38 @@ using namespace shardrl;
 namespace {
 
 struct Args {
-  std::string model = "llama", loss = "policy", out;
+  std::string model = "llama", family = "llama", loss = "policy", out;
   int sp = 1, fsdp_size = -1;
   int64_t steps = 2, batch = 4, micro_batch = 1, kv_heads = 2, length = 13, prompt = 9,
           lora_rank = 0, image = 6, text = 5;
-  bool untied = false, checkpointing = false;
+  bool untied = false, checkpointing = false, remove_padding = false;
 };
 
 engine::EngineConfig llama_config(const Args& a) {
   engine::EngineConfig c;
   c.model_type = "language_model";
+  nlohmann::json model = {{"vocab_size", 61},
+                          {"hidden_size", 32},
+                          {"intermediate_size", 48},
+                          {"num_hidden_layers", 2},
+                          {"num_attention_heads", 4},
+                          {"num_key_value_heads", a.kv_heads},
+                          {"max_position_embeddings", 64},
+                          {"tie_word_embeddings", !a.untied}};
+  if (a.family == "qwen3") {
+    model.update({{"model_type", "qwen3"}, {"head_dim", 12}});
+  } else if (a.family == "llama3") {
+    model.update({{"head_dim", 16},
+                  {"rope_parameters",
+                   {{"rope_type", "llama3"},
+                    {"rope_theta", 5e5},
+                    {"factor", 8.0},
+                    {"low_freq_factor", 1.0},
+                    {"high_freq_factor", 4.0},
+                    {"original_max_position_embeddings", 1024}}}});
+  }
   c.model = {{"family", "llama"},
-             {"config",
-              {{"vocab_size", 61},
-               {"hidden_size", 32},
-               {"intermediate_size", 48},
-               {"num_hidden_layers", 2},
-               {"num_attention_heads", 4},
-               {"num_key_value_heads", a.kv_heads},
-               {"max_position_embeddings", 64},
-               {"tie_word_embeddings", !a.untied}}},
+             {"config", model},
              {"lora_rank", a.lora_rank},
              {"enable_gradient_checkpointing", a.checkpointing}};
   c.optim.lr = 1e-2;
@@ -95,6 +110,17 @@ engine::Batch llama_batch(const Args& a, int64_t step) {
           {"advantages", advantages.contiguous()}};
 }
 
+// The response log-probs of the batch's rows: padded, or packed (--remove-padding).
+torch::Tensor llama_log_probs(const Args& a, engine::Engine& e, const engine::Batch& d) {
+  auto& model = e.model<models::LlamaForCausalLM>();
+  if (!a.remove_padding) {
+    return rollout::response_log_probs(model, d.at("sequences"), a.prompt, 1.0,
+                                       d.at("attention_mask"));
+  }
+  return rollout::packed_response_log_probs(model, d.at("sequences"), a.prompt, 1.0,
+                                            d.at("attention_mask"), d.at("response_mask"));
+}
+
 engine::LossOutput llama_loss(const Args& a, engine::Engine& e, const engine::MicroBatch& mb) {
   auto& model = e.model<models::LlamaForCausalLM>();
   const auto& d = mb.data;
@@ -108,8 +134,7 @@ engine::LossOutput llama_loss(const Args& a, engine::Engine& e, const engine::Mi
     auto loss = ((nll * mask).sum(1) / mask.sum(1)).mean();
     return {loss / mb.count, {}, {}};
   }
-  auto log_probs =
-      rollout::response_log_probs(model, d.at("sequences"), a.prompt, 1.0, d.at("attention_mask"));
+  auto log_probs = llama_log_probs(a, e, d);
   algos::PolicyLossConfig policy;
   policy.loss_agg_mode = "seq-mean-token-mean";  // per-sample means: any split of the batch agrees
   auto out = algos::compute_policy_loss(d.at("old_log_probs"), log_probs, d.at("advantages"),
@@ -140,6 +165,7 @@ int main(int argc, char** argv) {
   Args a;
   app.add_option("--model", a.model);
   app.add_option("--loss", a.loss);
+  app.add_option("--family", a.family, "llama, qwen3 or llama3 (--model llama)");
   app.add_option("--out", a.out)->required();
   app.add_option("--sp", a.sp);
   app.add_option("--fsdp-size", a.fsdp_size);
@@ -154,6 +180,8 @@ int main(int argc, char** argv) {
   app.add_option("--text", a.text, "text tokens (sd3)");
   app.add_flag("--untied", a.untied, "an lm_head of its own (llama)");
   app.add_flag("--checkpointing", a.checkpointing, "activation checkpointing");
+  app.add_flag("--remove-padding", a.remove_padding,
+               "policy log-probs on packed sequences (verl's use_remove_padding)");
   CLI11_PARSE(app, argc, argv);
 
   auto world = dist::World::init_from_env();
@@ -182,9 +210,7 @@ int main(int argc, char** argv) {
         // The rollout policy's log-probs: the model as it is, without grad, over the global
         // batch (a forward under sequence parallelism too).
         torch::NoGradGuard no_grad;
-        global["old_log_probs"] = rollout::response_log_probs(
-            engine->model<models::LlamaForCausalLM>(), global.at("sequences"), a.prompt, 1.0,
-            global.at("attention_mask"));
+        global["old_log_probs"] = llama_log_probs(a, *engine, global);
       }
       loss = [&a](engine::Engine& e, const engine::MicroBatch& mb) { return llama_loss(a, e, mb); };
     }

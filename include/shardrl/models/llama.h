@@ -1,17 +1,21 @@
-// A LLaMA / Qwen2-style causal decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query
-// attention, tied or untied embeddings and a KV cache for sampling.
+// The LLaMA-family causal decoders people post-train: Llama (2, 3.x with its RoPE scaling), Qwen2
+// and Qwen3 (per-head q/k RMSNorm, head_dim given apart from hidden / heads). RMSNorm, rotary
+// embeddings, SwiGLU MLP, grouped-query attention through at::scaled_dot_product_attention (no
+// [T, T] scores kept on the CPU's flash kernel), tied or untied embeddings and a KV cache for
+// sampling.
 //
-// Parameter names and config.json fields are those of Hugging Face transformers' Llama
-// (`model.layers.0.self_attn.q_proj.weight`, `num_key_value_heads`, ...), so weights move between
-// ShardRL and transformers as safetensors without renaming. Every projection is a LoraLinear, so
-// lora::apply_lora() can target them by their HF names ("q_proj", "v_proj", ...). Each decoder
-// layer is an fsdp::Unit, and so are the embeddings and the untied head; shard_llama() shards
-// them by the block wrap policy (wrap_policy.h).
+// Parameter names and config.json fields are those of Hugging Face transformers' Llama / Qwen2 /
+// Qwen3 (`model.layers.0.self_attn.q_proj.weight`, `num_key_value_heads`, ...), so weights move
+// between ShardRL and transformers as safetensors without renaming. Every projection is a
+// LoraLinear, so lora::apply_lora() can target them by their HF names ("q_proj", "v_proj", ...).
+// Each decoder layer is an fsdp::Unit, and so are the embeddings and the untied head;
+// shard_llama() shards them by the block wrap policy (wrap_policy.h).
 #pragma once
 
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,8 +24,22 @@
 #include "shardrl/models/lora.h"
 #include "shardrl/models/weights.h"
 #include "shardrl/models/wrap_policy.h"
+#include "shardrl/ulysses.h"
 
 namespace shardrl::models {
+
+// transformers' rope_parameters (rope_scaling before transformers 5): the rotary frequencies.
+struct RopeParameters {
+  std::string rope_type = "default";  // "default", or "llama3" (Llama 3.1 and later)
+  double rope_theta = 10000.0;
+  // llama3: wavelengths above original_max_position_embeddings / low_freq_factor are stretched by
+  // `factor`, those below original_max_position_embeddings / high_freq_factor kept, and those
+  // between blended smoothly (transformers' _compute_llama3_parameters).
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 0;
+};
 
 struct LlamaConfig {
   int64_t vocab_size = 32000;
@@ -32,18 +50,31 @@ struct LlamaConfig {
   int64_t num_key_value_heads = 32;  // < num_attention_heads: grouped-query attention
   int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
-  double rope_theta = 10000.0;
+  RopeParameters rope_parameters;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;  // q/k/v/o biases; Qwen2 has q/k/v biases ("model_type": "qwen2")
+  // q/k/v/o biases (llama, qwen3); Qwen2 always has q/k/v biases and no o bias.
+  bool attention_bias = false;
+  // 0: hidden_size / num_attention_heads (Llama's default). Qwen3 gives it apart (Qwen3-0.6B:
+  // 16 heads of 128 in a hidden size of 1024).
+  int64_t head_dim = 0;
+  // "llama", "qwen2" or "qwen3" (per-head RMSNorm of q and k before RoPE: q_norm, k_norm).
   std::string model_type = "llama";
 
-  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  int64_t attention_head_dim() const {
+    return head_dim > 0 ? head_dim : hidden_size / num_attention_heads;
+  }
+  bool qk_norm() const { return model_type == "qwen3"; }
   // Errors name the field at fault.
   void validate() const;
+  // What transformers' save_pretrained writes for the model (rope_parameters; rope_theta and, for
+  // llama3 scaling, rope_scaling as well, for readers before transformers 5).
   nlohmann::json to_json() const;
-  // Reads HF field names; absent optional fields take HF's defaults, absent required ones and
-  // wrong types are errors naming the field.
+  // Reads HF field names; absent optional fields take the model type's defaults in transformers,
+  // absent required ones and wrong types are errors naming the field. A field that changes the
+  // model's math and is not implemented (another rope type, a sliding window in use, experts,
+  // quantization, attention dropout, ...) is an error naming it, never ignored.
   static LlamaConfig from_json(const nlohmann::json& j);
+  // A config.json; its errors name the file (and the field).
   static LlamaConfig load(const std::string& config_json_path);
   void save(const std::string& config_json_path) const;
 };
@@ -59,20 +90,52 @@ class RMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
+// Which keys each query of an attention forward sees.
+struct AttentionMask {
+  // Bool, true where a query may see a key: [T, past + T], or [B, 1, T, past + T] per row (left
+  // padding); or the same as floats added to the scores (0 where a query may see a key, -inf
+  // where not), as LlamaModel builds it once for all its layers. Undefined: `causal` says.
+  torch::Tensor allowed;
+  // Without `allowed`: true, each query sees the keys at its own position and before (queries and
+  // keys at the same positions: the kernels' is_causal, no mask built); false, every key (one new
+  // token after a cache).
+  bool causal = true;
+  // Packed sequences (PackedSequences): the tokens of one row are these sequences back to back,
+  // and each query sees the earlier keys of its own sequence only (flash-attn's varlen, as verl's
+  // use_remove_padding runs it). Empty: the row is one sequence.
+  std::vector<int64_t> sequence_lengths;
+};
+
+// Several sequences in one row without their padding (verl's use_remove_padding; flash-attn's
+// unpad_input): tokens [1, N], the valid tokens of every row concatenated, position_ids [1, N]
+// counting from 0 in each sequence, so every token computes what it does in its padded row.
+struct PackedSequences {
+  torch::Tensor tokens;
+  torch::Tensor position_ids;
+  std::vector<int64_t> lengths;  // tokens of each sequence, in order; they sum to N
+  // [N]: where each packed token sits in the padded batch, flattened (row * T + column).
+  torch::Tensor indices;
+};
+
+// The tokens of `tokens` [B, T] where `valid` [B, T] (bool, or 0/1) is set, row by row. A row
+// with no valid token is an error naming it.
+PackedSequences pack_sequences(const torch::Tensor& tokens, const torch::Tensor& valid);
+
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   explicit LlamaAttentionImpl(const LlamaConfig& config);
   // x [B, T, D]; cos/sin [T, head_dim], or [B, 1, T, head_dim] with per-row positions, for the
-  // positions of x. `blocked` bool, true where a query may not see a key: [T, past + T] (the
-  // causal mask) or [B, 1, T, past + T] (with padding). With a cache, attends to the cached keys
-  // too and appends this step's keys and values to `layer` of it.
+  // positions of x. With a cache, attends to the cached keys too and appends this step's keys and
+  // values to `layer` of it.
   // Under sequence parallelism (set_sequence_parallel, no cache), x, cos and sin are this rank's
-  // slice of the sequence and `blocked` covers the whole padded sequence: Ulysses' all-to-alls
-  // give each rank every position for heads / sp of the heads.
+  // slice of the sequence and `mask` covers the whole padded sequence: Ulysses' all-to-alls give
+  // each rank every position for heads / sp of the heads.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& blocked, KVCache* cache, size_t layer);
+                        const AttentionMask& mask, KVCache* cache, size_t layer);
   void set_sequence_parallel(dist::ProcessGroup* group) { sequence_parallel_ = group; }
   lora::LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  // Qwen3: RMSNorm over each head's head_dim of q and k, before RoPE (null otherwise).
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
@@ -92,7 +155,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, size_t index);
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                        torch::Tensor blocked, KVCache* cache);
+                        const AttentionMask& mask, KVCache* cache);
   // Recompute this layer's activations in backward instead of keeping them (not with a cache,
   // which sampling uses without grad anyway).
   bool checkpoint_activations = false;
@@ -102,7 +165,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
 
  private:
   torch::Tensor compute(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& blocked, KVCache* cache);
+                        const AttentionMask& mask, KVCache* cache);
   size_t index_;
 };
 
@@ -115,6 +178,9 @@ class LlamaModelImpl : public torch::nn::Module {
   // result is this rank's slice of the hidden states (ulysses::sequence_slice of the length).
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache,
                         const torch::Tensor& attention_mask);
+  // -> hidden states [1, N, hidden] of packed sequences (under sequence parallelism, this rank's
+  // slice of them, N padded for the group).
+  torch::Tensor forward_packed(const PackedSequences& packed);
   fsdp::Unit<EmbeddingImpl> embed_tokens{nullptr};
   std::vector<fsdp::Unit<LlamaDecoderLayerImpl>> layers;
   RMSNorm norm{nullptr};
@@ -122,6 +188,9 @@ class LlamaModelImpl : public torch::nn::Module {
   std::shared_ptr<dist::ProcessGroup> sequence_parallel;
 
  private:
+  // The layers on `tokens` at `positions`, this rank's slice of them under sequence parallelism.
+  torch::Tensor run(torch::Tensor tokens, const torch::Tensor& positions, AttentionMask mask,
+                    KVCache* cache, const std::optional<ulysses::SequenceSlice>& slice);
   LlamaConfig config_;
 };
 TORCH_MODULE(LlamaModel);
@@ -149,6 +218,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor tokens, KVCache* cache = nullptr,
                         torch::Tensor attention_mask = {}, int64_t logits_to_keep = 0,
                         torch::Tensor next_tokens = {}, double temperature = 1.0);
+  // Packed sequences (verl's use_remove_padding): the log-probs [K] fp32 of next_tokens [K] at
+  // the packed positions `scored` [K] (increasing), under log_softmax(logits / temperature). The
+  // decoder runs on the N packed tokens only and the head on the K scored positions only. Under
+  // Ulysses every rank of the group passes the same packed sequences and gets the same result.
+  torch::Tensor forward(const PackedSequences& packed, torch::Tensor scored,
+                        torch::Tensor next_tokens, double temperature);
   const LlamaConfig& config() const { return config_; }
   // Activation checkpointing per decoder layer (see activation_checkpoint.h).
   void set_activation_checkpointing(bool enabled);
@@ -167,6 +242,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 
  private:
   torch::Tensor head(const torch::Tensor& hidden);  // lm_head, or the tied embeddings
+  // Log-probs [B, K] of next_tokens [B, K] at positions [K] (increasing) of the length-T rows
+  // whose hidden states are h: all of them, or this rank's slice under sequence parallelism.
+  torch::Tensor log_probs_at(const torch::Tensor& h, int64_t T, const torch::Tensor& positions,
+                             const torch::Tensor& next_tokens, double temperature);
   LlamaConfig config_;
   LinearImpl::InferenceKernel tied_head_kernel_;
 };

@@ -42,7 +42,12 @@ struct LoraConfig {
   std::vector<std::string> target_modules;
   std::string target_regex;
   double scaling() const { return alpha / static_cast<double>(r); }
+  // "q_proj, v_proj" or "regex <target_regex>", for errors.
+  std::string describe_targets() const;
 };
+
+// Whether a module of this qualified name carries the adapter (target_modules' rule above).
+bool is_target(const LoraConfig& config, const std::string& module_name);
 
 // A linear layer whose frozen base weight can carry named low-rank adapters.
 class LoraLinearImpl : public LinearImpl {
@@ -167,6 +172,9 @@ std::string peft_adapter_config(const LoraConfig& config, const std::string& bas
 std::optional<std::string> peft_name(const std::string& param, const std::string& name);
 // The config back from adapter_config.json's fields; errors name `where`.
 LoraConfig config_from_peft(const nlohmann::json& peft, const std::string& where);
+// An adapter_config.json file (PEFT's save_pretrained, `shardrl export --adapter`); errors name
+// the file.
+LoraConfig read_peft_config(const std::string& path);
 
 // ---- adapter-only export: PEFT's adapter_model.safetensors + adapter_config.json ---------------
 // The weights file also carries the config in its header, as diffusers reads it: diffusers models

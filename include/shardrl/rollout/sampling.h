@@ -62,4 +62,14 @@ torch::Tensor response_log_probs(models::LlamaForCausalLM& model, const torch::T
                                  int64_t prompt_length, double temperature,
                                  const torch::Tensor& attention_mask = {});
 
+// The same log-probs with the padding removed (verl's use_remove_padding): each row's valid
+// prompt tokens (attention_mask) and its response up to response_mask's last 1 go into one
+// packed row (models::pack_sequences), so the decoder computes nothing on padding and its time
+// follows the real tokens. Positions where response_mask is 0 get 0. Equal to
+// response_log_probs where response_mask is 1.
+torch::Tensor packed_response_log_probs(models::LlamaForCausalLM& model,
+                                        const torch::Tensor& sequences, int64_t prompt_length,
+                                        double temperature, const torch::Tensor& attention_mask,
+                                        const torch::Tensor& response_mask);
+
 }  // namespace shardrl::rollout

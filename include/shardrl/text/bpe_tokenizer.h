@@ -8,7 +8,8 @@
 // \s+) with the Unicode classes of JavaScript's regex engine, each piece's UTF-8 bytes are mapped
 // to printable characters (bytes_to_unicode) and merged pair by pair, lowest merge rank first.
 // No BOS or EOS is added. decode(encode(s)) == s for every byte string without added tokens in
-// it, valid UTF-8 or not.
+// it, valid UTF-8 or not, when the vocabulary holds all 256 byte characters (byte-level
+// vocabularies do); a byte it lacks is dropped, as tokenizers drops it.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +35,8 @@ class ByteLevelBpeTokenizer {
   static ByteLevelBpeTokenizer load(const std::string& dir);
   ByteLevelBpeTokenizer(const std::string& encoder_json_path, const std::string& vocab_bpe_path);
   // `tokens` in id order (byte-level characters, as tokenizer.json's vocab holds them), merges
-  // by rank, added tokens by id. Duplicate tokens, or an added token whose id names another
-  // token, are std::invalid_argument.
+  // by rank, added tokens by id. Duplicate tokens, a merge of or into a token not in `tokens`, or
+  // an added token whose id names another token, are std::invalid_argument.
   static ByteLevelBpeTokenizer from_vocab(std::vector<std::string> tokens,
                                           std::vector<std::pair<std::string, std::string>> merges,
                                           std::vector<AddedToken> added);

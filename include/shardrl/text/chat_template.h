@@ -1,11 +1,15 @@
-// Chat prompts in a model's own format, for the template family instruct models on the Hub most
-// often use: ChatML (`<|im_start|>role\ncontent<|im_end|>\n`, SmolLM2, Qwen2).
+// Chat prompts in a model's own format, for the two template families instruct models on the Hub
+// most often use: ChatML (`<|im_start|>role\ncontent<|im_end|>\n`: SmolLM2, Qwen2, Qwen2.5, Qwen3)
+// and Llama 3's headers (`<|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>` after
+// `<|begin_of_text|>`: Llama 3 and 3.2's base form).
 //
-// A chat template is Jinja code; ShardRL runs no Jinja. It recognises ChatML templates and takes
+// A chat template is Jinja code; ShardRL runs no Jinja. It recognises those families and takes
 // from the template text the default system message some insert when the conversation has none
-// (SmolLM2's "You are a helpful AI assistant named SmolLM, ..."). The result equals transformers'
-// apply_chat_template for those templates (tests/python/gguf_reference.py checks it); any other
-// template is an error rather than a silently different prompt.
+// (SmolLM2's "You are a helpful AI assistant named SmolLM, ..."), and whether contents are
+// trimmed (Llama 3's `| trim`). The result equals transformers' apply_chat_template for those
+// templates (tests/python/gguf_reference.py and the Chat tests check it); any other template,
+// and Llama 3.1's, which adds a system turn dated by the day it runs, is an error rather than a
+// silently different prompt.
 #pragma once
 
 #include <optional>
@@ -33,6 +37,10 @@ class ChatTemplate {
   const std::optional<std::string>& default_system() const { return default_system_; }
 
  private:
+  enum class Format { kChatML, kLlama3 };
+  Format format_ = Format::kChatML;
+  bool bos_ = false;   // Llama 3: the prompt opens with <|begin_of_text|>
+  bool trim_ = false;  // Llama 3: each content trimmed of surrounding whitespace
   std::optional<std::string> default_system_;
 };
 
