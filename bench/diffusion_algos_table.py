@@ -16,7 +16,9 @@ def main():
         if not os.path.exists(path):
             continue
         s = json.load(open(path))
+        # Steps only: line 0 is the evaluation before RL (trainer.val_before_train).
         metrics = [json.loads(line) for line in open(os.path.join(out, case, "metrics.jsonl"))]
+        metrics = [m for m in metrics if "reward_mean" in m]
         diff = [m["rollout_corr/logprob_abs_diff_max"] for m in metrics
                 if "rollout_corr/logprob_abs_diff_max" in m]
         rewards = [m["reward_mean"] for m in metrics]
