@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
+#include "model_test_util.h"
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/engine.h"
 #include "shardrl/fsdp.h"
@@ -21,22 +22,6 @@ namespace lora = models::lora;
 using nlohmann::json;
 
 constexpr int64_t kTextLen = 5, kTextDim = 12;
-
-models::SD3Config tiny_config() {
-  models::SD3Config c;
-  c.sample_size = 8;
-  c.patch_size = 2;
-  c.in_channels = 1;
-  c.out_channels = 1;
-  c.num_layers = 2;
-  c.num_attention_heads = 2;
-  c.attention_head_dim = 8;
-  c.joint_attention_dim = kTextDim;
-  c.pooled_projection_dim = kTextDim;
-  c.caption_projection_dim = c.inner_dim();
-  c.pos_embed_max_size = 8;
-  return c;
-}
 
 at::Generator gen(uint64_t seed) {
   return at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -68,7 +53,9 @@ algos::SamplerConfig sampler(const std::string& sde_type, double cfg) {
 std::unique_ptr<engine::Engine> make_trainer(bool lora, int64_t micro_batch) {
   engine::EngineConfig c;
   c.model_type = "diffusion_model";
-  c.model = {{"config", tiny_config().to_json()}, {"lora_rank", lora ? 4 : 0}, {"lora_alpha", 8.0}};
+  c.model = {{"config", tiny_sd3_config(kTextDim).to_json()},
+             {"lora_rank", lora ? 4 : 0},
+             {"lora_alpha", 8.0}};
   c.micro_batch_size_per_gpu = micro_batch;
   torch::manual_seed(17);
   auto e = engine::EngineRegistry::create(c, dist::World::init_from_env());
@@ -83,7 +70,7 @@ std::unique_ptr<engine::Engine> make_trainer(bool lora, int64_t micro_batch) {
 }
 
 models::SD3Transformer2DModel replica_of(engine::Engine& e) {
-  models::SD3Transformer2DModel replica(tiny_config());
+  models::SD3Transformer2DModel replica(tiny_sd3_config(kTextDim));
   trainer::add_trainer_adapters(*replica, e);
   for (auto& p : replica->parameters()) p.set_requires_grad(false);
   trainer::sync_rollout_replica(e, *replica, "");
@@ -149,7 +136,7 @@ TEST(OnPolicy, WithTwoThreadsTheyDifferByRoundingAtMost) {
 // see (SD3.5: mean |diff| 2e-5, 4.7e-4 with CFG, in bf16); here it is fp32 rounding alone.
 TEST(OnPolicy, AMergedReplicaIsOffByRounding) {
   auto e = make_trainer(/*lora=*/true, 7);
-  models::SD3Transformer2DModel merged(tiny_config());
+  models::SD3Transformer2DModel merged(tiny_sd3_config(kTextDim));
   for (auto& p : merged->parameters()) p.set_requires_grad(false);
   trainer::sync_rollout_replica(*e, *merged, "default");
   const auto s = sampler("sde", 2.5);

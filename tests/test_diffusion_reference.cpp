@@ -29,22 +29,6 @@ using nlohmann::json;
 
 constexpr int64_t kTextLen = 5, kTextDim = 12, kSteps = 6;
 
-models::SD3Config tiny_config() {
-  models::SD3Config c;
-  c.sample_size = 8;
-  c.patch_size = 2;
-  c.in_channels = 1;
-  c.out_channels = 1;
-  c.num_layers = 2;
-  c.num_attention_heads = 2;
-  c.attention_head_dim = 8;
-  c.joint_attention_dim = kTextDim;
-  c.pooled_projection_dim = kTextDim;
-  c.caption_projection_dim = c.inner_dim();
-  c.pos_embed_max_size = 8;
-  return c;
-}
-
 at::Generator gen(uint64_t seed) {
   return at::make_generator<at::CPUGeneratorImpl>(seed);
 }
@@ -65,7 +49,7 @@ algos::Conditioning conditioning(uint64_t seed) {
 // "default" is trained, adapters disabled is the reference.
 models::SD3Transformer2DModel policy() {
   torch::manual_seed(3);
-  models::SD3Transformer2DModel model(tiny_config());
+  models::SD3Transformer2DModel model(tiny_sd3_config(kTextDim));
   lora::LoraConfig cfg;
   cfg.r = 4;
   cfg.alpha = 8;
@@ -134,7 +118,7 @@ Computed compute() {
   Computed c;
   auto model = policy();
   torch::manual_seed(5);
-  models::SD3Transformer2DModel teacher(tiny_config());
+  models::SD3Transformer2DModel teacher(tiny_sd3_config(kTextDim));
   const auto cond = conditioning(21);
   // One trained step per SDE type: the first (sigma 1, where "sde" uses sigmas[1]), a middle one
   // and the last but one.

@@ -29,25 +29,9 @@ using algos::TensorMap;
 
 constexpr int64_t kTextLen = 5, kTextDim = 12;
 
-models::SD3Config tiny_config() {
-  models::SD3Config c;
-  c.sample_size = 8;
-  c.patch_size = 2;
-  c.in_channels = 1;
-  c.out_channels = 1;
-  c.num_layers = 2;
-  c.num_attention_heads = 2;
-  c.attention_head_dim = 8;
-  c.joint_attention_dim = kTextDim;
-  c.pooled_projection_dim = kTextDim;
-  c.caption_projection_dim = c.inner_dim();
-  c.pos_embed_max_size = 8;
-  return c;
-}
-
 models::SD3Transformer2DModel tiny_sd3(uint64_t seed) {
   torch::manual_seed(seed);
-  return models::SD3Transformer2DModel(tiny_config());
+  return models::SD3Transformer2DModel(tiny_sd3_config(kTextDim));
 }
 
 at::Generator gen(uint64_t seed) {
