@@ -13,12 +13,31 @@
 #include <vector>
 
 #include "shardrl/checkpoint.h"
+#include "shardrl/models/sd3.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/models/weights.h"
 #include "test_util.h"
 #include "workers/param_files.h"
 
 namespace shardrl::testing {
+
+// The tiny SD3 MMDiT of the diffusion tests: 8x8 one-channel pixels in patches of 2, 2 joint
+// blocks of 2 heads x 8, text conditioning `text_dim` wide.
+inline models::SD3Config tiny_sd3_config(int64_t text_dim) {
+  models::SD3Config c;
+  c.sample_size = 8;
+  c.patch_size = 2;
+  c.in_channels = 1;
+  c.out_channels = 1;
+  c.num_layers = 2;
+  c.num_attention_heads = 2;
+  c.attention_head_dim = 8;
+  c.joint_attention_dim = text_dim;
+  c.pooled_projection_dim = text_dim;
+  c.caption_projection_dim = c.inner_dim();
+  c.pos_embed_max_size = 8;
+  return c;
+}
 
 inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
   return ((a - b).norm() / b.norm().clamp_min(1e-12)).item<double>();

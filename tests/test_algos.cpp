@@ -174,12 +174,12 @@ TEST(DiffusionAdvantages, ReferenceVectorWithoutStd) {
 
 TEST(DiffusionAdvantages, GlobalAndPerGroupStd) {
   const std::vector<int64_t> uids = {0, 0, 1, 1};
-  // Batch population std of [1,3,0,2] is sqrt(1.25).
-  const double g = 1.0 / (std::sqrt(1.25) + 1e-4);
+  // verl-omni's torch.std is unbiased: the batch std of [1,3,0,2] is sqrt(5/3).
+  const double g = 1.0 / (std::sqrt(5.0 / 3.0) + 1e-4);
   ExpectNear(diffusion_group_advantages(Vec({1, 3, 0, 2}), uids), {-g, g, -g, g});
   DiffusionAdvantageConfig per_group;
   per_group.global_std = false;
-  const double p = 1.0 / (1.0 + 1e-4);  // population std of each pair is 1
+  const double p = 1.0 / (std::sqrt(2.0) + 1e-4);  // unbiased std of each pair is sqrt(2)
   ExpectNear(diffusion_group_advantages(Vec({1, 3, 0, 2}), uids, per_group), {-p, p, -p, p});
 }
 

@@ -78,8 +78,8 @@ const std::vector<BadValue>& bad_values() {
       {"UnknownDiffusionChoice",
        "fmnist_nft.yaml",
        {"actor_rollout_ref.rollout.algo.sde_type=ode"},
-       {"config key 'actor_rollout_ref.rollout.algo.sde_type' must be one of sde, cps, got "
-        "\"ode\""}},
+       {"config key 'actor_rollout_ref.rollout.algo.sde_type' must be one of sde, cps, "
+        "dance_sde, got \"ode\""}},
       {"TextNotMatchingItsPattern",
        "arithmetic_grpo.yaml",
        {"data.operators=/"},

@@ -11,6 +11,7 @@
 #include <regex>
 
 #include "model_test_util.h"
+#include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/data.h"
 #include "shardrl/models/classifier.h"
 
@@ -57,6 +58,34 @@ TEST(RewardClassifier, LearnsFashionMnistQuickly) {
   EXPECT_TRUE(torch::allclose(models::classifier_reward(net, x, y, "log_prob").exp(), p));
   expect_invalid_argument_naming([&] { models::classifier_reward(net, x, y, "logit"); },
                                  "reward_mode", "logit");
+}
+
+// The demo's second scorer (reward.reward_functions.realism): real t10k images of a class score
+// high against the training bank of that class, noise (what gamed the classifier's "sandal")
+// and a real image of another class score low.
+TEST(RealismScorer, RealImagesOfTheClassScoreHighAndNoiseDoesNot) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_fashion_mnist());
+  data::ImageDatasetOptions ds;
+  ds.image_size = 28;
+  auto train = data::load_image_dataset(kFashionMnistDir + "/train-images-idx3-ubyte.gz",
+                                        kFashionMnistDir + "/train-labels-idx1-ubyte.gz", ds);
+  auto test = data::load_image_dataset(kFashionMnistDir + "/t10k-images-idx3-ubyte.gz",
+                                       kFashionMnistDir + "/t10k-labels-idx1-ubyte.gz", ds);
+  models::NearestExampleScorer scorer(train.images, train.labels, 10, 512);
+  EXPECT_EQ(scorer.per_class(), 512);
+  auto x = test.images.narrow(0, 0, 200), y = test.labels.narrow(0, 0, 200);
+  const double real = scorer.score(x, y).mean().item<double>();
+  const double wrong_class = scorer.score(x, (y + 5) % 10).mean().item<double>();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto noise = at::randn(x.sizes(), gen).clamp(-1, 1);
+  const double noisy = scorer.score(noise, y).mean().item<double>();
+  EXPECT_GT(real, 0.8);
+  EXPECT_LT(noisy, 0.3);
+  EXPECT_LT(wrong_class, real - 0.1);
+  auto s = scorer.score(x, y);
+  EXPECT_TRUE(((s >= 0) & (s <= 1)).all().item<bool>());
+  expect_invalid_argument_naming(
+      [&] { models::NearestExampleScorer(train.images, train.labels, 10, 0); }, "bank_per_class");
 }
 
 std::vector<std::string> demo_argv(const std::string& config,
@@ -169,14 +198,35 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStagesAndResumes) {
                                      {"val/accuracy", metrics[0]["val/accuracy"]},
                                      {"val/reward", metrics[0]["val/reward"]}})
                                    .dump());
-  for (const char* key :
-       {"reward_mean", "reward_std", "clipfrac", "grad_norm", "lr", "kl", "policy_loss", "loss",
-        "step_time", "time_rollout", "time_reward", "time_reference", "time_update",
-        "time_weight_sync", "time_offload", "time_dump_rollouts", "perf/images_per_s"}) {
+  for (const char* key : {"reward_mean",
+                          "reward_std",
+                          "clipfrac",
+                          "grad_norm",
+                          "lr",
+                          "kl",
+                          "policy_loss",
+                          "loss",
+                          "step_time",
+                          "time_rollout",
+                          "time_reward",
+                          "time_reference",
+                          "time_update",
+                          "time_weight_sync",
+                          "time_offload",
+                          "time_dump_rollouts",
+                          "perf/images_per_s",
+                          "time_old_log_prob",
+                          "reward/classifier_mean",
+                          "rollout_corr/logprob_abs_diff_mean",
+                          "rollout_corr/logprob_abs_diff_max"}) {
     EXPECT_TRUE(metrics[1].contains(key)) << key << " missing in " << metrics[1].dump();
   }
   EXPECT_FALSE(metrics[1].contains("val/reward")) << metrics[1].dump();
   EXPECT_TRUE(metrics[2].contains("val/reward")) << metrics[2].dump();
+  // True on-policy: the trainer's sharded recomputation of every rollout step is the rollout's.
+  for (size_t i = 1; i < metrics.size(); ++i) {
+    EXPECT_EQ(metrics[i]["rollout_corr/logprob_abs_diff_max"], 0.0) << metrics[i].dump();
+  }
 
   auto resumed = train(
       "fmnist_flow_grpo.yaml",
@@ -235,7 +285,11 @@ TEST_P(DiffusionAlgorithm, ResumesAfterAKillBitwise) {
     o.push_back("trainer.default_local_dir=" + dir + "/" + run);
     o.push_back("trainer.total_training_steps=5");
     o.push_back("trainer.resume_mode=auto");
-    if (!v.lora) o.push_back("actor_rollout_ref.model.lora_rank=0");
+    if (!v.lora) {
+      o.push_back("actor_rollout_ref.model.lora_rank=0");
+      // Full fine-tuning has no "old" adapter to decay: NFT samples with the last weights.
+      if (v.config == "fmnist_nft.yaml") o.push_back("algorithm.old_policy_decay_schedule=copy");
+    }
     return o;
   };
   auto straight = run_process(demo_argv(v.config, overrides("straight")), {}, 400);
@@ -269,6 +323,244 @@ INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, DiffusionAlgorithm,
                              name.resize(name.size() - 5);
                            return name + (info.param.lora ? "_lora" : "_full");
                          });
+
+// verl-omni's loss modes, SDE types, NFT options and MixGRPO windows through `shardrl train` on 2
+// ranks, 2 steps each on the tiny task: every one trains (a finite loss and its own metrics) and
+// stays on policy, the rollout's log-probs equal to the sharded trainer's recomputation of them
+// up to fp32 rounding (rollout_corr/logprob_abs_diff_max <= 1e-6).
+struct ModeCase {
+  std::string name, config;
+  std::vector<std::string> overrides;
+  std::vector<std::string> metrics;  // each step logs these
+};
+
+void PrintTo(const ModeCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class DiffusionLossMode : public ::testing::TestWithParam<ModeCase> {};
+
+TEST_P(DiffusionLossMode, TrainsOnPolicyThroughTheTrainer) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  const auto& c = GetParam();
+  const auto dir = make_temp_dir("fmnist_mode");
+  auto overrides = tiny_for(c.config, dir + "/cache");
+  overrides.insert(overrides.end(), c.overrides.begin(), c.overrides.end());
+  overrides.push_back("trainer.default_local_dir=" + dir + "/run");
+  overrides.push_back("trainer.total_training_steps=2");
+  overrides.push_back("trainer.save_freq=-1");
+  auto run = train(c.config, overrides);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  auto metrics = read_jsonl(dir + "/run/metrics.jsonl");
+  // Line 0 is the evaluation before RL (trainer.val_before_train), then a line per step.
+  ASSERT_EQ(metrics.size(), 3u);
+  EXPECT_FALSE(metrics[0].contains("loss")) << metrics[0].dump();
+  metrics.erase(metrics.begin());
+  for (const auto& m : metrics) {
+    EXPECT_TRUE(std::isfinite(m["loss"].get<double>())) << m.dump();
+    for (const auto& key : c.metrics) EXPECT_TRUE(m.contains(key)) << key << ": " << m.dump();
+    // The stated bound: the rollout batch and the trainer's micro-batches have other shapes, and
+    // MKL's sgemm may take another path for another row count (dpo_cps_no_cfg: 6e-8; the unit
+    // test OnPolicy.* shows 0 where the paths agree).
+    EXPECT_LE(m["rollout_corr/logprob_abs_diff_max"].get<double>(), 1e-6) << m.dump();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+const std::string kLossMode = "actor_rollout_ref.actor.diffusion_loss.loss_mode=";
+const std::string kAlgo = "actor_rollout_ref.rollout.algo.";
+
+INSTANTIATE_TEST_SUITE_P(
+    VerlOmni, DiffusionLossMode,
+    ::testing::Values(
+        ModeCase{"dance_grpo",
+                 "fmnist_flow_grpo.yaml",
+                 {kLossMode + "dance_grpo", kAlgo + "sde_type=dance_sde"},
+                 {"clipfrac"}},
+        ModeCase{"flow_dppo",
+                 "fmnist_flow_grpo.yaml",
+                 {kLossMode + "flow_dppo"},
+                 {"masked_fraction", "kl_new_old_mean"}},
+        ModeCase{"grpo_guard",
+                 "fmnist_flow_grpo.yaml",
+                 {kLossMode + "grpo_guard", kAlgo + "sde_type=cps"},
+                 {"clipfrac", "ratio_mean"}},
+        ModeCase{"kl",
+                 "fmnist_flow_grpo.yaml",
+                 {kLossMode + "kl", "actor_rollout_ref.actor.use_kl_loss=false"},
+                 {"policy_loss", "time_reference"}},
+        ModeCase{"kl_full",
+                 "fmnist_flow_grpo_full.yaml",
+                 {kLossMode + "kl", "actor_rollout_ref.actor.use_kl_loss=false"},
+                 {"policy_loss"}},
+        ModeCase{"nft_binary_interval2",
+                 "fmnist_nft.yaml",
+                 {"algorithm.adv_mode=binary", "algorithm.old_policy_update_interval=2",
+                  "actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0.01"},
+                 {"positive_loss", "kl"}},
+        ModeCase{"dpo_cps_no_cfg",
+                 "fmnist_dpo.yaml",
+                 {kAlgo + "sde_type=cps", "actor_rollout_ref.rollout.pipeline.true_cfg_scale=1.0"},
+                 {"implicit_acc"}}),
+    [](const ::testing::TestParamInfo<ModeCase>& info) { return info.param.name; });
+
+// MixGRPO (actor_rollout_ref.model.algorithm mix_grpo): the window of each step is where
+// verl-omni's MixGRPO pipeline puts it, Python's random.Random(sde_window_seed + step) for "random"
+// and a slide every iters_per_group steps for "progressive".
+TEST(FmnistDemo, MixGrpoWindowsFollowTheirStrategy) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  const auto dir = make_temp_dir("fmnist_mixgrpo");
+  struct Case {
+    std::string strategy;
+    std::vector<double> begins;
+  };
+  for (const auto& c : {Case{"random",
+                             {static_cast<double>(algos::python_random_randint(43, 0, 2)),
+                              static_cast<double>(algos::python_random_randint(44, 0, 2))}},
+                        Case{"progressive", {0, 2}}}) {
+    SCOPED_TRACE(c.strategy);
+    auto overrides = tiny_for("fmnist_flow_grpo.yaml", dir + "/cache");
+    for (const std::string o :
+         {"actor_rollout_ref.model.algorithm=mix_grpo", "trainer.total_training_steps=2",
+          "trainer.save_freq=-1", "actor_rollout_ref.rollout.algo.sde_window_range=[0, 4]",
+          "actor_rollout_ref.rollout.algo.sde_window_seed=42",
+          "actor_rollout_ref.rollout.algo.iters_per_group=2"}) {
+      overrides.push_back(o);
+    }
+    overrides.push_back("actor_rollout_ref.rollout.algo.sample_strategy=" + c.strategy);
+    overrides.push_back("trainer.default_local_dir=" + dir + "/" + c.strategy);
+    auto run = train("fmnist_flow_grpo.yaml", overrides);
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    auto metrics = read_jsonl(dir + "/" + c.strategy + "/metrics.jsonl");
+    ASSERT_EQ(metrics.size(), 3u);  // the evaluation before RL, then 2 steps
+    metrics.erase(metrics.begin());
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(metrics[i]["sde_window_begin"].get<double>(), c.begins[i]) << metrics[i].dump();
+      EXPECT_LE(metrics[i]["rollout_corr/logprob_abs_diff_max"].get<double>(), 1e-6);
+    }
+  }
+  // The strategies belong to MixGRPO: elsewhere they would not act, so they are an error.
+  auto wrong = train("fmnist_flow_grpo.yaml",
+                     with(tiny_for("fmnist_flow_grpo.yaml", dir + "/cache"),
+                          {"actor_rollout_ref.rollout.algo.sample_strategy=progressive",
+                           "trainer.default_local_dir=" + dir + "/wrong"}));
+  EXPECT_NE(wrong.exit_code, 0);
+  EXPECT_NE(wrong.output.find("actor_rollout_ref.rollout.algo.sample_strategy"), std::string::npos)
+      << wrong.output;
+}
+
+// Diffusion on-policy distillation: a teacher exported from a run's checkpoint (`shardrl export
+// --merge-adapter default`) is a third, forward-only engine; distill_kl and distill_fm_mse train
+// on its columns alone, and flow_grpo adds the teacher's term with use_distill_loss.
+TEST(FmnistDemo, DistillationFromAnExportedTeacher) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  const auto dir = make_temp_dir("fmnist_distill");
+  const auto base = tiny_for("fmnist_flow_grpo.yaml", dir + "/cache");
+  auto teacher_run = train("fmnist_flow_grpo.yaml",
+                           with(base, {"trainer.default_local_dir=" + dir + "/teacher_run",
+                                       "trainer.total_training_steps=2"}));
+  ASSERT_EQ(teacher_run.exit_code, 0) << teacher_run.output;
+  auto exported =
+      run_process({bin("shardrl"), "export", dir + "/teacher_run/checkpoints/global_step_2",
+                   dir + "/teacher", "--merge-adapter", "default", "--dtype", "fp32"},
+                  {}, 120);
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  const std::string teacher =
+      "distillation.teacher_models.teacher_model.model_path=" + dir + "/teacher";
+  struct Case {
+    std::string name;
+    std::vector<std::string> overrides;
+  };
+  for (const auto& c :
+       {Case{"distill_kl", {kLossMode + "distill_kl", "actor_rollout_ref.actor.use_kl_loss=false"}},
+        Case{"distill_fm_mse",
+             {kLossMode + "distill_fm_mse", "actor_rollout_ref.actor.use_kl_loss=false"}},
+        Case{"flow_grpo_plus_distill",
+             {"actor_rollout_ref.actor.use_distill_loss=true",
+              "actor_rollout_ref.actor.distill_loss_coef=0.5"}}}) {
+    SCOPED_TRACE(c.name);
+    auto overrides = with(base, c.overrides);
+    for (const std::string& o : std::vector<std::string>{
+             "distillation.enabled=true", teacher, "trainer.total_training_steps=2",
+             "trainer.save_freq=-1", "trainer.default_local_dir=" + dir + "/" + c.name}) {
+      overrides.push_back(o);
+    }
+    auto run = train("fmnist_flow_grpo.yaml", overrides);
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_NE(run.output.find("distillation teacher: " + dir + "/teacher"), std::string::npos);
+    auto metrics = read_jsonl(dir + "/" + c.name + "/metrics.jsonl");
+    ASSERT_EQ(metrics.size(), 3u);  // the evaluation before RL, then 2 steps
+    metrics.erase(metrics.begin());
+    for (const auto& m : metrics) {
+      EXPECT_GT(m["distill_loss"].get<double>(), 0.0) << m.dump();
+      EXPECT_TRUE(m.contains("time_teacher")) << m.dump();
+    }
+  }
+  // A teacher without a loss that reads it, and a distillation loss without a teacher, are errors.
+  for (const auto& bad : std::vector<std::vector<std::string>>{
+           {"distillation.enabled=true", teacher}, {kLossMode + "distill_kl"}}) {
+    auto run = train("fmnist_flow_grpo.yaml",
+                     with(base, with(bad, {"trainer.default_local_dir=" + dir + "/bad"})));
+    EXPECT_NE(run.exit_code, 0);
+    EXPECT_NE(run.output.find("distillation"), std::string::npos) << run.output;
+  }
+}
+
+// Offline Diffusion-DPO (algorithm.sample_source offline): an online run writes the best and worst
+// sample of each group under trainer.rollout_data_dir, as verl-omni's offline DPO rows; an offline
+// run trains on those files (data.train_files) without sampling, and a bad file is an error naming
+// the file, the line and the field.
+TEST(FmnistDemo, OfflineDpoTrainsOnPairsAnOnlineRunWrote) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  const auto dir = make_temp_dir("fmnist_offline");
+  const auto base = tiny_for("fmnist_dpo.yaml", dir + "/cache");
+  auto online = train(
+      "fmnist_dpo.yaml",
+      with(base, {"trainer.default_local_dir=" + dir + "/online", "trainer.total_training_steps=2",
+                  "trainer.rollout_data_dir=" + dir + "/pairs"}));
+  ASSERT_EQ(online.exit_code, 0) << online.output;
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(dir + "/pairs/preference_pairs")) {
+    files.push_back(entry.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  ASSERT_EQ(files.size(), 4u);  // 2 steps x 2 ranks
+  const auto row = read_jsonl(files[0]).at(0);
+  for (const char* key :
+       {"prompt", "img_win_latents", "img_lose_latents", "win_score", "lose_score", "uid"}) {
+    EXPECT_TRUE(row.contains(key)) << key;
+  }
+  EXPECT_GE(row["win_score"].get<double>(), row["lose_score"].get<double>());
+  const std::string list =
+      "data.train_files=[" + files[0] + ", " + files[1] + ", " + files[2] + ", " + files[3] + "]";
+  auto offline = train(
+      "fmnist_dpo.yaml",
+      with(base, {"trainer.default_local_dir=" + dir + "/offline", "trainer.total_training_steps=2",
+                  "trainer.save_freq=-1", "algorithm.sample_source=offline", list}));
+  ASSERT_EQ(offline.exit_code, 0) << offline.output;
+  EXPECT_NE(offline.output.find("offline DPO: 4 preference pairs from 4 file(s)"),
+            std::string::npos)
+      << offline.output;
+  auto metrics = read_jsonl(dir + "/offline/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 3u);  // the evaluation before RL, then 2 steps
+  metrics.erase(metrics.begin());
+  for (const auto& m : metrics) {
+    EXPECT_TRUE(m.contains("implicit_acc")) << m.dump();
+    EXPECT_FALSE(m.contains("time_weight_sync")) << "an offline step sampled: " << m.dump();
+  }
+  {
+    std::ofstream bad(dir + "/bad.jsonl");
+    bad << "{\"prompt\": \"a sandal\", \"img_win_latents\": [[0.5]], \"img_lose_latents\": "
+           "[[0.1]]}\n";
+  }
+  auto broken = train("fmnist_dpo.yaml", with(base, {"trainer.default_local_dir=" + dir + "/broken",
+                                                     "algorithm.sample_source=offline",
+                                                     "data.train_files=[" + dir + "/bad.jsonl]"}));
+  EXPECT_NE(broken.exit_code, 0);
+  EXPECT_NE(broken.output.find("bad.jsonl line 1: 'img_win_latents' has shape"), std::string::npos)
+      << broken.output;
+  EXPECT_EQ(broken.output.find("classifier step"), std::string::npos) << broken.output;
+}
 
 // Each mini-batch is an optimizer step: a cosine schedule over trainer.total_training_steps RL
 // steps still spans all of them (the lr at the last step, not at the half, is near its minimum).

@@ -29,25 +29,9 @@ using algos::TensorMap;
 
 constexpr int64_t kTextLen = 5, kTextDim = 12;
 
-models::SD3Config tiny_config() {
-  models::SD3Config c;
-  c.sample_size = 8;
-  c.patch_size = 2;
-  c.in_channels = 1;
-  c.out_channels = 1;
-  c.num_layers = 2;
-  c.num_attention_heads = 2;
-  c.attention_head_dim = 8;
-  c.joint_attention_dim = kTextDim;
-  c.pooled_projection_dim = kTextDim;
-  c.caption_projection_dim = c.inner_dim();
-  c.pos_embed_max_size = 8;
-  return c;
-}
-
 models::SD3Transformer2DModel tiny_sd3(uint64_t seed) {
   torch::manual_seed(seed);
-  return models::SD3Transformer2DModel(tiny_config());
+  return models::SD3Transformer2DModel(tiny_sd3_config(kTextDim));
 }
 
 at::Generator gen(uint64_t seed) {
@@ -463,7 +447,8 @@ TensorMap rows_for(const std::string& mode, Tuned& t, const SamplerConfig& s,
 algos::DiffusionLossConfig loss_config(const std::string& mode) {
   algos::DiffusionLossConfig c;
   c.loss_mode = mode;
-  c.kl_loss_coef = 0.01;
+  // The reverse-step KL goes with a reverse-process loss only (NFT has ref_kl_coef, DPO none).
+  c.kl_loss_coef = algos::is_reverse_process_loss(mode) ? 0.01 : 0.0;
   c.ref_kl_coef = 0.01;
   c.mix_beta = 1.0;
   c.dpo_beta = 500;

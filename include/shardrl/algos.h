@@ -46,6 +46,10 @@ struct SdeStepOptions {
   // sde_type="cps"): std_dev_t = sigma_prev * sin(a pi / 2) and the mean keeps the x0 / noise
   // coefficients of the ODE's marginal, (1 - sigma_prev) x0_hat + sqrt(sigma_prev^2 - std^2)
   // x1_hat; its log_prob drops every constant, -mean((x_prev - mean)^2), as flow_grpo's does.
+  // "dance_sde": DanceGRPO's step (verl-omni's flow_match_sde.py): the Euler mean plus the score
+  // correction -a^2/2 * score * (sigma_prev - sigma) with score = -(x - (1 - sigma) x0_hat) /
+  // sigma^2, and std_dev_t = a sqrt(sigma - sigma_prev) (the step's whole std: its sqrt_dt is not
+  // applied again).
   std::string sde_type = "sde";
   // Defined: score this sample (training recomputes the rollout's log-prob); undefined: draw one.
   torch::Tensor prev_sample;
@@ -59,6 +63,9 @@ struct SdeStepResult {
   torch::Tensor std_dev_t;         // [B, 1, ...] (or 0-dim for scalar sigmas)
   torch::Tensor sqrt_dt;           // sqrt(sigma - sigma_prev), shaped like std_dev_t
 };
+
+// The SDE types sde_step_with_logprob knows (rollout.algo.sde_type).
+const std::vector<std::string>& sde_types();
 
 // One Flow-GRPO SDE step from sigmas[step_index] to sigmas[step_index + 1].
 // step_index: 0-dim or [B] integer tensor (per-sample steps).
@@ -98,8 +105,9 @@ struct DiffusionAdvantageConfig {
   double eps = 1e-4;
 };
 
-// Flow-GRPO / NFT advantages per sample: (r - mean_group) / (std + eps), population std (numpy's
-// np.std in the reference). Singleton groups get 0. rewards: [B]; uids: B group keys.
+// Flow-GRPO / NFT advantages per sample: (r - mean_group) / (std + eps) with torch.std's unbiased
+// std, as verl-omni's compute_flow_grpo_outcome_advantage (flow_grpo's np.std is the population
+// one). Singleton groups get 0. rewards: [B]; uids: B group keys.
 // Returns fp32 [B] on the rewards' device.
 torch::Tensor diffusion_group_advantages(const torch::Tensor& rewards,
                                          const std::vector<std::string>& uids,
@@ -157,6 +165,9 @@ struct FlowGrpoLossInputs {
   torch::Tensor ref_prev_sample_mean;  // same with adapters disabled; optional unless beta > 0
   torch::Tensor std_dev_t;             // from the step; [B, 1, ...], [B] or 0-dim
   torch::Tensor rollout_is_weights;    // optional [B] importance weights, no gradient
+  // flow_dppo and grpo_guard only: the old policy's step mean and the step's sqrt(-dt).
+  torch::Tensor old_prev_sample_mean;  // shape of prev_sample_mean, no gradient
+  torch::Tensor sqrt_dt;               // [B, 1, ...], [B] or 0-dim, like std_dev_t
 };
 
 struct FlowGrpoLossOutput {
@@ -169,6 +180,54 @@ struct FlowGrpoLossOutput {
 
 FlowGrpoLossOutput flow_grpo_loss(const FlowGrpoLossInputs& inputs,
                                   const FlowGrpoLossConfig& config = {});
+
+// ---------------------------------------------------------------------------------------------
+// verl-omni's other reverse-process losses (§7): each reads one SDE step of the current policy
+// per row. The KL-to-reference term is not part of them: step_kl_loss adds it, as verl-omni's
+// diffusion_loss adds its "kl" loss when actor.use_kl_loss.
+
+// Per-sample Gaussian KL between two step means of the same std: mean over elements of
+// (mean - other)^2 / (2 std_dev_t^2), then the mean over samples. verl-omni's "kl" loss (other: the
+// reference's mean) and "distill_kl" (other: the teacher's).
+torch::Tensor step_kl_loss(const torch::Tensor& prev_sample_mean, const torch::Tensor& other_mean,
+                           const torch::Tensor& std_dev_t);
+
+// verl-omni's "distill_fm_mse": mean((noise_pred - teacher_noise_pred)^2) over every element.
+torch::Tensor distill_fm_mse_loss(const torch::Tensor& noise_pred,
+                                  const torch::Tensor& teacher_noise_pred);
+
+struct FlowDppoLossConfig {
+  double kl_mask_threshold = 1e-5;  // diffusion_loss.kl_mask_threshold
+  // diffusion_loss.add_kl_coefficient: the KL divides by 2 (std_dev_t sqrt_dt)^2; false: by 2.
+  bool add_kl_coefficient = true;
+  double loss_divisor = 1.0;
+};
+
+struct PolicyStepLossOutput {
+  torch::Tensor loss;          // policy loss / loss_divisor, with grad
+  torch::Tensor policy_loss;   // detached
+  torch::Tensor ppo_kl;        // mean(-log_ratio)
+  torch::Tensor clipfrac;      // grpo_guard: mean(|ratio - 1| > clip); flow_dppo: 0 (no clip)
+  torch::Tensor ratio_mean;    // mean(ratio)
+  torch::Tensor kl_new_old;    // flow_dppo: mean of the per-sample KL to the old mean; else 0
+  torch::Tensor masked_fraction;  // flow_dppo: share of samples the trust region drops; else 0
+};
+
+// Flow-DPPO (verl-omni's flow_dppo): no ratio clip and no advantage clamp; the loss -A ratio of a
+// sample is dropped when its KL to the old policy's mean reaches kl_mask_threshold and the update
+// moves further away ((ratio > 1 and A > 0) or (ratio < 1 and A < 0)). Reads log_prob,
+// old_log_prob, advantages, prev_sample_mean, old_prev_sample_mean, std_dev_t, sqrt_dt and the
+// optional rollout_is_weights.
+PolicyStepLossOutput flow_dppo_loss(const FlowGrpoLossInputs& inputs,
+                                    const FlowDppoLossConfig& config = {});
+
+// GRPO-Guard (verl-omni's grpo_guard, arXiv 2510.22319): with s = std_dev_t sqrt_dt the ratio is
+// exp((log_prob - old_log_prob + |mean - old_mean|^2 / (2 s^2)) s), clipped as Flow-GRPO's
+// (advantages clamped to adv_clip_max), and the per-sample loss divided by sqrt_dt^2. verl-omni
+// runs one timestep per call and uses the batch's mean s and sqrt_dt; here every row carries its
+// own step, so s and sqrt_dt are the row's (the same thing when the rows share a step).
+PolicyStepLossOutput grpo_guard_loss(const FlowGrpoLossInputs& inputs,
+                                     const FlowGrpoLossConfig& config = {});
 
 // ---------------------------------------------------------------------------------------------
 // DiffusionNFT (§2)
@@ -194,6 +253,7 @@ struct NftLossConfig {
   double beta = 1.0;  // mix weight of the implicit positive/negative policies, (0, 1]
   double adv_clip_max = 5.0;
   double ref_kl_coef = 0.0;   // > 0 needs v_ref
+  double adaptive_weight_min = 1e-5;  // floor of the per-sample x0 error that normalises L_pos/neg
   double loss_divisor = 1.0;  // grad_accum_divisor("nft", ...)
 };
 

@@ -5,6 +5,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <random>
+#include <sstream>
+
 #include "algos/internal.h"
 
 namespace shardrl::algos {
@@ -48,22 +52,6 @@ torch::Tensor interleave(const torch::Tensor& chosen, const torch::Tensor& rejec
   shape.erase(shape.begin());
   shape[0] = 2 * chosen.size(0);
   return both.reshape(shape);
-}
-
-// Flow-GRPO: the rollout's step x_j -> x_{j+1} scored again by `model` (what both the loss and
-// the reference's step mean need).
-SdeStepResult flow_grpo_step(models::SD3Transformer2DModel& model, const TensorMap& rows,
-                             const SamplerConfig& sampler) {
-  const std::string who = "the flow_grpo loss";
-  const auto& x = column(rows, "latents", who);
-  const auto& sigma = column(rows, "sigma", who);
-  auto v = sd3_velocity(model, x, sigma, Conditioning::from(rows), sampler.true_cfg_scale);
-  SdeStepOptions opts;
-  opts.noise_level = sampler.noise_level;
-  opts.sde_type = sampler.sde_type;
-  opts.prev_sample = column(rows, "next_latents", who);
-  return sde_step_with_logprob_sigmas(v, x, sigma, column(rows, "sigma_next", who),
-                                      sampler.scheduler().sigma(1), opts);
 }
 
 // DiffusionNFT: the conditional velocity at (xt, t), no CFG (NFT trains the guidance-free model).
@@ -198,8 +186,27 @@ void SamplerConfig::validate() const {
           fmt::format("must be >= 1, got {}", num_inference_steps));
   require(shift > 0, pipeline + "shift", fmt::format("must be > 0, got {}", shift));
   require(noise_level >= 0, algo + "noise_level", fmt::format("must be >= 0, got {}", noise_level));
-  if (sde_type != "sde" && sde_type != "cps") {
-    internal::throw_unknown_value(algo + "sde_type", sde_type, {"sde", "cps"});
+  if (sde_type != "sde" && sde_type != "cps" && sde_type != "dance_sde") {
+    internal::throw_unknown_value(algo + "sde_type", sde_type, {"sde", "cps", "dance_sde"});
+  }
+  if (sample_strategy != "random" && sample_strategy != "progressive") {
+    internal::throw_unknown_value(algo + "sample_strategy", sample_strategy,
+                                  {"random", "progressive"});
+  }
+  require(iters_per_group >= 1, algo + "iters_per_group",
+          fmt::format("must be >= 1, got {}", iters_per_group));
+  if (!mix_grpo) {
+    // verl-omni reads them in its MixGRPO pipeline only; elsewhere they would silently not act.
+    require(sample_strategy == "random", algo + "sample_strategy",
+            "'progressive' slides MixGRPO's window: it needs actor_rollout_ref.model.algorithm "
+            "mix_grpo");
+    require(iters_per_group == 1, algo + "iters_per_group",
+            "paces MixGRPO's progressive window: it needs actor_rollout_ref.model.algorithm "
+            "mix_grpo");
+  } else {
+    require(sde_window_size > 0, algo + "sde_window_size",
+            "MixGRPO (actor_rollout_ref.model.algorithm mix_grpo) moves a window of this size: "
+            "it must be set");
   }
   require(true_cfg_scale >= 1, pipeline + "true_cfg_scale",
           fmt::format("must be >= 1 (1: no CFG), got {}", true_cfg_scale));
@@ -219,7 +226,64 @@ void SamplerConfig::validate() const {
   }
 }
 
-SdeWindow draw_sde_window(const SamplerConfig& config, at::Generator generator) {
+int64_t python_random_randint(int64_t seed, int64_t low, int64_t high) {
+  require(low <= high, "high", fmt::format("empty range [{}, {}]", low, high));
+  // CPython's random_seed: the key is |seed| in 32-bit words, least significant first.
+  uint64_t n = seed < 0 ? static_cast<uint64_t>(-(seed + 1)) + 1 : static_cast<uint64_t>(seed);
+  std::vector<uint32_t> key;
+  do {
+    key.push_back(static_cast<uint32_t>(n & 0xffffffffu));
+    n >>= 32;
+  } while (n != 0);
+  // init_by_array of the MT19937 reference code, which CPython's _randommodule.c keeps.
+  constexpr int kN = 624;
+  std::vector<uint32_t> mt(kN);
+  mt[0] = 19650218u;
+  for (int i = 1; i < kN; ++i) {
+    mt[i] = 1812433253u * (mt[i - 1] ^ (mt[i - 1] >> 30)) + static_cast<uint32_t>(i);
+  }
+  int i = 1;
+  size_t j = 0;
+  for (int k = std::max<int>(kN, static_cast<int>(key.size())); k > 0; --k) {
+    mt[i] = (mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1664525u)) + key[j] +
+            static_cast<uint32_t>(j);
+    ++i;
+    ++j;
+    if (i >= kN) {
+      mt[0] = mt[kN - 1];
+      i = 1;
+    }
+    if (j >= key.size()) j = 0;
+  }
+  for (int k = kN - 1; k > 0; --k) {
+    mt[i] = (mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1566083941u)) - static_cast<uint32_t>(i);
+    ++i;
+    if (i >= kN) {
+      mt[0] = mt[kN - 1];
+      i = 1;
+    }
+  }
+  mt[0] = 0x80000000u;
+  // std::mt19937 is the same generator; its text form is the 624 state words, read back with the
+  // next draw regenerating the state, as CPython's after seeding.
+  std::stringstream state;
+  for (uint32_t w : mt) state << w << ' ';
+  std::mt19937 gen;
+  state >> gen;
+  // randint(low, high) = low + _randbelow(high - low + 1): getrandbits(k) by rejection.
+  const uint64_t range = static_cast<uint64_t>(high - low) + 1;
+  int bits = 0;
+  while ((range >> bits) != 0) ++bits;
+  require(bits <= 32, "high", "MixGRPO's window start needs a range below 2^32");
+  uint64_t r = 0;
+  do {
+    r = static_cast<uint64_t>(gen()) >> (32 - bits);
+  } while (r >= range);
+  return low + static_cast<int64_t>(r);
+}
+
+SdeWindow draw_sde_window(const SamplerConfig& config, at::Generator generator,
+                          int64_t global_step) {
   config.validate();
   const int64_t steps = config.num_inference_steps;
   // As flow_grpo's sd3_pipeline_with_logprob_fast.py and verl-omni's pipelines choose it: with no
@@ -230,6 +294,18 @@ SdeWindow draw_sde_window(const SamplerConfig& config, at::Generator generator) 
   if (config.sde_window_size == 0) return {0, std::max<int64_t>(1, steps - 1)};
   const int64_t first = config.sde_window_range.first;
   const int64_t last = config.sde_window_range.second < 0 ? steps : config.sde_window_range.second;
+  if (config.mix_grpo) {
+    // verl-omni's QwenImageMixGRPOPipelineWithLogProb._maybe_make_progressive_window.
+    const int64_t size = config.sde_window_size, max_start = last - size;
+    int64_t start = 0;
+    if (config.sample_strategy == "progressive") {
+      const int64_t advances = std::max<int64_t>(0, global_step) / config.iters_per_group;
+      start = std::min(first + advances * size, max_start);
+    } else {
+      start = python_random_randint(config.sde_window_seed + global_step, first, max_start);
+    }
+    return {start, start + size};
+  }
   const int64_t start = at::randint(first, last - config.sde_window_size + 1, {1}, generator,
                                     torch::TensorOptions().dtype(torch::kLong))
                             .item<int64_t>();
@@ -258,10 +334,13 @@ DiffusionRollout sample_with_logprob(models::SD3Transformer2DModel& model, const
   opts.sde_type = config.sde_type;
   opts.generator = generator;
   for (int64_t j = 0; j < steps; ++j) {
-    auto v = sd3_velocity(model, x, sigmas[j], cond, config.true_cfg_scale);
+    // Per-sample sigmas, as the training rows carry them: the step then runs the same kernels on
+    // the same shapes as the trainer's recomputation of it.
+    auto sigma = sigmas[j].expand({b}), sigma_next = sigmas[j + 1].expand({b});
+    auto v = sd3_velocity(model, x, sigma, cond, config.true_cfg_scale);
     // noise_level 0 is the ODE everywhere: the SDE step's std would be 0 (log-prob undefined).
     if (window.contains(j) && config.noise_level > 0) {
-      auto step = sde_step_with_logprob(scheduler, v, x, j, opts);
+      auto step = sde_step_with_logprob_sigmas(v, x, sigma, sigma_next, scheduler.sigma(1), opts);
       x = step.prev_sample;
       log_probs.select(1, j).copy_(step.log_prob);
     } else {
@@ -303,6 +382,39 @@ GroupAdvantages group_advantages(const torch::Tensor& rewards, int64_t group_siz
 }
 
 // ---------------------------------------------------------------------------------------------
+// The policy's step on the rows
+
+PolicyStep policy_step(models::SD3Transformer2DModel& model, const TensorMap& rows,
+                       const SamplerConfig& sampler) {
+  const std::string who = "the policy's SDE step";
+  const auto& x = column(rows, "latents", who);
+  const auto& sigma = column(rows, "sigma", who);
+  auto v = sd3_velocity(model, x, sigma, Conditioning::from(rows), sampler.true_cfg_scale);
+  SdeStepOptions opts;
+  opts.noise_level = sampler.noise_level;
+  opts.sde_type = sampler.sde_type;
+  opts.prev_sample = column(rows, "next_latents", who);
+  auto step = sde_step_with_logprob_sigmas(v, x, sigma, column(rows, "sigma_next", who),
+                                           sampler.scheduler().sigma(1), opts);
+  return {v, step};
+}
+
+TensorMap recompute_log_probs(models::SD3Transformer2DModel& model, const TensorMap& rows,
+                              const SamplerConfig& sampler) {
+  torch::NoGradGuard no_grad;
+  auto out = policy_step(model, rows, sampler).step;
+  return {{"old_log_probs", out.log_prob}, {"old_prev_sample_mean", out.prev_sample_mean}};
+}
+
+Metrics logprob_consistency(const TensorMap& rows) {
+  const std::string who = "the rollout-train consistency metrics";
+  auto diff =
+      (column(rows, "old_log_probs", who) - column(rows, "rollout_log_probs", who)).abs().detach();
+  return {{"rollout_corr/logprob_abs_diff_mean", diff.mean().to(torch::kFloat)},
+          {"rollout_corr/logprob_abs_diff_max", diff.max().to(torch::kFloat)}};
+}
+
+// ---------------------------------------------------------------------------------------------
 // Rows of an update
 
 std::vector<int64_t> flow_grpo_train_steps(const SdeWindow& window, double timestep_fraction) {
@@ -339,7 +451,8 @@ TensorMap flow_grpo_rows(const DiffusionRollout& rollout, const torch::Tensor& a
   rows["next_latents"] = flat(rollout.latents.index_select(1, idx + 1));
   rows["sigma"] = sigmas.index_select(0, idx).repeat({b});
   rows["sigma_next"] = sigmas.index_select(0, idx + 1).repeat({b});
-  rows["old_log_probs"] = flat(rollout.log_probs.index_select(1, idx));
+  rows["rollout_log_probs"] = flat(rollout.log_probs.index_select(1, idx));
+  rows["old_log_probs"] = rows["rollout_log_probs"];
   rows["advantages"] = advantages.to(device, torch::kFloat).repeat_interleave(s);
   rollout.cond.index_select(repeat_each(b, s, device)).add_to(rows);
   return rows;
@@ -380,34 +493,174 @@ TensorMap dpo_rows(const DiffusionRollout& rollout, const torch::Tensor& rewards
   auto idx = pairs.index_tensor().to(device);
   auto chosen = idx.slice(0, 0, 2 * p, 2), rejected = idx.slice(0, 1, 2 * p, 2);
   auto images = rollout.images();
+  return offline_dpo_rows(images.index_select(0, chosen), images.index_select(0, rejected),
+                          rollout.cond.index_select(chosen), shift, generator);
+}
+
+TensorMap offline_dpo_rows(const torch::Tensor& chosen, const torch::Tensor& rejected,
+                           const Conditioning& cond, double shift, at::Generator generator) {
+  require(chosen.defined() && rejected.defined() && chosen.sizes() == rejected.sizes(),
+          "rejected_x0", "must have the shape of chosen_x0");
+  const int64_t p = chosen.size(0);
+  require(p > 0 && cond.size() == p, kPromptEmbeds,
+          fmt::format("has {} rows for {} pairs", cond.size(), p));
   auto ts = dpo_sample_timesteps(FlowMatchScheduler::create(1000, shift), p, generator);
   TensorMap rows;
-  rows["chosen_x0"] = images.index_select(0, chosen).contiguous();
-  rows["rejected_x0"] = images.index_select(0, rejected).contiguous();
-  rows["eps"] = at::randn(rows["chosen_x0"].sizes(), generator, images.options());
-  rows["sigma"] = ts.sigmas.to(device);
-  rollout.cond.index_select(chosen).add_to(rows);
+  rows["chosen_x0"] = chosen.to(torch::kFloat).contiguous();
+  rows["rejected_x0"] = rejected.to(torch::kFloat).contiguous();
+  rows["eps"] = at::randn(chosen.sizes(), generator, rows["chosen_x0"].options());
+  rows["sigma"] = ts.sigmas.to(chosen.device());
+  cond.add_to(rows);
   return rows;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Losses
 
+namespace {
+
+const std::vector<std::string>& reverse_process_modes() {
+  static const std::vector<std::string> modes = {
+      "flow_grpo", "dance_grpo", "flow_dppo", "grpo_guard", "kl", "distill_kl", "distill_fm_mse"};
+  return modes;
+}
+
+bool contains(const std::vector<std::string>& list, const std::string& value) {
+  return std::find(list.begin(), list.end(), value) != list.end();
+}
+
+std::string joined(const std::vector<std::string>& list) {
+  std::string out;
+  for (const auto& item : list) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+bool is_distill_mode(const std::string& mode) {
+  return mode == "distill_kl" || mode == "distill_fm_mse";
+}
+
+// The teacher's term of a distillation mode, from the policy's step on the rows.
+torch::Tensor distill_term(const std::string& mode, const PolicyStep& policy,
+                           const TensorMap& rows) {
+  const std::string who = "the " + mode + " loss (the teacher's column)";
+  if (mode == "distill_kl") {
+    return step_kl_loss(policy.step.prev_sample_mean,
+                        column(rows, "teacher_prev_sample_mean", who), policy.step.std_dev_t);
+  }
+  return distill_fm_mse_loss(policy.velocity, column(rows, "teacher_noise_pred", who));
+}
+
+// verl-omni's diffusion_loss for the PPO engine: the mode's loss on the step, plus kl_loss_coef
+// times the reference KL (actor.use_kl_loss) and distill_loss_coef times the teacher's term
+// (actor.use_distill_loss).
+MicroBatchLoss reverse_process_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
+                                    const DiffusionLossConfig& loss,
+                                    const SamplerConfig& sampler) {
+  const std::string who = "the " + loss.loss_mode + " loss";
+  const auto policy = policy_step(model, rows, sampler);
+  const auto& step = policy.step;
+  auto zero = torch::zeros({}, step.log_prob.options());
+  auto reference_kl = [&] {
+    return step_kl_loss(step.prev_sample_mean,
+                        column(rows, "ref_prev_sample_mean", who + " (the reference's column)"),
+                        step.std_dev_t);
+  };
+  FlowGrpoLossInputs in;
+  if (!is_distill_mode(loss.loss_mode) && loss.loss_mode != "kl") {
+    in.log_prob = step.log_prob;
+    in.old_log_prob = column(rows, "old_log_probs", who);
+    in.advantages = column(rows, "advantages", who);
+    in.prev_sample_mean = step.prev_sample_mean;
+    in.std_dev_t = step.std_dev_t;
+    in.sqrt_dt = step.sqrt_dt;
+    if (loss.needs_old_step()) {
+      in.old_prev_sample_mean = column(rows, "old_prev_sample_mean", who);
+    }
+    if (rows.count("rollout_is_weights")) in.rollout_is_weights = rows.at("rollout_is_weights");
+  }
+  torch::Tensor main;
+  Metrics m{{"ppo_kl", zero}, {"clipfrac", zero}, {"ratio_mean", zero}};
+  if (loss.loss_mode == "flow_grpo" || loss.loss_mode == "dance_grpo") {
+    FlowGrpoLossConfig config;
+    config.clip_range = loss.clip_ratio;
+    config.adv_clip_max = loss.adv_clip_max;
+    auto out = flow_grpo_loss(in, config);
+    main = out.loss;
+    m["ppo_kl"] = out.ppo_kl;
+    m["clipfrac"] = out.clipfrac;
+    m["ratio_mean"] = torch::exp(step.log_prob - in.old_log_prob).mean().detach();
+  } else if (loss.loss_mode == "flow_dppo" || loss.loss_mode == "grpo_guard") {
+    PolicyStepLossOutput out;
+    if (loss.loss_mode == "flow_dppo") {
+      FlowDppoLossConfig config;
+      config.kl_mask_threshold = loss.kl_mask_threshold;
+      config.add_kl_coefficient = loss.add_kl_coefficient;
+      out = flow_dppo_loss(in, config);
+      m["kl_new_old_mean"] = out.kl_new_old;
+      m["masked_fraction"] = out.masked_fraction;
+    } else {
+      FlowGrpoLossConfig config;
+      config.clip_range = loss.clip_ratio;
+      config.adv_clip_max = loss.adv_clip_max;
+      out = grpo_guard_loss(in, config);
+    }
+    main = out.loss;
+    m["ppo_kl"] = out.ppo_kl;
+    m["clipfrac"] = out.clipfrac;
+    m["ratio_mean"] = out.ratio_mean;
+  } else if (loss.loss_mode == "kl") {
+    main = reference_kl();
+  } else {
+    main = distill_term(loss.loss_mode, policy, rows);
+  }
+  m["policy_loss"] = main.detach();
+  auto total = main;
+  m["kl"] = zero;
+  if (loss.kl_loss_coef > 0) {
+    auto kl = reference_kl();
+    total = total + loss.kl_loss_coef * kl;
+    m["kl"] = kl.detach();
+  }
+  if (loss.distill_loss_coef > 0) {
+    auto distill = distill_term(loss.distill_loss_mode, policy, rows);
+    total = total + loss.distill_loss_coef * distill;
+    m["distill_loss"] = distill.detach();
+  } else if (is_distill_mode(loss.loss_mode)) {
+    m["distill_loss"] = main.detach();
+  }
+  for (auto& [name, value] : m) value = value.detach().to(torch::kFloat);
+  return {total, m};
+}
+
+}  // namespace
+
 std::string loss_mode_of(const std::string& model_type) {
-  if (model_type == "diffusion_model") return "flow_grpo";
-  if (model_type == "diffusion_nft_model") return "diffusion_nft";
-  if (model_type == "diffusion_dpo_model") return "dpo";
+  return loss_modes_of(model_type).front();
+}
+
+const std::vector<std::string>& loss_modes_of(const std::string& model_type) {
+  static const std::vector<std::string> nft = {"diffusion_nft"}, dpo = {"dpo"};
+  if (model_type == "diffusion_model") return reverse_process_modes();
+  if (model_type == "diffusion_nft_model") return nft;
+  if (model_type == "diffusion_dpo_model") return dpo;
   throw std::invalid_argument(fmt::format(
-      "config key 'actor_rollout_ref.model.model_type' must be diffusion_model (Flow-GRPO), "
-      "diffusion_nft_model or diffusion_dpo_model, got '{}'",
+      "config key 'actor_rollout_ref.model.model_type' must be diffusion_model (Flow-GRPO and the "
+      "other reverse-process losses), diffusion_nft_model or diffusion_dpo_model, got '{}'",
       model_type));
+}
+
+bool is_reverse_process_loss(const std::string& loss_mode) {
+  return contains(reverse_process_modes(), loss_mode);
 }
 
 void DiffusionLossConfig::validate() const {
   const std::string key = "actor_rollout_ref.actor.diffusion_loss.";
-  if (loss_mode != "flow_grpo" && loss_mode != "diffusion_nft" && loss_mode != "dpo") {
-    internal::throw_unknown_value(key + "loss_mode", loss_mode,
-                                  {"flow_grpo", "diffusion_nft", "dpo"});
+  std::vector<std::string> all = reverse_process_modes();
+  all.push_back("diffusion_nft");
+  all.push_back("dpo");
+  if (!contains(all, loss_mode)) {
+    throw std::invalid_argument(fmt::format("{}loss_mode: unknown value \"{}\" (expected one of: {})",
+                                            key, loss_mode, joined(all)));
   }
   require(clip_ratio >= 0, key + "clip_ratio", fmt::format("must be >= 0, got {}", clip_ratio));
   require(adv_clip_max > 0, key + "adv_clip_max", fmt::format("must be > 0, got {}", adv_clip_max));
@@ -416,13 +669,40 @@ void DiffusionLossConfig::validate() const {
   require(mix_beta > 0 && mix_beta <= 1, key + "mix_beta",
           fmt::format("must be in (0, 1], got {}", mix_beta));
   require(ref_kl_coef >= 0, key + "ref_kl_coef", fmt::format("must be >= 0, got {}", ref_kl_coef));
+  require(adaptive_weight_min > 0, key + "adaptive_weight_min",
+          fmt::format("must be > 0, got {}", adaptive_weight_min));
   require(dpo_beta > 0, key + "dpo_beta", fmt::format("must be > 0, got {}", dpo_beta));
+  require(kl_mask_threshold > 0, key + "kl_mask_threshold",
+          fmt::format("must be > 0, got {}", kl_mask_threshold));
+  require(distill_loss_coef >= 0, "actor_rollout_ref.actor.distill_loss_coef",
+          fmt::format("must be >= 0, got {}", distill_loss_coef));
+  if (!is_distill_mode(distill_loss_mode)) {
+    internal::throw_unknown_value("actor_rollout_ref.actor.distill_loss_mode", distill_loss_mode,
+                                  {"distill_kl", "distill_fm_mse"});
+  }
+  if (!is_reverse_process_loss(loss_mode)) {
+    // NFT and DPO engines train the forward process: no SDE step to put a KL or a teacher on.
+    require(kl_loss_coef == 0, "actor_rollout_ref.actor.use_kl_loss",
+            fmt::format("adds the reverse-step KL to a reverse-process loss; loss_mode {} has "
+                        "its own reference term",
+                        loss_mode));
+    require(distill_loss_coef == 0, "actor_rollout_ref.actor.use_distill_loss",
+            fmt::format("adds a teacher's term to a reverse-process loss, not to {}", loss_mode));
+  }
 }
 
 bool DiffusionLossConfig::needs_reference() const {
-  if (loss_mode == "flow_grpo") return kl_loss_coef > 0;
+  if (is_reverse_process_loss(loss_mode)) return loss_mode == "kl" || kl_loss_coef > 0;
   if (loss_mode == "diffusion_nft") return ref_kl_coef > 0;
   return loss_mode == "dpo";
+}
+
+bool DiffusionLossConfig::needs_teacher() const {
+  return is_distill_mode(loss_mode) || distill_loss_coef > 0;
+}
+
+bool DiffusionLossConfig::needs_old_step() const {
+  return loss_mode == "flow_dppo" || loss_mode == "grpo_guard";
 }
 
 TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel& model,
@@ -430,9 +710,10 @@ TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel&
                          const SamplerConfig& sampler) {
   loss.validate();
   torch::NoGradGuard no_grad;
+  const bool reverse = is_reverse_process_loss(loss.loss_mode);
   if (role == "reference") {
-    if (loss.loss_mode == "flow_grpo") {
-      return {{"ref_prev_sample_mean", flow_grpo_step(model, rows, sampler).prev_sample_mean}};
+    if (reverse) {
+      return {{"ref_prev_sample_mean", policy_step(model, rows, sampler).step.prev_sample_mean}};
     }
     if (loss.loss_mode == "diffusion_nft") return {{"ref_velocity", nft_velocity(model, rows)}};
     auto pred = dpo_prediction(model, dpo_inputs(rows));
@@ -441,38 +722,34 @@ TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel&
   }
   if (role == "old") {
     require(loss.loss_mode == "diffusion_nft", "role",
-            fmt::format("\"old\" is DiffusionNFT's behaviour policy; loss_mode {} has none",
+            fmt::format("\"old\" is DiffusionNFT's behaviour policy; loss_mode {} has none "
+                        "(recompute_log_probs gives a reverse-process loss its old step)",
                         loss.loss_mode));
     return {{"old_velocity", nft_velocity(model, rows)}};
   }
-  internal::throw_unknown_value("role", role, {"reference", "old"});
+  if (role == "teacher") {
+    require(loss.needs_teacher(), "role",
+            fmt::format("loss_mode {} without a distillation term reads no teacher",
+                        loss.loss_mode));
+    const auto teacher = policy_step(model, rows, sampler);
+    std::vector<std::string> modes;
+    if (is_distill_mode(loss.loss_mode)) modes.push_back(loss.loss_mode);
+    if (loss.distill_loss_coef > 0) modes.push_back(loss.distill_loss_mode);
+    TensorMap out;
+    for (const auto& mode : modes) {
+      if (mode == "distill_kl") out["teacher_prev_sample_mean"] = teacher.step.prev_sample_mean;
+      if (mode == "distill_fm_mse") out["teacher_noise_pred"] = teacher.velocity;
+    }
+    return out;
+  }
+  internal::throw_unknown_value("role", role, {"reference", "old", "teacher"});
 }
 
 MicroBatchLoss diffusion_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
                               const DiffusionLossConfig& loss, const SamplerConfig& sampler) {
   loss.validate();
-  if (loss.loss_mode == "flow_grpo") {
-    const std::string who = "the flow_grpo loss";
-    auto step = flow_grpo_step(model, rows, sampler);
-    FlowGrpoLossInputs in;
-    in.log_prob = step.log_prob;
-    in.old_log_prob = column(rows, "old_log_probs", who);
-    in.advantages = column(rows, "advantages", who);
-    in.prev_sample_mean = step.prev_sample_mean;
-    in.std_dev_t = step.std_dev_t;
-    if (loss.kl_loss_coef > 0) {
-      in.ref_prev_sample_mean =
-          column(rows, "ref_prev_sample_mean", "the flow_grpo loss's KL (kl_loss_coef > 0)");
-    }
-    FlowGrpoLossConfig config;
-    config.clip_range = loss.clip_ratio;
-    config.adv_clip_max = loss.adv_clip_max;
-    config.beta = loss.kl_loss_coef;
-    auto out = flow_grpo_loss(in, config);
-    return {out.loss, detached({{"policy_loss", out.policy_loss},
-                                {"kl", out.kl_loss},
-                                {"ppo_kl", out.ppo_kl},
-                                {"clipfrac", out.clipfrac}})};
+  if (is_reverse_process_loss(loss.loss_mode)) {
+    return reverse_process_loss(model, rows, loss, sampler);
   }
   if (loss.loss_mode == "diffusion_nft") {
     const std::string who = "the diffusion_nft loss";
@@ -490,6 +767,7 @@ MicroBatchLoss diffusion_loss(models::SD3Transformer2DModel& model, const Tensor
     config.beta = loss.mix_beta;
     config.adv_clip_max = loss.adv_clip_max;
     config.ref_kl_coef = loss.ref_kl_coef;
+    config.adaptive_weight_min = loss.adaptive_weight_min;
     auto out = nft_loss(in, config);
     return {out.loss, detached({{"policy_loss", out.policy_loss},
                                 {"kl", out.ref_loss},

@@ -31,17 +31,19 @@ torch::Tensor diffusion_advantages_impl(const torch::Tensor& rewards, const std:
   std::vector<double> adv(r.size(), 0.0);
   if (r.empty()) return torch::zeros({0}, rewards.options().dtype(torch::kFloat));
 
-  auto population_std = [&](const std::vector<int64_t>& idx, double mean) {
+  // torch.std's unbiased estimate, as verl-omni's compute_flow_grpo_outcome_advantage takes it
+  // (flow_grpo's np.std is the population one; verl-omni is the reference here).
+  auto sample_std = [&](const std::vector<int64_t>& idx, double mean) {
     double ss = 0.0;
     for (int64_t i : idx) ss += (r[i] - mean) * (r[i] - mean);
-    return std::sqrt(ss / static_cast<double>(idx.size()));
+    return std::sqrt(ss / static_cast<double>(idx.size() - 1));
   };
   std::vector<int64_t> all(r.size());
   for (size_t i = 0; i < r.size(); ++i) all[i] = static_cast<int64_t>(i);
   double batch_mean = 0.0;
   for (double x : r) batch_mean += x;
   batch_mean /= static_cast<double>(r.size());
-  const double batch_std = population_std(all, batch_mean);
+  const double batch_std = r.size() > 1 ? sample_std(all, batch_mean) : 0.0;
 
   for (const auto& group : internal::group_members(uids)) {
     // A lone sample has nothing to be relative to: no signal rather than noise.
@@ -49,7 +51,7 @@ torch::Tensor diffusion_advantages_impl(const torch::Tensor& rewards, const std:
     double mean = 0.0;
     for (int64_t i : group) mean += r[i];
     mean /= static_cast<double>(group.size());
-    const double sd = config.global_std ? batch_std : population_std(group, mean);
+    const double sd = config.global_std ? batch_std : sample_std(group, mean);
     for (int64_t i : group) {
       adv[i] = config.normalize_by_std ? (r[i] - mean) / (sd + config.eps) : r[i] - mean;
     }
@@ -84,6 +86,11 @@ double FlowMatchScheduler::sigma(int64_t i) const {
   return sigmas[i].item<double>();
 }
 
+const std::vector<std::string>& sde_types() {
+  static const std::vector<std::string> types = {"sde", "cps", "dance_sde"};
+  return types;
+}
+
 SdeStepResult sde_step_with_logprob_sigmas(const torch::Tensor& model_output,
                                            const torch::Tensor& sample, const torch::Tensor& sigma,
                                            const torch::Tensor& sigma_prev, double sigma1,
@@ -104,7 +111,15 @@ SdeStepResult sde_step_with_logprob_sigmas(const torch::Tensor& model_output,
   // (yifan123/flow_grpo), which verl-omni's rollout copies.
   torch::Tensor std_dev_t, mean, step_std;
   const bool cps = options.sde_type == "cps";
-  if (options.sde_type == "sde") {
+  if (options.sde_type == "dance_sde") {
+    // DanceGRPO (verl-omni's flow_match_sde.py, after XueZeyue/DanceGRPO): the Euler mean plus a
+    // score correction, stable near sigma = 1 where the "sde" type's std diverges.
+    auto x0_hat = x - s * v;
+    auto score = -(x - x0_hat * (1.0 - s)) / s.pow(2);
+    mean = x + dt * v + (-0.5 * options.noise_level * options.noise_level) * score * dt;
+    std_dev_t = torch::sqrt(-dt) * options.noise_level;
+    step_std = std_dev_t;
+  } else if (options.sde_type == "sde") {
     auto denom_sigma = torch::where(s == 1.0, torch::full_like(s, sigma1), s);
     std_dev_t = torch::sqrt(s / (1.0 - denom_sigma)) * options.noise_level;
     auto var = std_dev_t.pow(2);
@@ -120,7 +135,7 @@ SdeStepResult sde_step_with_logprob_sigmas(const torch::Tensor& model_output,
     mean = x0_hat * (1.0 - s_prev) + x1_hat * torch::sqrt(s_prev.pow(2) - std_dev_t.pow(2));
     step_std = std_dev_t;
   } else {
-    internal::throw_unknown_value("sde_type", options.sde_type, {"sde", "cps"});
+    internal::throw_unknown_value("sde_type", options.sde_type, {"sde", "cps", "dance_sde"});
   }
 
   torch::Tensor prev;

@@ -73,6 +73,7 @@ NftLossOutput nft_loss(const NftLossInputs& in, const NftLossConfig& config) {
   require(config.beta > 0.0, "beta", "must be > 0");
   require(config.adv_clip_max > 0.0, "adv_clip_max", "must be > 0");
   require(config.loss_divisor > 0.0, "loss_divisor", "must be > 0");
+  require(config.adaptive_weight_min > 0.0, "adaptive_weight_min", "must be > 0");
   const int64_t nd = in.x0.dim();
   const auto device = in.v.device();
   const double beta = config.beta;
@@ -93,7 +94,7 @@ NftLossOutput nft_loss(const NftLossInputs& in, const NftLossConfig& config) {
   auto weight = [&](const torch::Tensor& pred) {
     torch::NoGradGuard no_grad;
     return mean_non_batch((pred.detach().to(torch::kDouble) - x0.to(torch::kDouble)).abs())
-        .clamp_min(1e-5)
+        .clamp_min(config.adaptive_weight_min)
         .to(torch::kFloat);
   };
   auto l_pos = mean_non_batch((xp - x0).pow(2)) / weight(xp);

@@ -468,13 +468,16 @@ ModelSizer diffusion_sizer(std::vector<std::string> default_states) {
 // EngineConfig::loss, divided by the micro-batch count so that the accumulated gradient is the
 // mean over the rank's rows.
 LossFactory diffusion_loss(const std::string& model_type) {
-  return [loss_mode = algos::loss_mode_of(model_type)](const json& j) -> LossFn {
+  return [model_type](const json& j) -> LossFn {
     auto loss = j.get<algos::DiffusionLossConfig>();
-    if (!j.contains("loss_mode") || j["loss_mode"].is_null()) loss.loss_mode = loss_mode;
-    if (loss.loss_mode != loss_mode) {
+    if (!j.contains("loss_mode") || j["loss_mode"].is_null()) {
+      loss.loss_mode = algos::loss_mode_of(model_type);
+    }
+    const auto& modes = algos::loss_modes_of(model_type);
+    if (std::find(modes.begin(), modes.end(), loss.loss_mode) == modes.end()) {
       throw std::invalid_argument(fmt::format(
-          "actor.diffusion_loss.loss_mode: '{}' is not the loss of this model_type's engine ('{}')",
-          loss.loss_mode, loss_mode));
+          "actor.diffusion_loss.loss_mode: '{}' is not a loss of model_type {}'s engine ({})",
+          loss.loss_mode, model_type, json(modes).dump()));
     }
     loss.validate();
     const auto sampler = j.value("sampler", json::object()).get<algos::SamplerConfig>();

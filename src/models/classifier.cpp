@@ -96,6 +96,48 @@ torch::Tensor classifier_reward(ImageClassifier& model, const torch::Tensor& ima
   return mode == "prob" ? logp.exp() : logp;
 }
 
+namespace {
+// Rows [N, ...] flattened, centred and scaled to unit norm: their dot products are correlations.
+// A constant image (norm 0) stays 0 and correlates with nothing.
+torch::Tensor standardized(const torch::Tensor& images) {
+  auto x = images.detach().to(torch::kFloat).flatten(1);
+  x = x - x.mean(1, /*keepdim=*/true);
+  return x / x.norm(2, 1, /*keepdim=*/true).clamp_min(1e-8);
+}
+}  // namespace
+
+NearestExampleScorer::NearestExampleScorer(const torch::Tensor& images, const torch::Tensor& labels,
+                                           int64_t num_classes, int64_t per_class) {
+  if (per_class < 1) {
+    throw std::invalid_argument(fmt::format("bank_per_class: must be >= 1, got {}", per_class));
+  }
+  torch::NoGradGuard no_grad;
+  const auto y = labels.to(torch::kLong);
+  std::vector<torch::Tensor> banks;
+  for (int64_t c = 0; c < num_classes; ++c) {
+    auto idx = (y == c).nonzero().reshape({-1});
+    if (idx.size(0) < per_class) {
+      throw std::invalid_argument(fmt::format(
+          "bank_per_class: class {} has {} images, fewer than {}", c, idx.size(0), per_class));
+    }
+    banks.push_back(standardized(images.index_select(0, idx.narrow(0, 0, per_class))));
+  }
+  bank_ = torch::stack(banks);
+}
+
+torch::Tensor NearestExampleScorer::score(const torch::Tensor& images,
+                                          const torch::Tensor& labels) const {
+  torch::NoGradGuard no_grad;
+  auto x = standardized(images.to(bank_.device()));
+  if (x.size(1) != bank_.size(2)) {
+    throw std::invalid_argument(fmt::format("images: {} pixels each, the bank's have {}",
+                                            x.size(1), bank_.size(2)));
+  }
+  auto bank = bank_.index_select(0, labels.to(bank_.device(), torch::kLong));  // [N, K, D]
+  auto corr = torch::bmm(bank, x.unsqueeze(2)).squeeze(2);                     // [N, K]
+  return std::get<0>(corr.max(1)).clamp_min(0.0);
+}
+
 void fit_classifier(ImageClassifier& model, const torch::Tensor& images,
                     const torch::Tensor& labels, const ClassifierFitOptions& options) {
   const bool sharded = model.is_sharded();

@@ -21,8 +21,16 @@ LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_in) : options(opt
   }
 }
 
+torch::Tensor linear_rows(const torch::Tensor& input, const torch::Tensor& weight,
+                          const torch::Tensor& bias) {
+  if (input.dim() <= 2) return F::linear(input, weight, bias);
+  auto sizes = input.sizes().vec();
+  sizes.back() = weight.size(0);
+  return F::linear(input.reshape({-1, input.size(-1)}), weight, bias).view(sizes);
+}
+
 torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
-  if (!inference_kernel_) return F::linear(input, weight, bias);
+  if (!inference_kernel_) return linear_rows(input, weight, bias);
   TORCH_CHECK(!torch::GradMode::is_enabled(),
               "Linear: packed for inference (pack_for_inference), so it runs without grad only");
   return inference_kernel_(input);

@@ -79,7 +79,7 @@ torch::Tensor LoraLinearImpl::forward(const torch::Tensor& input) {
   const Adapter& ad = adapter(active_);
   torch::Tensor x = input.to(ad.a.scalar_type());
   if (ad.config.dropout > 0) x = torch::dropout(x, ad.config.dropout, is_training());
-  const torch::Tensor xa = torch::nn::functional::linear(x, ad.a);
+  const torch::Tensor xa = linear_rows(x, ad.a);
   if (out.scalar_type() == ad.b.scalar_type()) {
     // out + scaling * (x A^T) B^T as one GEMM that accumulates into a copy of out: in a decode
     // step, where every GEMM is a few rows, three element-wise passes cost as much as the GEMM.

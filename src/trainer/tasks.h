@@ -151,6 +151,20 @@ engine::LossOutput next_token_loss(engine::Engine& e, const engine::MicroBatch& 
 void sync_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
                           const std::string& merge_adapter, bool trainable_only = false);
 
+// Gives `replica` (built as the trainer's model, before any adapter) every LoRA adapter the trainer
+// carries (its export_info's "lora": PEFT configs by adapter name), frozen, with "default" active:
+// a replica that runs the trainer's low-rank path unmerged, as the trainer does.
+void add_trainer_adapters(torch::nn::Module& replica, const engine::Engine& trainer);
+
+// After a sync into a replica that holds the trainer's adapters unmerged: every weight the replica
+// computes with equals, bit for bit, the trainer's weight with adapter `adapter` merged (empty: no
+// adapter, every param as it is). The trainer merges on its side (get_per_tensor_param's
+// merge_adapter path), the replica from its own base and adapter tensors, so an adapter tensor
+// that did not arrive, or arrived under another name, shows. A difference is an error naming the
+// tensor and its largest |difference|. Collective over the trainer's shard group, like the sync.
+void check_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
+                           const std::string& adapter);
+
 // The built-in tasks: each one's config table, entry point and memory plan.
 Task lm_pretrain_task();
 Task diffusion_rl_task();

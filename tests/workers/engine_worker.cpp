@@ -86,7 +86,8 @@ engine::EngineConfig diffusion_config(const std::string& model_type, int64_t lor
              {"lora_rank", lora_rank}};
   c.micro_batch_size_per_gpu = micro_batch;
   c.optim.lr = 1e-3;
-  c.loss = {{"kl_loss_coef", 0.04},
+  // The reverse-step KL belongs to Flow-GRPO's engine; NFT's reference term is ref_kl_coef.
+  c.loss = {{"kl_loss_coef", model_type == "diffusion_model" ? 0.04 : 0.0},
             {"ref_kl_coef", 0.1},
             {"sampler", {{"num_inference_steps", 3}, {"height", 8}, {"width", 8}}}};
   return c;

@@ -90,8 +90,9 @@ struct SamplerConfig {
   int64_t num_inference_steps = 10;  // rollout.pipeline.num_inference_steps
   double shift = 3.0;                // the flow-matching scheduler's shift (SD3: 3.0)
   double noise_level = 0.7;          // rollout.algo.noise_level; 0: every step is the ODE
-  // rollout.algo.sde_type: "sde" or "cps". CPS's std is sigma_next sin(noise_level pi / 2): 0 on
-  // the last step (to sigma 0), so a window holding it gets a NaN KL to the reference there.
+  // rollout.algo.sde_type: "sde", "cps" or "dance_sde" (sde_types()). CPS's std is sigma_next
+  // sin(noise_level pi / 2): 0 on the last step (to sigma 0), so a window holding it gets a NaN KL
+  // to the reference there.
   std::string sde_type = "sde";
   // rollout.algo.sde_window_size: how many consecutive steps are stochastic (and trained); 0 (the
   // YAML's null) means every step but the last, as in flow_grpo and verl-omni. The window
@@ -99,6 +100,15 @@ struct SamplerConfig {
   // num_inference_steps): start is drawn uniformly from [first, last - size].
   int64_t sde_window_size = 0;
   std::pair<int64_t, int64_t> sde_window_range{0, -1};
+  // MixGRPO (actor_rollout_ref.model.algorithm mix_grpo): how the window moves from one training
+  // step to the next. rollout.algo.sample_strategy "random": the start is Python's
+  // random.Random(sde_window_seed + step).randint(first, last - size), as verl-omni's MixGRPO
+  // pipeline draws it (the same start on every rank); "progressive": the window slides by its size
+  // every rollout.algo.iters_per_group steps, from the range's start to its end, where it stays.
+  bool mix_grpo = false;
+  std::string sample_strategy = "random";
+  int64_t iters_per_group = 1;
+  int64_t sde_window_seed = 0;
   double true_cfg_scale = 1.0;      // rollout.pipeline.true_cfg_scale
   int64_t height = 28, width = 28;  // rollout.pipeline.height / width, in latent pixels
 
@@ -109,7 +119,9 @@ struct SamplerConfig {
 // carries it to the registered loss as "sampler".
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(SamplerConfig, num_inference_steps, shift,
                                                 noise_level, sde_type, sde_window_size,
-                                                sde_window_range, true_cfg_scale, height, width)
+                                                sde_window_range, mix_grpo, sample_strategy,
+                                                iters_per_group, sde_window_seed, true_cfg_scale,
+                                                height, width)
 
 // Steps [begin, end) that are stochastic in one rollout batch.
 struct SdeWindow {
@@ -121,8 +133,14 @@ struct SdeWindow {
 // where the Gaussian is sharpest; [0, 1) for T = 1), else a window of that size whose start is
 // drawn uniformly so that it fits in the range (flow_grpo's sd3_pipeline_with_logprob_fast.py,
 // verl-omni's pipelines). `generator` must be seeded alike on every rank: all ranks use one
-// window per step, as Flow-GRPO-Fast does.
-SdeWindow draw_sde_window(const SamplerConfig& config, at::Generator generator);
+// window per step, as Flow-GRPO-Fast does. With config.mix_grpo the start follows
+// config.sample_strategy at `global_step` (verl-omni's global_steps: 1 at the first training
+// step) and the generator is not used.
+SdeWindow draw_sde_window(const SamplerConfig& config, at::Generator generator,
+                          int64_t global_step = 0);
+// What Python's random.Random(seed).randint(low, high) returns (Mersenne Twister seeded by
+// init_by_array, randbelow by rejection), for MixGRPO's window start.
+int64_t python_random_randint(int64_t seed, int64_t low, int64_t high);
 
 struct DiffusionRollout {
   torch::Tensor latents;    // [B, T+1, C, H, W]: the initial noise, then x after each step
@@ -158,6 +176,31 @@ GroupAdvantages group_advantages(const torch::Tensor& rewards, int64_t group_siz
                                  dist::ProcessGroup* group = nullptr);
 
 // ---------------------------------------------------------------------------------------------
+// The policy's step on the rows
+
+// One reverse step of `model` on flow_grpo_rows-style rows ("latents", "next_latents", "sigma",
+// "sigma_next" and the conditioning): the velocity the step used (CFG-combined; verl-omni's
+// noise_pred) and the step's log-prob, mean, std_dev_t and sqrt_dt. What the sampler computed for
+// the same rows, with grad when grad mode is on. Every reverse-process loss and frozen column
+// reaches the model through this one function.
+struct PolicyStep {
+  torch::Tensor velocity;
+  SdeStepResult step;
+};
+PolicyStep policy_step(models::SD3Transformer2DModel& model, const TensorMap& rows,
+                       const SamplerConfig& sampler);
+
+// verl's old-log-prob pass: the trainer's recomputation of the rollout's steps on the rows,
+// without grad: "old_log_probs" [R] and "old_prev_sample_mean". The rollout's own log-probs stay in
+// the rows as "rollout_log_probs".
+TensorMap recompute_log_probs(models::SD3Transformer2DModel& model, const TensorMap& rows,
+                              const SamplerConfig& sampler);
+
+// verl-omni's rollout-train consistency metrics: rollout_corr/logprob_abs_diff_mean and _max of
+// |old_log_probs - rollout_log_probs| over rows that hold both.
+Metrics logprob_consistency(const TensorMap& rows);
+
+// ---------------------------------------------------------------------------------------------
 // Rows of an update
 
 // Flow-GRPO's trained steps: the first max(1, int(n * timestep_fraction)) of the window's n steps
@@ -165,7 +208,8 @@ GroupAdvantages group_advantages(const torch::Tensor& rewards, int64_t group_siz
 std::vector<int64_t> flow_grpo_train_steps(const SdeWindow& window, double timestep_fraction);
 
 // One row per (sample, step in `steps`), sample-major: "latents" (x_j), "next_latents" (x_{j+1}),
-// "sigma", "sigma_next" [R] fp32, "old_log_probs" [R], "advantages" [R], and the conditioning.
+// "sigma", "sigma_next" [R] fp32, "rollout_log_probs" [R] and, until recompute_log_probs replaces
+// them, "old_log_probs" (the same), "advantages" [R], and the conditioning.
 TensorMap flow_grpo_rows(const DiffusionRollout& rollout, const torch::Tensor& advantages,
                          const std::vector<int64_t>& steps);
 
@@ -180,45 +224,76 @@ TensorMap nft_rows(const DiffusionRollout& rollout, const torch::Tensor& reward_
 // pair's conditioning (the chosen sample's; a group shares its prompt).
 TensorMap dpo_rows(const DiffusionRollout& rollout, const torch::Tensor& rewards,
                    const std::vector<int64_t>& group_ids, double shift, at::Generator generator);
+// The same rows from given pairs (offline DPO, algorithm.sample_source offline): chosen and
+// rejected [P, C, H, W] with the pairs' conditioning [P].
+TensorMap offline_dpo_rows(const torch::Tensor& chosen, const torch::Tensor& rejected,
+                           const Conditioning& cond, double shift, at::Generator generator);
 
 // ---------------------------------------------------------------------------------------------
 // Losses (verl-omni's actor.diffusion_loss)
 
-// The loss mode verl-omni's model types train with (their engines' loss): diffusion_model
-// "flow_grpo", diffusion_nft_model "diffusion_nft", diffusion_dpo_model "dpo". Another type is an
-// error naming actor_rollout_ref.model.model_type.
-std::string loss_mode_of(const std::string& model_type);
+// The loss modes of verl-omni's model types (their engines' losses). diffusion_model (the PPO
+// engine, reverse-process losses on one SDE step per row): flow_grpo (its default), dance_grpo,
+// flow_dppo, grpo_guard, kl, distill_kl, distill_fm_mse; diffusion_nft_model: diffusion_nft;
+// diffusion_dpo_model: dpo. Another type is an error naming actor_rollout_ref.model.model_type.
+std::string loss_mode_of(const std::string& model_type);            // the default
+const std::vector<std::string>& loss_modes_of(const std::string& model_type);
+// Whether the mode's loss reads one reverse SDE step per row (flow_grpo_rows), as verl-omni's PPO
+// engine runs it.
+bool is_reverse_process_loss(const std::string& loss_mode);
 
 struct DiffusionLossConfig {
-  // "flow_grpo", "diffusion_nft" or "dpo" (actor.diffusion_loss.loss_mode).
+  // actor.diffusion_loss.loss_mode: one of loss_modes_of(model_type).
   std::string loss_mode = "flow_grpo";
-  double clip_ratio = 1e-4;   // diffusion_loss.clip_ratio (Flow-GRPO)
+  double clip_ratio = 1e-4;   // diffusion_loss.clip_ratio (flow_grpo, dance_grpo, grpo_guard)
   double adv_clip_max = 5.0;  // diffusion_loss.adv_clip_max
-  double kl_loss_coef = 0.0;  // actor.kl_loss_coef when actor.use_kl_loss (Flow-GRPO), else 0
-  double mix_beta = 0.5;      // diffusion_loss.mix_beta (NFT's beta)
-  double ref_kl_coef = 0.0;   // diffusion_loss.ref_kl_coef (NFT)
-  double dpo_beta = 2000.0;   // diffusion_loss.dpo_beta
-  void validate() const;      // errors name the field (e.g. "actor.diffusion_loss.clip_ratio")
+  // actor.kl_loss_coef when actor.use_kl_loss, else 0: the reference KL that verl-omni adds to a
+  // reverse-process loss ("kl" on its own is loss_mode kl).
+  double kl_loss_coef = 0.0;
+  double mix_beta = 0.5;               // diffusion_loss.mix_beta (NFT's beta)
+  double ref_kl_coef = 0.0;            // diffusion_loss.ref_kl_coef (NFT)
+  double adaptive_weight_min = 1e-5;   // diffusion_loss.adaptive_weight_min (NFT)
+  double dpo_beta = 2000.0;            // diffusion_loss.dpo_beta
+  double kl_mask_threshold = 1e-5;     // diffusion_loss.kl_mask_threshold (flow_dppo)
+  bool add_kl_coefficient = true;      // diffusion_loss.add_kl_coefficient (flow_dppo)
+  // actor.distill_loss_coef when actor.use_distill_loss, else 0: the teacher term
+  // (actor.distill_loss_mode: distill_kl or distill_fm_mse) added to a reverse-process loss.
+  double distill_loss_coef = 0.0;
+  std::string distill_loss_mode = "distill_kl";
+  void validate() const;  // errors name the field (e.g. "actor.diffusion_loss.clip_ratio")
   // Whether the loss reads a reference policy's outputs (frozen_outputs with role "reference").
   bool needs_reference() const;
+  // Whether it reads a teacher's (frozen_outputs with role "teacher"): loss_mode distill_kl or
+  // distill_fm_mse, or a distillation term.
+  bool needs_teacher() const;
+  // Whether it reads the old policy's step ("old_log_probs", "old_prev_sample_mean" of
+  // recompute_log_probs): flow_dppo and grpo_guard.
+  bool needs_old_step() const;
 };
 // As JSON with the field names above (absent fields keep their defaults): EngineConfig::loss.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(DiffusionLossConfig, loss_mode, clip_ratio,
                                                 adv_clip_max, kl_loss_coef, mix_beta, ref_kl_coef,
-                                                dpo_beta)
+                                                adaptive_weight_min, dpo_beta, kl_mask_threshold,
+                                                add_kl_coefficient, distill_loss_coef,
+                                                distill_loss_mode)
 
 // What loss_mode's loss reads from a frozen policy, computed under NoGradGuard with `model` as it
-// is (the caller picks the policy: adapters disabled, another adapter, or a reference engine's
-// model). role "reference": flow_grpo {"ref_prev_sample_mean"}, diffusion_nft {"ref_velocity"},
-// dpo {"ref_chosen_pred", "ref_rejected_pred"}. role "old" (diffusion_nft only): {"old_velocity"}.
+// is (the caller picks the policy: adapters disabled, another adapter, or a reference or teacher
+// engine's model). role "reference": a reverse-process loss {"ref_prev_sample_mean"},
+// diffusion_nft {"ref_velocity"}, dpo {"ref_chosen_pred", "ref_rejected_pred"}. role "old"
+// (diffusion_nft only): {"old_velocity"}. role "teacher" (a reverse-process loss with
+// needs_teacher()): {"teacher_prev_sample_mean"} for distill_kl, {"teacher_noise_pred"} (the
+// teacher's velocity at the row's state) for distill_fm_mse.
 TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel& model,
                          const TensorMap& rows, const DiffusionLossConfig& loss,
                          const SamplerConfig& sampler);
 
 // The loss of one micro-batch of rows, the mean over its rows, with the current model (with
 // grad). The frozen columns it needs must be in `rows` (an error names a missing one). Metrics:
-// flow_grpo "policy_loss", "kl", "ppo_kl", "clipfrac"; diffusion_nft "policy_loss", "kl",
-// "positive_loss", "negative_loss"; dpo "implicit_acc", "reward_margin", "model_mse", "ref_mse".
+// reverse-process modes "policy_loss" (the mode's own loss), "kl" (the reference term), "ppo_kl",
+// "clipfrac", "ratio_mean" and, with a teacher term, "distill_loss"; flow_dppo adds
+// "kl_new_old_mean" and "masked_fraction"; diffusion_nft "policy_loss", "kl", "positive_loss",
+// "negative_loss"; dpo "implicit_acc", "reward_margin", "model_mse", "ref_mse".
 MicroBatchLoss diffusion_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
                               const DiffusionLossConfig& loss, const SamplerConfig& sampler);
 

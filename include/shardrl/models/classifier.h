@@ -55,6 +55,25 @@ double classifier_accuracy(ImageClassifier& model, const torch::Tensor& images,
 torch::Tensor classifier_reward(ImageClassifier& model, const torch::Tensor& images,
                                 const torch::Tensor& labels, const std::string& mode = "prob");
 
+// A second reward model, one that no noise image satisfies: how closely an image matches a real
+// image of its class, as the largest Pearson correlation between its pixels and those of a bank
+// of real examples of that class (clamped at 0). A classifier can be fooled by texture (the demo's
+// "sandal" noise scored 1.0); a correlation with a real sandal needs its shape. Used beside the
+// classifier (verl-omni's reward.reward_functions, a weighted sum), it keeps RL from gaming the
+// classifier.
+class NearestExampleScorer {
+ public:
+  // The bank: the first `per_class` images [N, C, H, W] of each class in `labels` [N].
+  NearestExampleScorer(const torch::Tensor& images, const torch::Tensor& labels,
+                       int64_t num_classes, int64_t per_class);
+  // [N] fp32 in [0, 1] for images [N, C, H, W] meant as classes `labels` [N]. No grad.
+  torch::Tensor score(const torch::Tensor& images, const torch::Tensor& labels) const;
+  int64_t per_class() const { return bank_.size(1); }
+
+ private:
+  torch::Tensor bank_;  // [classes, per_class, pixels]: centred, unit norm
+};
+
 struct ClassifierFitOptions {
   int64_t steps = 400;
   int64_t global_batch = 128;  // split over the ranks by data::DistributedSampler

@@ -13,6 +13,14 @@
 
 namespace shardrl::models {
 
+// F::linear over the input's rows as one 2-D GEMM, whatever the input's strides. at::matmul folds
+// a strided 3-D input into one GEMM (copying it) when an operand requires grad and batches it
+// otherwise, so the plain call's kernel, and the last bits of its result, would depend on
+// requires_grad: a rollout replica (frozen params) and the trainer (trained ones) would compute
+// different bits on the same inputs. A contiguous input is folded without a copy, as before.
+torch::Tensor linear_rows(const torch::Tensor& input, const torch::Tensor& weight,
+                          const torch::Tensor& bias = {});
+
 class LinearImpl : public torch::nn::Module {
  public:
   // Kaiming-uniform weight and uniform bias, drawn in torch::nn::Linear's order.
