@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "shardrl/checkpoint.h"
+#include "shardrl/engine.h"
+#include "shardrl/memory_plan.h"
 #include "shardrl/models/sd3.h"
 #include "shardrl/models/transformer.h"
 #include "shardrl/models/weights.h"
@@ -110,6 +112,30 @@ inline size_t count_files_matching(const std::string& dir, const std::regex& pat
     if (std::regex_match(entry.path().filename().string(), pattern)) ++n;
   }
   return n;
+}
+
+// A memory plan's units as (params, trainable), sorted.
+inline std::vector<std::pair<int64_t, int64_t>> sorted_units(const engine::ModelSize& size) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& u : size.units) out.emplace_back(u.params, u.trainable);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// What FSDP made of the engine's model, as sorted_units (a world of one: every shard is its
+// whole param).
+inline std::vector<std::pair<int64_t, int64_t>> sharded_units(engine::Engine& engine) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& unit : engine.fsdp().units()) {
+    int64_t params = 0, trainable = 0;
+    for (const auto& shard : unit.shards()) {
+      params += shard.numel();
+      if (shard.requires_grad()) trainable += shard.numel();
+    }
+    out.emplace_back(params, trainable);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace shardrl::testing

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "model_test_util.h"
 #include "shardrl/engine.h"
 #include "shardrl/memory_plan.h"
 #include "test_util.h"
@@ -17,28 +18,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-std::vector<std::pair<int64_t, int64_t>> sorted_units(const engine::ModelSize& size) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (const auto& u : size.units) out.emplace_back(u.params, u.trainable);
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-// What FSDP made of the model (a world of one: every shard is its whole param).
-std::vector<std::pair<int64_t, int64_t>> sharded_units(engine::Engine& engine) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (const auto& unit : engine.fsdp().units()) {
-    int64_t params = 0, trainable = 0;
-    for (const auto& shard : unit.shards()) {
-      params += shard.numel();
-      if (shard.requires_grad()) trainable += shard.numel();
-    }
-    out.emplace_back(params, trainable);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 TEST(MemoryPlan, UnitsAreTheShardedModelsUnits) {
   const json llama = {

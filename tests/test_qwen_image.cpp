@@ -398,33 +398,13 @@ TEST(QwenImageSharded, LoraAtSp2TrainsAsOneRankAndOnlyTheAdapters) {
 
 // ---- the memory plan's model size --------------------------------------------------------------
 
-// What FSDP made of the model (a world of one: every shard is its whole param).
-std::vector<std::pair<int64_t, int64_t>> sharded_units(engine::Engine& engine) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (const auto& unit : engine.fsdp().units()) {
-    int64_t params = 0, trainable = 0;
-    for (const auto& shard : unit.shards()) {
-      params += shard.numel();
-      if (shard.requires_grad()) trainable += shard.numel();
-    }
-    out.emplace_back(params, trainable);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-// The diffusion model types size a Qwen-Image config (its _class_name) unit by unit as FSDP
-// shards the model the registry builds, and the published config counts Qwen-Image's 20.4B params.
 TEST(QwenImage, ModelSizeIsTheShardedModelsAndThePublishedCount) {
   engine::EngineConfig config;
   config.model_type = "diffusion_model";
   config.model = {{"config", qwen_image_test_config().to_json()}, {"lora_rank", 2}};
   const auto planned = engine::EngineRegistry::model_size(config);
   auto engine = engine::EngineRegistry::create(config, dist::World::init_from_env());
-  std::vector<std::pair<int64_t, int64_t>> units;
-  for (const auto& u : planned.units) units.emplace_back(u.params, u.trainable);
-  std::sort(units.begin(), units.end());
-  EXPECT_EQ(units, sharded_units(*engine));
+  EXPECT_EQ(sorted_units(planned), sharded_units(*engine));
   EXPECT_EQ(planned.units.size(), 1u + qwen_image_test_config().num_layers);
   EXPECT_EQ(engine->export_info().at("family"), "qwen_image");
   EXPECT_EQ(engine->export_info().at("config"), qwen_image_test_config().to_json());

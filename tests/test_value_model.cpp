@@ -18,11 +18,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::unique_ptr<engine::Engine> value_engine(const std::string& path) {
+engine::EngineConfig value_config(const std::string& path) {
   engine::EngineConfig config;
   config.model_type = "value_model";
   config.model = {{"path", path}};
-  return engine::EngineRegistry::create(config, dist::World::init_from_env());
+  return config;
+}
+
+std::unique_ptr<engine::Engine> value_engine(const std::string& path) {
+  return engine::EngineRegistry::create(value_config(path), dist::World::init_from_env());
 }
 
 torch::Tensor values_of(engine::Engine& engine, const torch::Tensor& tokens,
@@ -49,6 +53,9 @@ TEST_P(ValueModel, MadeFromTheActorsFolderExportsAsTransformersTokenClassificati
   ASSERT_EQ(made.exit_code, 0) << made.output;
 
   auto engine = value_engine(actor);
+  // The memory plan sizes the model FSDP built, unit by unit.
+  EXPECT_EQ(sorted_units(engine::EngineRegistry::model_size(value_config(actor))),
+            sharded_units(*engine));
   // transformers' init of the new head: N(0, initializer_range 0.02), bias 0; every rank (and
   // every build) draws the same.
   const auto params = engine->fsdp().full_parameters();
