@@ -73,8 +73,8 @@ const std::vector<BadValue>& bad_values() {
       {"UnknownChoice",
        "arithmetic_grpo.yaml",
        {"actor_rollout_ref.actor.loss_agg_mode=mean"},
-       {"config key 'actor_rollout_ref.actor.loss_agg_mode' must be one of token-mean, "
-        "seq-mean-token-sum, seq-mean-token-mean, got \"mean\""}},
+       {"config key 'actor_rollout_ref.actor.loss_agg_mode' must be one of token-mean, token-sum, "
+        "seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm, got \"mean\""}},
       {"UnknownDiffusionChoice",
        "fmnist_nft.yaml",
        {"actor_rollout_ref.rollout.algo.sde_type=ode"},

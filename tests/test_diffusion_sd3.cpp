@@ -557,9 +557,10 @@ TEST(GroupAdvantages, AreGroupRelativeWithTheBatchStd) {
   auto rewards = torch::tensor({1.0f, 3.0f, 0.0f, 0.0f, 2.0f, 4.0f});
   auto out = algos::group_advantages(rewards, 2, {});
   EXPECT_EQ(out.group_ids, (std::vector<int64_t>{0, 0, 1, 1, 2, 2}));
-  const double std = rewards.std(/*unbiased=*/false).item<double>();
+  // torch.std's unbiased estimate of the batch, as verl-omni's compute_flow_grpo_outcome_advantage.
+  const double std = rewards.std(/*unbiased=*/true).item<double>();
   EXPECT_NEAR(out.reward_mean, 10.0 / 6, 1e-6);
-  EXPECT_NEAR(out.reward_std, std, 1e-6);
+  EXPECT_NEAR(out.reward_std, rewards.std(/*unbiased=*/false).item<double>(), 1e-6);  // logged
   auto want = torch::tensor({-1.0, 1.0, 0.0, 0.0, -1.0, 1.0}) / (std + 1e-4);
   EXPECT_TRUE(torch::allclose(out.advantages, want.to(torch::kFloat), 1e-5, 1e-6));
   expect_invalid_argument_naming([&] { algos::group_advantages(rewards, 4, {}); }, "group_size",
