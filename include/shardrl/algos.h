@@ -204,12 +204,12 @@ struct FlowDppoLossConfig {
 };
 
 struct PolicyStepLossOutput {
-  torch::Tensor loss;          // policy loss / loss_divisor, with grad
-  torch::Tensor policy_loss;   // detached
-  torch::Tensor ppo_kl;        // mean(-log_ratio)
-  torch::Tensor clipfrac;      // grpo_guard: mean(|ratio - 1| > clip); flow_dppo: 0 (no clip)
-  torch::Tensor ratio_mean;    // mean(ratio)
-  torch::Tensor kl_new_old;    // flow_dppo: mean of the per-sample KL to the old mean; else 0
+  torch::Tensor loss;             // policy loss / loss_divisor, with grad
+  torch::Tensor policy_loss;      // detached
+  torch::Tensor ppo_kl;           // mean(-log_ratio)
+  torch::Tensor clipfrac;         // grpo_guard: mean(|ratio - 1| > clip); flow_dppo: 0 (no clip)
+  torch::Tensor ratio_mean;       // mean(ratio)
+  torch::Tensor kl_new_old;       // flow_dppo: mean of the per-sample KL to the old mean; else 0
   torch::Tensor masked_fraction;  // flow_dppo: share of samples the trust region drops; else 0
 };
 
@@ -252,9 +252,9 @@ NftTimestepSelection nft_select_train_timesteps(const torch::Tensor& rollout_tim
 struct NftLossConfig {
   double beta = 1.0;  // mix weight of the implicit positive/negative policies, (0, 1]
   double adv_clip_max = 5.0;
-  double ref_kl_coef = 0.0;   // > 0 needs v_ref
+  double ref_kl_coef = 0.0;           // > 0 needs v_ref
   double adaptive_weight_min = 1e-5;  // floor of the per-sample x0 error that normalises L_pos/neg
-  double loss_divisor = 1.0;  // grad_accum_divisor("nft", ...)
+  double loss_divisor = 1.0;          // grad_accum_divisor("nft", ...)
 };
 
 struct NftLossInputs {

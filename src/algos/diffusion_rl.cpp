@@ -245,8 +245,8 @@ int64_t python_random_randint(int64_t seed, int64_t low, int64_t high) {
   int i = 1;
   size_t j = 0;
   for (int k = std::max<int>(kN, static_cast<int>(key.size())); k > 0; --k) {
-    mt[i] = (mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1664525u)) + key[j] +
-            static_cast<uint32_t>(j);
+    mt[i] =
+        (mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1664525u)) + key[j] + static_cast<uint32_t>(j);
     ++i;
     ++j;
     if (i >= kN) {
@@ -544,8 +544,8 @@ torch::Tensor distill_term(const std::string& mode, const PolicyStep& policy,
                            const TensorMap& rows) {
   const std::string who = "the " + mode + " loss (the teacher's column)";
   if (mode == "distill_kl") {
-    return step_kl_loss(policy.step.prev_sample_mean,
-                        column(rows, "teacher_prev_sample_mean", who), policy.step.std_dev_t);
+    return step_kl_loss(policy.step.prev_sample_mean, column(rows, "teacher_prev_sample_mean", who),
+                        policy.step.std_dev_t);
   }
   return distill_fm_mse_loss(policy.velocity, column(rows, "teacher_noise_pred", who));
 }
@@ -554,8 +554,7 @@ torch::Tensor distill_term(const std::string& mode, const PolicyStep& policy,
 // times the reference KL (actor.use_kl_loss) and distill_loss_coef times the teacher's term
 // (actor.use_distill_loss).
 MicroBatchLoss reverse_process_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
-                                    const DiffusionLossConfig& loss,
-                                    const SamplerConfig& sampler) {
+                                    const DiffusionLossConfig& loss, const SamplerConfig& sampler) {
   const std::string who = "the " + loss.loss_mode + " loss";
   const auto policy = policy_step(model, rows, sampler);
   const auto& step = policy.step;
@@ -659,8 +658,8 @@ void DiffusionLossConfig::validate() const {
   all.push_back("diffusion_nft");
   all.push_back("dpo");
   if (!contains(all, loss_mode)) {
-    throw std::invalid_argument(fmt::format("{}loss_mode: unknown value \"{}\" (expected one of: {})",
-                                            key, loss_mode, joined(all)));
+    throw std::invalid_argument(fmt::format(
+        "{}loss_mode: unknown value \"{}\" (expected one of: {})", key, loss_mode, joined(all)));
   }
   require(clip_ratio >= 0, key + "clip_ratio", fmt::format("must be >= 0, got {}", clip_ratio));
   require(adv_clip_max > 0, key + "adv_clip_max", fmt::format("must be > 0, got {}", adv_clip_max));
@@ -728,9 +727,9 @@ TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel&
     return {{"old_velocity", nft_velocity(model, rows)}};
   }
   if (role == "teacher") {
-    require(loss.needs_teacher(), "role",
-            fmt::format("loss_mode {} without a distillation term reads no teacher",
-                        loss.loss_mode));
+    require(
+        loss.needs_teacher(), "role",
+        fmt::format("loss_mode {} without a distillation term reads no teacher", loss.loss_mode));
     const auto teacher = policy_step(model, rows, sampler);
     std::vector<std::string> modes;
     if (is_distill_mode(loss.loss_mode)) modes.push_back(loss.loss_mode);

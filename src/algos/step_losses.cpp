@@ -74,9 +74,7 @@ torch::Tensor distill_fm_mse_loss(const torch::Tensor& noise_pred,
   require(noise_pred.defined() && teacher_noise_pred.defined() &&
               noise_pred.sizes() == teacher_noise_pred.sizes(),
           "teacher_noise_pred", "must have the shape of noise_pred");
-  return (f32(noise_pred) - f32(teacher_noise_pred).detach().to(noise_pred.device()))
-      .pow(2)
-      .mean();
+  return (f32(noise_pred) - f32(teacher_noise_pred).detach().to(noise_pred.device())).pow(2).mean();
 }
 
 PolicyStepLossOutput flow_dppo_loss(const FlowGrpoLossInputs& in,
@@ -91,7 +89,8 @@ PolicyStepLossOutput flow_dppo_loss(const FlowGrpoLossInputs& in,
                 ? mean_non_batch(sq) / (2.0 * (t.std_dev_t * t.sqrt_dt).pow(2))
                 : mean_non_batch(sq) / 2.0;
   auto high_kl = kl.detach() >= config.kl_mask_threshold;
-  auto moving_away = ((t.ratio > 1.0) & (t.advantages > 0)) | ((t.ratio < 1.0) & (t.advantages < 0));
+  auto moving_away =
+      ((t.ratio > 1.0) & (t.advantages > 0)) | ((t.ratio < 1.0) & (t.advantages < 0));
   auto masked = (high_kl & moving_away).detach();
   auto per_sample = torch::where(masked, torch::zeros_like(unclipped), unclipped);
   auto policy_loss = weighted_mean(per_sample, t.weights);

@@ -34,10 +34,10 @@ std::vector<std::string> export_model(const std::string& ckpt_dir, const std::st
     try {
       models::QwenImageConfig::from_json(extra.value("config", nlohmann::json()));
     } catch (const std::exception& e) {
-      throw std::invalid_argument(fmt::format(
-          "export: checkpoint {} (family qwen_image): extra.config is no "
-          "QwenImageTransformer2DModel config.json: {}",
-          ckpt_dir, e.what()));
+      throw std::invalid_argument(
+          fmt::format("export: checkpoint {} (family qwen_image): extra.config is no "
+                      "QwenImageTransformer2DModel config.json: {}",
+                      ckpt_dir, e.what()));
     }
     models::add_qwen_image_export(options);
   }

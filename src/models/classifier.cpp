@@ -130,8 +130,8 @@ torch::Tensor NearestExampleScorer::score(const torch::Tensor& images,
   torch::NoGradGuard no_grad;
   auto x = standardized(images.to(bank_.device()));
   if (x.size(1) != bank_.size(2)) {
-    throw std::invalid_argument(fmt::format("images: {} pixels each, the bank's have {}",
-                                            x.size(1), bank_.size(2)));
+    throw std::invalid_argument(
+        fmt::format("images: {} pixels each, the bank's have {}", x.size(1), bank_.size(2)));
   }
   auto bank = bank_.index_select(0, labels.to(bank_.device(), torch::kLong));  // [N, K, D]
   auto corr = torch::bmm(bank, x.unsqueeze(2)).squeeze(2);                     // [N, K]

@@ -95,9 +95,8 @@ PreferencePairs read_preference_pairs(const std::vector<std::string>& files,
                                       const std::vector<int64_t>& sample_shape,
                                       const std::string& key) {
   if (files.empty()) {
-    throw std::invalid_argument(
-        fmt::format("config key '{}' lists no file: offline DPO reads its pairs from .jsonl files",
-                    key));
+    throw std::invalid_argument(fmt::format(
+        "config key '{}' lists no file: offline DPO reads its pairs from .jsonl files", key));
   }
   PreferencePairs pairs;
   std::vector<torch::Tensor> chosen, rejected;

@@ -14,9 +14,9 @@
 namespace shardrl::trainer {
 
 struct PreferencePairs {
-  std::vector<std::string> prompts;  // per pair
-  std::vector<std::string> uids;     // per pair
-  torch::Tensor chosen, rejected;    // [P, C, H, W] fp32
+  std::vector<std::string> prompts;              // per pair
+  std::vector<std::string> uids;                 // per pair
+  torch::Tensor chosen, rejected;                // [P, C, H, W] fp32
   torch::Tensor chosen_scores, rejected_scores;  // [P] fp32
   int64_t size() const { return static_cast<int64_t>(prompts.size()); }
 };

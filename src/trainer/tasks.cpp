@@ -100,9 +100,9 @@ void check_rollout_replica(engine::Engine& trainer, torch::nn::Module& replica,
     expected += adapter.empty() || !models::lora::is_adapter_tensor(item.key()) ? 1 : 0;
   }
   if (checked != expected) {
-    throw std::runtime_error(fmt::format(
-        "weight sync check: {} of the rollout model's {} weights came to compare", checked,
-        expected));
+    throw std::runtime_error(
+        fmt::format("weight sync check: {} of the rollout model's {} weights came to compare",
+                    checked, expected));
   }
 }
 

@@ -236,7 +236,7 @@ TensorMap offline_dpo_rows(const torch::Tensor& chosen, const torch::Tensor& rej
 // engine, reverse-process losses on one SDE step per row): flow_grpo (its default), dance_grpo,
 // flow_dppo, grpo_guard, kl, distill_kl, distill_fm_mse; diffusion_nft_model: diffusion_nft;
 // diffusion_dpo_model: dpo. Another type is an error naming actor_rollout_ref.model.model_type.
-std::string loss_mode_of(const std::string& model_type);            // the default
+std::string loss_mode_of(const std::string& model_type);  // the default
 const std::vector<std::string>& loss_modes_of(const std::string& model_type);
 // Whether the mode's loss reads one reverse SDE step per row (flow_grpo_rows), as verl-omni's PPO
 // engine runs it.
@@ -250,12 +250,12 @@ struct DiffusionLossConfig {
   // actor.kl_loss_coef when actor.use_kl_loss, else 0: the reference KL that verl-omni adds to a
   // reverse-process loss ("kl" on its own is loss_mode kl).
   double kl_loss_coef = 0.0;
-  double mix_beta = 0.5;               // diffusion_loss.mix_beta (NFT's beta)
-  double ref_kl_coef = 0.0;            // diffusion_loss.ref_kl_coef (NFT)
-  double adaptive_weight_min = 1e-5;   // diffusion_loss.adaptive_weight_min (NFT)
-  double dpo_beta = 2000.0;            // diffusion_loss.dpo_beta
-  double kl_mask_threshold = 1e-5;     // diffusion_loss.kl_mask_threshold (flow_dppo)
-  bool add_kl_coefficient = true;      // diffusion_loss.add_kl_coefficient (flow_dppo)
+  double mix_beta = 0.5;              // diffusion_loss.mix_beta (NFT's beta)
+  double ref_kl_coef = 0.0;           // diffusion_loss.ref_kl_coef (NFT)
+  double adaptive_weight_min = 1e-5;  // diffusion_loss.adaptive_weight_min (NFT)
+  double dpo_beta = 2000.0;           // diffusion_loss.dpo_beta
+  double kl_mask_threshold = 1e-5;    // diffusion_loss.kl_mask_threshold (flow_dppo)
+  bool add_kl_coefficient = true;     // diffusion_loss.add_kl_coefficient (flow_dppo)
   // actor.distill_loss_coef when actor.use_distill_loss, else 0: the teacher term
   // (actor.distill_loss_mode: distill_kl or distill_fm_mse) added to a reverse-process loss.
   double distill_loss_coef = 0.0;

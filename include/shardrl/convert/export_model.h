@@ -3,7 +3,8 @@
 // config.json as extra.config:
 //   "sd3"         a diffusers SD3Transformer2DModel folder (from_pretrained reads it)
 //   "qwen_image"  a diffusers QwenImageTransformer2DModel folder
-//   any other     a transformers-style folder (model-0000k-of-0000n.safetensors + index, config.json)
+//   any other     a transformers-style folder (model-0000k-of-0000n.safetensors + index,
+//   config.json)
 //
 //   models::export_model("ckpt/global_step_100", "out");               // base weights
 //   models::export_model("ckpt/global_step_100", "merged", "default");  // with the LoRA folded in
