@@ -352,21 +352,35 @@ std::vector<std::string> frozen_adapters(const json& j, std::vector<std::string>
   return frozen;
 }
 
+// A diffusers transformer's adapters: the trained one (on `targets` unless model.target_modules
+// says otherwise) and the model type's frozen copies of it.
+AdapterPlan diffusers_adapter_plan(const json& j, std::vector<std::string> targets,
+                                   const std::vector<std::string>& default_states) {
+  auto plan = adapter_plan(j, std::move(targets));
+  if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
+  return plan;
+}
+
+const std::vector<std::string> kSd3LoraTargets = {
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"};
+
+models::SD3Config sd3_config(const json& j, const std::string& dir) {
+  return dir.empty() ? models::SD3Config::from_json(j.value("config", json::object()))
+                     : models::SD3Config::load((fs::path(dir) / "config.json").string());
+}
+
 // The SD3 transformer of verl-omni's diffusion model types: its config from model.path (a
 // diffusers folder) or model.config (diffusers' config.json fields), LoRA by diffusers' names.
 Model build_sd3(const json& j, const dist::DeviceMesh& mesh, const fsdp::Options& options,
                 const std::vector<std::string>& default_states) {
   const auto dir = diffusers_transformer_dir(j);
-  const auto c = dir.empty() ? models::SD3Config::from_json(j.value("config", json::object()))
-                             : models::SD3Config::load((fs::path(dir) / "config.json").string());
+  const auto c = sd3_config(j, dir);
   models::SD3Transformer2DModel model{nullptr};
   {
     fsdp::EmptyInit empty(/*enabled=*/!dir.empty());
     model = models::SD3Transformer2DModel(c);
   }
-  auto plan = adapter_plan(j, {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
-                               "add_v_proj", "to_add_out"});
-  if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
+  const auto plan = diffusers_adapter_plan(j, kSd3LoraTargets, default_states);
   add_adapters(*model, plan);
   model->set_activation_checkpointing(field<bool>(j, "enable_gradient_checkpointing", false));
   model->set_sequence_parallel(mesh.sequence_parallel_group());
@@ -378,13 +392,10 @@ Model build_sd3(const json& j, const dist::DeviceMesh& mesh, const fsdp::Options
 
 ModelSize sd3_size(const json& j, const std::vector<std::string>& default_states) {
   const auto dir = diffusers_transformer_dir(j);
-  const auto c = dir.empty() ? models::SD3Config::from_json(j.value("config", json::object()))
-                             : models::SD3Config::load((fs::path(dir) / "config.json").string());
+  const auto c = sd3_config(j, dir);
   fsdp::EmptyInit empty;
   models::SD3Transformer2DModel model(c);
-  auto plan = adapter_plan(j, {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
-                               "add_v_proj", "to_add_out"});
-  if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
+  const auto plan = diffusers_adapter_plan(j, kSd3LoraTargets, default_states);
   add_adapters(*model, plan);
   auto size = count_units(*model, {std::regex(R"((transformer_blocks\.\d+)\..*)")});
   size.buffer_bytes = model->pos_embed_table().numel() * 4;
@@ -415,8 +426,7 @@ Model build_qwen_image(const json& j, const dist::DeviceMesh& mesh, const fsdp::
     fsdp::EmptyInit empty(/*enabled=*/!dir.empty());
     model = models::QwenImageTransformer2DModel(c);
   }
-  auto plan = adapter_plan(j, models::qwen_image_lora_targets());
-  if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
+  const auto plan = diffusers_adapter_plan(j, models::qwen_image_lora_targets(), default_states);
   add_adapters(*model, plan);
   model->set_activation_checkpointing(field<bool>(j, "enable_gradient_checkpointing", false));
   model->set_sequence_parallel(mesh.sequence_parallel_group());
@@ -430,8 +440,7 @@ ModelSize qwen_image_size(const json& j, const std::vector<std::string>& default
   const auto c = qwen_image_config(j, diffusers_transformer_dir(j));
   fsdp::EmptyInit empty;
   models::QwenImageTransformer2DModel model(c);
-  auto plan = adapter_plan(j, models::qwen_image_lora_targets());
-  if (plan.enabled()) plan.frozen_copies = frozen_adapters(j, default_states);
+  const auto plan = diffusers_adapter_plan(j, models::qwen_image_lora_targets(), default_states);
   add_adapters(*model, plan);
   auto size = count_units(*model, {std::regex(R"((transformer_blocks\.\d+)\..*)")});
   // A dual-stream block per token of either stream: about 18 inner-wide tensors (the norms and
