@@ -56,10 +56,11 @@ TEST(HybridSharding, ActorAndReferenceOnTwoByTwoMeshesEqualOneShardGroupOfFour) 
   }
 }
 
-// The GRPO task builds three engines in one process (the supervised stage, the actor and the
-// reference), each on its own 2 x 2 mesh. The same run on one shard group of 4 gives the same
-// rewards, losses, KL and grad norms (each engine of the hybrid run on its own mesh).
-TEST(HybridSharding, GrpoTaskWithThreeEnginesOnTwoByTwoMeshesEqualsOneShardGroupOfFour) {
+// The task with PPO's critic builds four engines in one process (the supervised stage, the actor,
+// the reference and the critic), each on its own 2 x 2 mesh. The same run on one shard group of 4
+// gives the same rewards, losses, KL, value losses and grad norms (each engine of the hybrid run on
+// its own mesh).
+TEST(HybridSharding, PpoTaskWithFourEnginesOnTwoByTwoMeshesEqualsOneShardGroupOfFour) {
   const auto dir = make_temp_dir("hybrid_grpo");
   auto run = [&](const std::string& name, int fsdp_size) {
     std::vector<std::string> argv = {
@@ -76,7 +77,10 @@ TEST(HybridSharding, GrpoTaskWithThreeEnginesOnTwoByTwoMeshesEqualsOneShardGroup
         "trainer.total_training_steps=3",
         "trainer.save_freq=-1",
         "actor_rollout_ref.actor.fsdp_config.fsdp_size=" + std::to_string(fsdp_size),
-        "actor_rollout_ref.ref.fsdp_config.fsdp_size=" + std::to_string(fsdp_size)};
+        "actor_rollout_ref.ref.fsdp_config.fsdp_size=" + std::to_string(fsdp_size),
+        "critic.fsdp_config.fsdp_size=" + std::to_string(fsdp_size),
+        "algorithm.adv_estimator=gae",
+        "critic.optim.lr=1e-3"};
     auto result = run_process(argv, {{"OMP_NUM_THREADS", "1"}}, 400);
     EXPECT_EQ(result.exit_code, 0) << result.output;
     return read_jsonl(dir + "/" + name + "/metrics.jsonl");
@@ -84,7 +88,10 @@ TEST(HybridSharding, GrpoTaskWithThreeEnginesOnTwoByTwoMeshesEqualsOneShardGroup
   auto hybrid = run("hybrid", 2);
   auto full = run("full", 4);
   ASSERT_EQ(full.size(), 3u);
-  expect_close_metrics(hybrid, full, {"reward_mean", "loss", "kl", "grad_norm"}, 1e-4);
+  expect_close_metrics(hybrid, full,
+                       {"reward_mean", "loss", "kl", "grad_norm", "critic/vf_loss",
+                        "critic/grad_norm", "critic/values/mean"},
+                       1e-4);
 }
 
 }  // namespace

@@ -18,7 +18,8 @@
 namespace shardrl::testing {
 namespace {
 
-constexpr double kGamma = 0.9, kLam = 0.95, kLow = 0.2, kHigh = 0.28, kClipC = 3.0;
+constexpr double kGamma = 0.9, kLam = 0.95, kLow = 0.2, kHigh = 0.28, kClipC = 3.0,
+                 kClipValue = 0.5;
 const std::vector<std::string> kEstimators = {
     "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"};
 const std::vector<std::string> kLossModes = {"vanilla", "gspo", "gpg", "geo_mean"};
@@ -69,6 +70,10 @@ Fixture fixture() {
       // Group 0's metric is all equal (dropped), group 1's varies, 2 and 3 are alone.
       {"metric", torch::tensor({1.0f, 1.0f, 1.0f, 0.5f, 0.2f, 3.0f, 4.0f})},
       {"overlong_config", torch::tensor({6.0, 3.0, 0.5}, torch::kDouble)}};
+  // The critic's new predictions, some further than critic.cliprange_value from its old values.
+  f.in["vpreds"] = f.in["values"] + 0.9 * at::randn({7, 6}, g);
+  f.in["returns"] = at::randn({7, 6}, g);
+  f.in["cliprange_value"] = torch::tensor({kClipValue}, torch::kDouble);
   return f;
 }
 
@@ -119,6 +124,13 @@ TEST(LmAlgos, EstimatorsAndPolicyLossesMatchVerlsCoreAlgos) {
   }
   for (const auto& agg : kAggModes) {
     io["ours/agg/" + agg] = algos::agg_loss(f.in.at("values"), f.in.at("mask"), agg);
+    auto vpreds = f.in.at("vpreds").clone().requires_grad_(true);
+    auto value = algos::compute_value_loss(vpreds, f.in.at("returns"), f.in.at("values"),
+                                           f.in.at("mask"), kClipValue, agg);
+    value.vf_loss.backward();
+    io["ours/vf_loss/" + agg] = value.vf_loss.detach();
+    io["ours/vf_grad/" + agg] = vpreds.grad();
+    io["ours/vf_clipfrac"] = value.vf_clipfrac;
   }
   io["ours/entropy"] = algos::entropy_from_logits(f.in.at("logits"));
   io["ours/overlong"] = algos::overlong_penalty(f.in.at("mask").sum(-1), 6, 3, 0.5);

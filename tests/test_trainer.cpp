@@ -612,9 +612,24 @@ TEST(Trainer, LmGrpoTrainsWithVerlsEstimatorsLossesAndDapo) {
 // With `watch`, each run also logs to TensorBoard (TENSORBOARD_DIR <run>/tb), dumps its rollouts
 // (trainer.rollout_data_dir <run>/rollouts) and validates on 8 held-out problems every 10 steps,
 // 3 of its generations going to TensorBoard. The runs go to `dir`.
+// The steps of the global_step_N folders under `root`, in order.
+std::vector<int64_t> count_steps(const std::string& root) {
+  std::vector<int64_t> steps;
+  const std::regex name(R"(global_step_(\d+))");
+  for (const auto& entry : fs::directory_iterator(root)) {
+    std::smatch m;
+    const auto file = entry.path().filename().string();
+    if (std::regex_match(file, m, name)) steps.push_back(std::stoll(m[1]));
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+// `keys`: the metrics compared, each step, beside step, reward_mean and loss.
 void expect_lm_grpo_resumes_after_a_kill(const std::string& dir,
                                          const std::vector<std::string>& overrides,
-                                         bool watch = false) {
+                                         bool watch = false,
+                                         const std::vector<std::string>& keys = {}) {
   auto argv = [&](const std::string& run) {
     std::vector<std::string> a;
     if (watch) a = {"env", "TENSORBOARD_DIR=" + dir + "/" + run + "/tb"};
@@ -652,8 +667,9 @@ void expect_lm_grpo_resumes_after_a_kill(const std::string& dir,
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   // Validation before training is line 0.
-  expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", watch ? 25 : 24,
-                      {"step", "reward_mean", "loss"});
+  std::vector<std::string> compared = {"step", "reward_mean", "loss"};
+  compared.insert(compared.end(), keys.begin(), keys.end());
+  expect_same_metrics(metrics, dir + "/straight/metrics.jsonl", watch ? 25 : 24, compared);
 }
 
 TEST(Trainer, LmGrpoResumesAfterAKillBitwise) {
@@ -711,6 +727,32 @@ TEST(Trainer, LmGrpoWithAGroupedOptimizerResumesAfterAKillBitwise) {
       make_temp_dir("trainer_grpo_loraplus_kill"),
       {"actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.optim.lr=1e-3",
        "actor_rollout_ref.actor.optim.loraplus_lr_ratio=8"});
+}
+
+// PPO with GAE: the critic (a second trainable engine, its own AdamW) is saved beside the actor
+// at every checkpoint and resumed with it, so the resumed run's value losses, critic grad norms
+// and actor losses equal the uninterrupted run's bit for bit, the steps of the critic's warmup
+// included. trainer.max_critic_ckpt_to_keep rotates the critic's checkpoints once the actor's
+// step is saved.
+TEST(Trainer, LmPpoWithACriticResumesAfterAKillBitwise) {
+  const auto dir = make_temp_dir("trainer_ppo_kill");
+  expect_lm_grpo_resumes_after_a_kill(
+      dir,
+      {"algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.optim.lr=1e-3",
+       "trainer.critic_warmup=3", "trainer.max_critic_ckpt_to_keep=1"},
+      /*watch=*/false, {"critic/vf_loss", "critic/grad_norm", "critic/values/mean", "grad_norm"});
+  if (HasFatalFailure()) return;
+  for (const std::string run : {"straight", "killed"}) {
+    // Saved at 5, 10, 15, 20 and 24: the actor keeps 2 (the default), the critic 1.
+    EXPECT_EQ(count_steps(dir + "/" + run + "/checkpoints"), (std::vector<int64_t>{20, 24}));
+    EXPECT_EQ(count_steps(dir + "/" + run + "/checkpoints/critic"), (std::vector<int64_t>{24}));
+  }
+  const auto metrics = read_jsonl(dir + "/straight/metrics.jsonl");
+  // Before trainer.critic_warmup (step 3) the actor does not train.
+  EXPECT_FALSE(metrics[0].contains("pg_loss")) << metrics[0].dump();
+  EXPECT_FALSE(metrics[1].contains("pg_loss")) << metrics[1].dump();
+  EXPECT_TRUE(metrics[2].contains("pg_loss")) << metrics[2].dump();
+  for (const auto& m : metrics) EXPECT_TRUE(m.contains("critic/vf_clipfrac")) << m.dump();
 }
 
 // With FSDP2's offload policy to the file tier (params, grads and AdamW state out of memory during

@@ -12,6 +12,8 @@
 #include "model_test_util.h"
 #include "shardrl/engine.h"
 #include "shardrl/models/llama.h"
+#include "shardrl/rollout/sampling.h"
+#include "test_util.h"
 
 namespace shardrl::testing {
 namespace {
@@ -95,6 +97,137 @@ TEST_P(ValueModel, MadeFromTheActorsFolderExportsAsTransformersTokenClassificati
   // A critic resumed from its export reads the head it holds instead of drawing a new one.
   auto again = value_engine(exported);
   EXPECT_TRUE(torch::allclose(values_of(*again, tokens, mask), ours, 0, 1e-6));
+}
+
+// PPO with GAE through `shardrl train` on the arithmetic job (2 ranks), the actor waiting 5 steps
+// for the critic: the critic learns (its value loss falls, its values reach the returns) while the
+// actor's reward rises; the critic checkpoint the run wrote exports as
+// a folder transformers' AutoModelForTokenClassification reads, whose values equal those of the
+// checkpoint loaded into ShardRL's value model; and the run resumes on one rank from the two
+// ranks' checkpoints, actor and critic.
+TEST(ValueModel, PpoTrainsItAsTheCriticAndItsCheckpointExportsForTransformers) {
+  SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"torch", "transformers", "safetensors"}));
+  const auto dir = make_temp_dir("ppo-critic");
+  const auto train = [&](int ranks, int steps) {
+    return run_process(
+        {bin("shardrl"), "train",
+         std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
+         "trainer.default_local_dir=" + dir + "/run", "sft.cache_dir=" + dir + "/cache",
+         "trainer.nproc_per_node=" + std::to_string(ranks),
+         "trainer.total_training_steps=" + std::to_string(steps), "trainer.save_freq=-1",
+         "algorithm.adv_estimator=gae", "trainer.critic_warmup=5", "critic.optim.lr=1e-3"},
+        {}, 400);
+  };
+  const auto first = train(2, 30);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto metrics = read_jsonl(dir + "/run/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 30u);
+  const auto mean = [&](const std::string& key, size_t from, size_t to) {
+    double sum = 0;
+    for (size_t i = from; i < to; ++i) sum += metrics[i][key].get<double>();
+    return sum / static_cast<double>(to - from);
+  };
+  // The critic starts at values near 0 for returns near 0.5.
+  EXPECT_LT(mean("critic/vf_loss", 20, 30), mean("critic/vf_loss", 0, 5));
+  EXPECT_GT(mean("critic/values/mean", 20, 30), 0.4);
+  EXPECT_GT(mean("reward_mean", 20, 30), mean("reward_mean", 0, 10) + 0.05);
+  for (const auto& key :
+       {"critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
+        "critic/returns/mean", "time_values", "time_update_critic"}) {
+    EXPECT_TRUE(metrics[0].contains(key)) << key << " missing in " << metrics[0].dump();
+  }
+
+  const auto ckpt = dir + "/run/checkpoints/critic/global_step_30";
+  const auto exported = dir + "/critic_export";
+  const auto done = shardrl_export({ckpt, exported, "--dtype", "fp32"});
+  ASSERT_EQ(done.exit_code, 0) << done.output;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const auto tokens = torch::randint(15, {2, 7}, gen, torch::kLong);
+  auto mask = torch::ones({2, 7}, torch::kLong);
+  mask[0].narrow(0, 0, 2).zero_();
+  const auto out = dir + "/values.safetensors";
+  auto read = run_python_reference("value_model_reference.py",
+                                   {"values", exported, "-", csv(tokens), csv(mask), "2", out});
+  ASSERT_EQ(read.exit_code, 0) << read.output;
+  const auto theirs = read_safetensors(out).at("values");
+  // The critic as it started (the supervised model's folder, a new head), then as it trained.
+  std::string actor;
+  for (const auto& entry : fs::directory_iterator(dir + "/cache")) {
+    if (entry.path().filename().string().rfind("sft-", 0) == 0) actor = entry.path().string();
+  }
+  ASSERT_FALSE(actor.empty());
+  auto critic = value_engine(actor);
+  const auto untrained = values_of(*critic, tokens, mask);
+  critic->load_checkpoint(ckpt);
+  const auto ours = values_of(*critic, tokens, mask);
+  const auto real = mask.to(torch::kBool);
+  EXPECT_LT(relative_error_max(ours.masked_select(real), theirs.masked_select(real)), 1e-5);
+  EXPECT_GT(relative_error_max(untrained.masked_select(real), theirs.masked_select(real)), 1e-2)
+      << "the exported critic is the untrained one";
+
+  // Two ranks' checkpoints, resumed on one.
+  const auto resumed = train(1, 32);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("at step 30 (actor and critic)"), std::string::npos)
+      << resumed.output;
+  EXPECT_EQ(read_jsonl(dir + "/run/metrics.jsonl").size(), 32u);
+}
+
+// The values PPO reads: response token j's is the critic's output at the state before it (the
+// last prompt token for j = 0), as verl's critic slices values[:, -response_length - 1 : -1].
+// Checked against each row run alone without padding; the packed pass (use_remove_padding) gives
+// the same values and gradients, and 0 where the response mask is 0.
+TEST(ValueModel, ResponseValuesAreTheStateBeforeEachTokenPackedOrPadded) {
+  const auto c = models::LlamaConfig::from_json({{"model_type", "llama"},
+                                                 {"vocab_size", 50},
+                                                 {"hidden_size", 32},
+                                                 {"intermediate_size", 64},
+                                                 {"num_hidden_layers", 2},
+                                                 {"num_attention_heads", 4},
+                                                 {"num_key_value_heads", 2},
+                                                 {"max_position_embeddings", 32}});
+  torch::manual_seed(5);
+  models::LlamaForTokenClassification model(c);
+  models::init_value_head(*model->score, 0.5, 1);  // values far enough apart to tell positions
+  const int64_t B = 3, P = 5, L = 4;
+  const std::vector<int64_t> prompt_lengths = {2, 5, 3}, response_lengths = {4, 1, 3};
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto sequences = torch::randint(1, 50, {B, P + L}, gen, torch::kLong);
+  auto attention_mask = torch::ones({B, P + L}, torch::kLong);
+  auto response_mask = torch::zeros({B, L});
+  for (int64_t r = 0; r < B; ++r) {
+    attention_mask[r].narrow(0, 0, P - prompt_lengths[r]).zero_();
+    sequences[r].narrow(0, 0, P - prompt_lengths[r]).fill_(0);
+    response_mask[r].narrow(0, 0, response_lengths[r]).fill_(1);
+  }
+  const auto grads_of = [&](const torch::Tensor& values) {
+    model->zero_grad();
+    (values * response_mask).sum().backward();
+    std::vector<torch::Tensor> grads;
+    for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(values.detach(), grads);
+  };
+  const auto [padded, padded_grads] =
+      grads_of(rollout::response_values(model, sequences, P, attention_mask, response_mask));
+  const auto [packed, packed_grads] =
+      grads_of(rollout::packed_response_values(model, sequences, P, attention_mask, response_mask));
+  torch::NoGradGuard no_grad;
+  for (int64_t r = 0; r < B; ++r) {
+    const auto alone = sequences[r].narrow(0, P - prompt_lengths[r], prompt_lengths[r] + L);
+    const auto values = model(alone.unsqueeze(0))[0];
+    for (int64_t j = 0; j < response_lengths[r]; ++j) {
+      const double want = values[prompt_lengths[r] - 1 + j].item<double>();
+      EXPECT_NEAR(padded[r][j].item<double>(), want, 1e-5) << "row " << r << " token " << j;
+      EXPECT_NEAR(packed[r][j].item<double>(), want, 1e-5) << "row " << r << " token " << j;
+    }
+  }
+  EXPECT_TRUE(torch::equal(packed * (1 - response_mask), torch::zeros_like(packed)));
+  EXPECT_TRUE(torch::equal(padded * (1 - response_mask), torch::zeros_like(padded)));
+  for (size_t i = 0; i < padded_grads.size(); ++i) {
+    const double scale = padded_grads[i].abs().max().item<double>();
+    EXPECT_LE((packed_grads[i] - padded_grads[i]).abs().max().item<double>(), 1e-5 * scale + 1e-7)
+        << "param " << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ValueModel, ::testing::Values("llama", "qwen2", "qwen3"),

@@ -393,6 +393,20 @@ PolicyLossOutput compute_policy_loss(const torch::Tensor& old_log_prob,
                                      const torch::Tensor& response_mask,
                                      const PolicyLossConfig& config = {});
 
+struct ValueLossOutput {
+  torch::Tensor vf_loss;      // 0.5 * agg_loss(max(unclipped, clipped) squared errors), with grad
+  torch::Tensor vf_clipfrac;  // masked mean of the tokens whose clipped error was the larger
+};
+
+// PPO's clipped value loss (verl's compute_value_loss, from TRL's PPO trainer): the new values
+// vpreds may move at most cliprange_value from the values the critic gave at rollout time, and
+// the larger of the two squared errors to the returns counts. All tensors [B, L].
+ValueLossOutput compute_value_loss(const torch::Tensor& vpreds, const torch::Tensor& returns,
+                                   const torch::Tensor& values, const torch::Tensor& response_mask,
+                                   double cliprange_value,
+                                   const std::string& loss_agg_mode = "token-mean",
+                                   double loss_scale_factor = 0.0);
+
 // Entropy of softmax(logits) over the last dim, logsumexp(l) - sum(softmax(l) * l) as verl
 // computes it: [..., V] -> [...] fp32, with grad.
 torch::Tensor entropy_from_logits(const torch::Tensor& logits);

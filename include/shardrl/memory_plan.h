@@ -79,6 +79,13 @@ struct Workload {
   // A frozen forward-only reference model beside the actor (its own sharded engine).
   bool reference = false;
   bool reference_param_offload = false;
+  // PPO's critic beside the actor (its own sharded engine that trains): its fp32 params, grads
+  // and AdamW state sharded over its fsdp_size, resident in every phase unless offloaded. Its own
+  // update needs fewer activations than the actor's (no logits), which the update's peak covers.
+  int64_t critic_params = 0;  // 0: no critic
+  int critic_fsdp_size = -1;
+  bool critic_param_offload = false;
+  bool critic_optimizer_offload = false;
 };
 
 // Where the job runs.

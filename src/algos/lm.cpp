@@ -235,6 +235,30 @@ PolicyLossOutput compute_policy_loss(const torch::Tensor& old_log_prob,
   internal::throw_unknown_value("loss_mode", mode, {"vanilla", "gspo", "gpg", "geo_mean"});
 }
 
+ValueLossOutput compute_value_loss(const torch::Tensor& vpreds, const torch::Tensor& returns,
+                                   const torch::Tensor& values, const torch::Tensor& response_mask,
+                                   double cliprange_value, const std::string& loss_agg_mode,
+                                   double loss_scale_factor) {
+  require(returns.sizes() == vpreds.sizes() && values.sizes() == vpreds.sizes() &&
+              response_mask.sizes() == vpreds.sizes(),
+          "values", "vpreds, returns, values and response_mask must share one [B, L] shape");
+  require(cliprange_value >= 0, "cliprange_value", "must be >= 0");
+  const auto v = f32(vpreds);
+  const auto old = f32(values).to(v.device());
+  const auto target = f32(returns).to(v.device());
+  const auto mask = f32(response_mask).to(v.device());
+  // verl's clip_by_value: max(min(x, high), low).
+  const auto clipped = torch::max(torch::min(v, old + cliprange_value), old - cliprange_value);
+  const auto unclipped_losses = (v - target).pow(2);
+  const auto clipped_losses = (clipped - target).pow(2);
+  ValueLossOutput out;
+  out.vf_loss = 0.5 * agg_loss(torch::max(unclipped_losses, clipped_losses), mask, loss_agg_mode,
+                               loss_scale_factor);
+  out.vf_clipfrac =
+      masked_mean(torch::gt(clipped_losses, unclipped_losses).to(torch::kFloat), mask).detach();
+  return out;
+}
+
 torch::Tensor entropy_from_logits(const torch::Tensor& logits) {
   require(logits.defined() && logits.dim() >= 1, "logits", "must have a vocabulary dim");
   const auto l = f32(logits);

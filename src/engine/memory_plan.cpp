@@ -134,6 +134,16 @@ MemoryPlan plan_memory(const EngineConfig& config, const ModelSize& model, const
       lines.push_back({"reference params (fp32 shard)", param_bytes,
                        work.reference_param_offload ? tier : "compute", "forward-only"});
     }
+    if (work.critic_params > 0) {
+      const int critic_shard =
+          work.critic_fsdp_size > 0 ? std::min(work.critic_fsdp_size, world) : world;
+      const auto note = fmt::format("{} params / {} ranks", work.critic_params, critic_shard);
+      lines.push_back({"critic params and grads (fp32 shards)",
+                       sharded(work.critic_params, 8, critic_shard),
+                       work.critic_param_offload ? tier : "compute", note});
+      lines.push_back({"critic optimizer (AdamW)", sharded(work.critic_params, 8, critic_shard),
+                       work.critic_optimizer_offload ? tier : "compute", note});
+    }
     lines.push_back({"process", cpu ? kProcessBaselineBytes : int64_t{512} << 20, "compute",
                      "LibTorch, BLAS, allocator"});
   };

@@ -28,7 +28,7 @@ void check_options(const SamplingOptions& o) {
   }
 }
 
-void check_tokens(const torch::Tensor& tokens, const char* name) {
+void check_tokens(const torch::Tensor& tokens, const std::string& name) {
   if (!tokens.defined() || tokens.dim() != 2 || tokens.scalar_type() != torch::kLong) {
     throw std::invalid_argument(
         fmt::format("{}: expected an int64 tensor [batch, length], got {}", name,
@@ -216,24 +216,42 @@ torch::Tensor response_log_probs(models::LlamaForCausalLM& model, const torch::T
                sequences.narrow(1, prompt_length, length), temperature);
 }
 
-torch::Tensor packed_response_log_probs(models::LlamaForCausalLM& model,
-                                        const torch::Tensor& sequences, int64_t prompt_length,
-                                        double temperature, const torch::Tensor& attention_mask,
-                                        const torch::Tensor& response_mask) {
-  check_tokens(sequences, "packed_response_log_probs: sequences");
+namespace {
+
+// The rows' real tokens packed (models::pack_sequences) and, for each response token under
+// response_mask, the packed index of the token before it: where its log-prob is predicted and
+// its value (the state before it) is read.
+struct PackedResponses {
+  models::PackedSequences packed;
+  torch::Tensor scored;       // [S] packed indices of the positions that score
+  torch::Tensor scored_flat;  // [S] the scored response tokens' flat index in sequences
+  torch::Tensor in_response;  // [S] their flat index in a [rows, length] response tensor
+  int64_t rows = 0, length = 0;
+
+  // [S] per scored token -> [rows, length], 0 where response_mask is 0.
+  torch::Tensor scatter(const torch::Tensor& per_token) const {
+    return torch::zeros({rows * length}, per_token.options())
+        .index_put({in_response}, per_token)
+        .view({rows, length});
+  }
+};
+
+PackedResponses pack_responses(const char* who, const torch::Tensor& sequences,
+                               int64_t prompt_length, const torch::Tensor& attention_mask,
+                               const torch::Tensor& response_mask) {
+  check_tokens(sequences, fmt::format("{}: sequences", who));
   const int64_t rows = sequences.size(0), total = sequences.size(1), length = total - prompt_length;
   if (prompt_length < 1 || length < 1) {
-    throw std::invalid_argument(fmt::format(
-        "packed_response_log_probs: prompt_length must be in [1, {}) for sequences of length {}, "
-        "got {}",
-        total, total, prompt_length));
+    throw std::invalid_argument(
+        fmt::format("{}: prompt_length must be in [1, {}) for sequences of length {}, got {}", who,
+                    total, total, prompt_length));
   }
   if (!response_mask.defined() || response_mask.sizes() != c10::IntArrayRef{rows, length} ||
       (attention_mask.defined() && attention_mask.sizes() != sequences.sizes())) {
     throw std::invalid_argument(fmt::format(
-        "packed_response_log_probs: response_mask must be [{}, {}] and attention_mask [{}, {}] "
-        "or undefined, got {} and {}",
-        rows, length, rows, total,
+        "{}: response_mask must be [{}, {}] and attention_mask [{}, {}] or undefined, got {} and "
+        "{}",
+        who, rows, length, rows, total,
         response_mask.defined() ? c10::str(response_mask.sizes()) : "undefined",
         attention_mask.defined() ? c10::str(attention_mask.sizes()) : "undefined"));
   }
@@ -246,29 +264,71 @@ torch::Tensor packed_response_log_probs(models::LlamaForCausalLM& model,
   const auto response_valid = response_mask.to(device).to(torch::kBool);
   const auto kept =
       std::get<0>(response_valid.to(torch::kLong).flip(1).cummax(1)).flip(1).to(torch::kBool);
-  const auto packed = models::pack_sequences(sequences, torch::cat({prompt_valid, kept}, 1));
+  PackedResponses out;
+  out.rows = rows;
+  out.length = length;
+  out.packed = models::pack_sequences(sequences, torch::cat({prompt_valid, kept}, 1));
   // A packed token's index, at its place in the padded batch (-1: padding).
   const auto packed_index =
       torch::full({rows * total}, -1, torch::dtype(torch::kLong).device(device))
-          .index_put_({packed.indices},
-                      torch::arange(packed.indices.numel(), packed.indices.options()));
+          .index_put_({out.packed.indices},
+                      torch::arange(out.packed.indices.numel(), out.packed.indices.options()));
   // Response token (row, j) is predicted at the packed index of the token before it.
   const auto flat =
       (torch::arange(rows, torch::dtype(torch::kLong).device(device)) * total).unsqueeze(1) +
       prompt_length + torch::arange(length, torch::dtype(torch::kLong).device(device));
-  const auto scored_flat = flat.masked_select(response_valid);
-  const auto scored = packed_index.index_select(0, scored_flat - 1);
-  if (scored.numel() > 0 && scored.min().item<int64_t>() < 0) {
+  out.scored_flat = flat.masked_select(response_valid);
+  out.scored = packed_index.index_select(0, out.scored_flat - 1);
+  if (out.scored.numel() > 0 && out.scored.min().item<int64_t>() < 0) {
     throw std::invalid_argument(
-        "packed_response_log_probs: a response follows a prompt with no valid token");
+        fmt::format("{}: a response follows a prompt with no valid token", who));
   }
-  const auto log_probs =
-      model(packed, scored, sequences.flatten().index_select(0, scored_flat), temperature);
-  const auto in_response =
-      (scored_flat.div(total, "floor") * length) + (scored_flat.remainder(total) - prompt_length);
-  return torch::zeros({rows * length}, log_probs.options())
-      .index_put({in_response}, log_probs)
-      .view({rows, length});
+  out.in_response = (out.scored_flat.div(total, "floor") * length) +
+                    (out.scored_flat.remainder(total) - prompt_length);
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor packed_response_log_probs(models::LlamaForCausalLM& model,
+                                        const torch::Tensor& sequences, int64_t prompt_length,
+                                        double temperature, const torch::Tensor& attention_mask,
+                                        const torch::Tensor& response_mask) {
+  const auto r = pack_responses("packed_response_log_probs", sequences, prompt_length,
+                                attention_mask, response_mask);
+  return r.scatter(
+      model(r.packed, r.scored, sequences.flatten().index_select(0, r.scored_flat), temperature));
+}
+
+torch::Tensor response_values(models::LlamaForTokenClassification& model,
+                              const torch::Tensor& sequences, int64_t prompt_length,
+                              const torch::Tensor& attention_mask,
+                              const torch::Tensor& response_mask) {
+  check_tokens(sequences, "response_values: sequences");
+  const int64_t total = sequences.size(1), length = total - prompt_length;
+  if (prompt_length < 1 || length < 1 || !response_mask.defined() ||
+      response_mask.sizes() != c10::IntArrayRef{sequences.size(0), length} ||
+      (attention_mask.defined() && attention_mask.sizes() != sequences.sizes())) {
+    throw std::invalid_argument(fmt::format(
+        "response_values: for sequences {} and prompt_length {}, response_mask must be [B, {}] "
+        "and attention_mask the sequences' shape or undefined",
+        c10::str(sequences.sizes()), prompt_length, length));
+  }
+  const auto mask =
+      attention_mask.defined() ? attention_mask.narrow(1, 0, total - 1) : torch::Tensor();
+  // The value of response token j is the state's before it: position prompt_length + j - 1.
+  const auto values =
+      model(sequences.narrow(1, 0, total - 1), mask).narrow(1, prompt_length - 1, length);
+  return values * response_mask.to(values.device(), torch::kFloat);
+}
+
+torch::Tensor packed_response_values(models::LlamaForTokenClassification& model,
+                                     const torch::Tensor& sequences, int64_t prompt_length,
+                                     const torch::Tensor& attention_mask,
+                                     const torch::Tensor& response_mask) {
+  const auto r = pack_responses("packed_response_values", sequences, prompt_length, attention_mask,
+                                response_mask);
+  return r.scatter(model(r.packed).index_select(0, r.scored));
 }
 
 }  // namespace shardrl::rollout

@@ -19,6 +19,8 @@ std::vector<ConfigKey> shared_keys();
 // The rows of the tasks that sample rollouts and validate (lm_grpo, diffusion_rl):
 // trainer.test_freq, val_before_train, rollout_data_dir and actor_rollout_ref.rollout.name.
 std::vector<ConfigKey> rollout_task_keys();
+// verl's critic.* and the trainer keys of a task that trains one (PPO with GAE).
+std::vector<ConfigKey> critic_keys();
 // What no single row can check: rules between keys of the shared sections (resume_mode
 // resume_path needs resume_from_path, LoRA+ needs LoRA). Errors name the keys.
 void check_shared_relations(const nlohmann::json& config);

@@ -11,9 +11,15 @@ namespace shardrl::trainer {
 using nlohmann::json;
 
 namespace {
-// The key that sets a role's sequence parallelism: its own, or the actor's when the ref's is null.
+// Where a role's keys sit: actor_rollout_ref.<role>, and the critic's at the top, as verl's.
+std::string role_section(const std::string& role) {
+  return role == "critic" ? "critic" : "actor_rollout_ref." + role;
+}
+
+// The key that sets a role's sequence parallelism: its own, or the actor's when the ref's or the
+// critic's is null.
 std::string sequence_parallel_key(const json& config, const std::string& role) {
-  const std::string key = "actor_rollout_ref." + role + ".ulysses_sequence_parallel_size";
+  const std::string key = role_section(role) + ".ulysses_sequence_parallel_size";
   if (role != "actor" && at(config, key).is_null()) {
     return "actor_rollout_ref.actor.ulysses_sequence_parallel_size";
   }
@@ -26,7 +32,9 @@ int ulysses_sequence_parallel_size(const json& config, const std::string& role) 
 }
 
 void check_sequence_parallel(const json& config, int world_size) {
-  for (const char* role : {"actor", "ref"}) {
+  std::vector<std::string> roles = {"actor", "ref"};
+  if (config.contains("critic")) roles.push_back("critic");  // the tasks that have one
+  for (const auto& role : roles) {
     const auto sp = ulysses_sequence_parallel_size(config, role);
     if (world_size % sp != 0) {
       throw std::invalid_argument(
@@ -35,15 +43,18 @@ void check_sequence_parallel(const json& config, int world_size) {
                       sequence_parallel_key(config, role), sp, world_size));
     }
   }
-  // The ref computes columns of the actor's samples: each of its groups must lie inside one of
-  // the actor's, whose ranks hold the same samples.
+  // The ref and the critic compute columns of the actor's samples: each of their groups must lie
+  // inside one of the actor's, whose ranks hold the same samples.
   const auto actor = ulysses_sequence_parallel_size(config, "actor");
-  const auto ref = ulysses_sequence_parallel_size(config, "ref");
-  if (actor % ref != 0) {
-    throw std::invalid_argument(fmt::format(
-        "config key '{}' ({}) must divide 'actor_rollout_ref.actor.ulysses_sequence_parallel_size' "
-        "({}): a ref group must split samples that one actor group holds",
-        sequence_parallel_key(config, "ref"), ref, actor));
+  for (size_t i = 1; i < roles.size(); ++i) {
+    const auto sp = ulysses_sequence_parallel_size(config, roles[i]);
+    if (actor % sp != 0) {
+      throw std::invalid_argument(fmt::format(
+          "config key '{}' ({}) must divide "
+          "'actor_rollout_ref.actor.ulysses_sequence_parallel_size' ({}): a {} group must split "
+          "samples that one actor group holds",
+          sequence_parallel_key(config, roles[i]), sp, actor, roles[i]));
+    }
   }
 }
 
@@ -59,10 +70,23 @@ void check_sequence_parallel_heads(const json& config, const std::string& role, 
 
 engine::EngineConfig engine_config(const json& config, const std::string& model_type,
                                    const std::string& role) {
-  const std::string base = "actor_rollout_ref." + role;
+  const std::string base = role_section(role);
   engine::EngineConfig c;
   c.model_type = model_type;
   c.model = at(config, "actor_rollout_ref.model");
+  if (role == "critic") {
+    // verl's critic is the actor's model with a value head, trained in full; critic.model's keys
+    // replace the actor's where set.
+    c.model["lora_rank"] = 0;
+    c.model["seed"] = get<int64_t>(config, "trainer.seed");
+    if (!at(config, "critic.model.path").is_null()) {
+      c.model["path"] = get<std::string>(config, "critic.model.path");
+    }
+    if (!at(config, "critic.model.enable_gradient_checkpointing").is_null()) {
+      c.model["enable_gradient_checkpointing"] =
+          get<bool>(config, "critic.model.enable_gradient_checkpointing");
+    }
+  }
   c.forward_only = role == "ref";
   c.micro_batch_size_per_gpu = get<int64_t>(config, base + ".ppo_micro_batch_size_per_gpu");
 
@@ -93,7 +117,7 @@ engine::EngineConfig engine_config(const json& config, const std::string& model_
   c.optim.eps = get<double>(config, o + ".eps");
   c.optim.weight_decay = get<double>(config, o + ".weight_decay");
   c.optim.clip_grad = get<double>(config, o + ".clip_grad");
-  if (!at(config, o + ".loraplus_lr_ratio").is_null()) {
+  if (role != "critic" && !at(config, o + ".loraplus_lr_ratio").is_null()) {
     c.optim.loraplus_lr_ratio = get<double>(config, o + ".loraplus_lr_ratio");
   }
   auto& s = c.optim.schedule;
@@ -104,8 +128,14 @@ engine::EngineConfig engine_config(const json& config, const std::string& model_
   s.num_cycles = get<double>(config, o + ".num_cycles");
   s.total_training_steps = get<int64_t>(config, "trainer.total_training_steps");
 
-  c.checkpoint.max_ckpt_to_keep = get<int>(config, "trainer.max_actor_ckpt_to_keep");
-  c.checkpoint.max_mem_gb = get<double>(config, "trainer.max_mem_gb");
+  if (role == "critic") {
+    // The critic's checkpoints are rotated by the run once the actor's step is saved
+    // (Run::after_step), so a crash between the two saves never leaves a step of one alone.
+    c.checkpoint.max_ckpt_to_keep = 0;
+  } else {
+    c.checkpoint.max_ckpt_to_keep = get<int>(config, "trainer.max_actor_ckpt_to_keep");
+    c.checkpoint.max_mem_gb = get<double>(config, "trainer.max_mem_gb");
+  }
   return c;
 }
 

@@ -389,12 +389,31 @@ struct Algorithm {
   bool overlong = false;
   int64_t overlong_len = 0;
   double overlong_penalty_factor = 0;
+  // PPO's critic (critic.*): on with gae.
+  bool critic = false;
+  double cliprange_value = 0.5;
+  std::string critic_loss_agg_mode;
+  int64_t critic_warmup = 0;  // the actor trains from this step on, as verl's
 
   explicit Algorithm(const json& config) {
     const std::string a = "actor_rollout_ref.actor.";
     advantage.adv_estimator = get<std::string>(config, "algorithm.adv_estimator");
     advantage.gamma = get<double>(config, "algorithm.gamma");
     advantage.norm_adv_by_std_in_grpo = get<bool>(config, "algorithm.norm_adv_by_std_in_grpo");
+    advantage.lam = get<double>(config, "algorithm.lam");
+    // verl's need_critic: critic.enable when set, else whether the estimator is gae.
+    const bool gae = advantage.adv_estimator == "gae";
+    critic = at(config, "critic.enable").is_null() ? gae : get<bool>(config, "critic.enable");
+    if (gae != critic) {
+      throw std::invalid_argument(
+          gae ? "config key 'critic.enable' is false, but algorithm.adv_estimator gae needs the "
+                "critic's values"
+              : fmt::format("config key 'critic.enable' is true, but algorithm.adv_estimator {} "
+                            "never reads a critic's values (gae does)",
+                            advantage.adv_estimator));
+    }
+    cliprange_value = get<double>(config, "critic.cliprange_value");
+    critic_warmup = get<int64_t>(config, "trainer.critic_warmup");
     const auto clip_ratio = get<double>(config, a + "clip_ratio");
     const auto clip_or_default = [&](const std::string& key) {
       return at(config, key).is_null() ? clip_ratio : get<double>(config, key);
@@ -407,6 +426,9 @@ struct Algorithm {
     if (!at(config, a + "loss_scale_factor").is_null()) {
       policy.loss_scale_factor = get<double>(config, a + "loss_scale_factor");
     }
+    critic_loss_agg_mode = at(config, "critic.loss_agg_mode").is_null()
+                               ? policy.loss_agg_mode
+                               : get<std::string>(config, "critic.loss_agg_mode");
     entropy_coeff = get<double>(config, a + "entropy_coeff");
     filter_groups = get<bool>(config, "algorithm.filter_groups.enable");
     if (filter_groups) {
@@ -534,6 +556,13 @@ PlanInput lm_grpo_plan(const json& config, const engine::Layout& layout) {
   w.rollout_tokens = w.tokens_per_row;
   w.reference = get<bool>(config, "actor_rollout_ref.actor.use_kl_loss");
   w.reference_param_offload = get<bool>(config, "actor_rollout_ref.ref.fsdp_config.param_offload");
+  if (Algorithm(config).critic) {
+    const auto critic = engine_config(rl, "value_model", "critic");
+    w.critic_params = engine::EngineRegistry::model_size(critic).params();
+    w.critic_fsdp_size = critic.fsdp_size;
+    w.critic_param_offload = critic.offload.param_offload;
+    w.critic_optimizer_offload = critic.offload.optimizer_offload;
+  }
   return in;
 }
 
@@ -562,7 +591,9 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   {
     const auto model = pretrained.empty() ? models::LlamaConfig::from_json(llama_json(config))
                                           : models::LlamaConfig::load(pretrained + "/config.json");
-    for (const char* role : {"actor", "ref"}) {
+    std::vector<std::string> roles = {"actor", "ref"};
+    if (algorithm.critic) roles.push_back("critic");
+    for (const auto& role : roles) {
       check_sequence_parallel_heads(config, role, model.num_attention_heads,
                                     model.num_key_value_heads);
     }
@@ -585,6 +616,11 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   std::unique_ptr<engine::Engine> ref;
   if (use_kl_loss) {
     ref = engine::EngineRegistry::create(engine_config(rl, "language_model", "ref"), world);
+  }
+  // PPO's critic: the actor's model with a value head (verl's value_model), trained beside it.
+  std::unique_ptr<engine::Engine> critic;
+  if (algorithm.critic) {
+    critic = engine::EngineRegistry::create(engine_config(rl, "value_model", "critic"), world);
   }
   const int64_t dp = actor->data_parallel_size();
   if (prompts_global % dp != 0) {
@@ -638,6 +674,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   // Response tokens sampled and trained on a step, all ranks together, per second of the step.
   Run run(config, *world, {"perf/response_tokens_per_s", "response tok/s"});
   auto& data_parallel = actor->mesh().data_parallel_group();
+  if (critic) run.save_critic_with(*critic);
   const int64_t first_step = run.resume(*actor) + 1;
   if (val_size > 0 && first_step == 1 && get<bool>(config, "trainer.val_before_train")) {
     const auto before = validate(*actor, *text, problems, response_length);
@@ -781,13 +818,37 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       advantage_inputs.uids.push_back(i / n);
     }
     advantage_inputs.reward_baselines = batch_rows.baselines;
-    engine::Batch batch{
-        {"sequences", rollout.sequences},
-        {"attention_mask", rollout.attention_mask},
-        {"rollout_log_probs", rollout.log_probs},
-        {"advantages", algos::compute_advantage(advantage_inputs, algorithm.advantage).advantages},
-        {"response_mask", rollout.response_mask}};
+    engine::Batch batch{{"sequences", rollout.sequences},
+                        {"attention_mask", rollout.attention_mask},
+                        {"rollout_log_probs", rollout.log_probs},
+                        {"response_mask", rollout.response_mask}};
     const int64_t prompt_length = rollout.prompts.size(1);
+    const auto values_of = [&](engine::Engine& e, const engine::Batch& d) {
+      auto& model = e.model<models::LlamaForTokenClassification>();
+      return use_remove_padding
+                 ? rollout::packed_response_values(model, d.at("sequences"), prompt_length,
+                                                   d.at("attention_mask"), d.at("response_mask"))
+                 : rollout::response_values(model, d.at("sequences"), prompt_length,
+                                            d.at("attention_mask"), d.at("response_mask"));
+    };
+    double values_seconds = 0;
+    if (critic) {
+      // The critic's values of the rollout, before either model changes (verl's compute_values).
+      const auto values_start = std::chrono::steady_clock::now();
+      batch["values"] =
+          critic
+              ->infer_batch(
+                  batch,
+                  [&](engine::Engine& e, const engine::MicroBatch& mb) {
+                    return engine::LossOutput{{}, {}, {{"values", values_of(e, mb.data)}}};
+                  })
+              .at("values");
+      advantage_inputs.values = batch["values"];
+      values_seconds = seconds_since(values_start);
+    }
+    const auto advantages = algos::compute_advantage(advantage_inputs, algorithm.advantage);
+    batch["advantages"] = advantages.advantages;
+    if (critic) batch["returns"] = advantages.returns;
     const auto log_probs_of = [&](engine::Engine& e, const engine::Batch& d) {
       auto& model = e.model<models::LlamaForCausalLM>();
       return use_remove_padding
@@ -855,7 +916,44 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       }
       return engine::LossOutput{loss / mb.count, metrics, {}};
     };
-    auto metrics = actor->train_batch(batch, grpo_loss);
+    engine::Metrics metrics;
+    double critic_seconds = 0;
+    if (critic) {
+      // verl updates the critic first, on the values and returns computed above.
+      const auto critic_start = std::chrono::steady_clock::now();
+      const engine::LossFn value_loss = [&](engine::Engine& e, const engine::MicroBatch& mb) {
+        const auto& d = mb.data;
+        const auto& mask = d.at("response_mask");
+        const auto vpreds = values_of(e, d);
+        const auto out = algos::compute_value_loss(
+            vpreds, d.at("returns"), d.at("values"), mask, algorithm.cliprange_value,
+            algorithm.critic_loss_agg_mode, policy.loss_scale_factor);
+        return engine::LossOutput{
+            out.vf_loss / mb.count,
+            {{"critic/vf_loss", out.vf_loss.item<double>()},
+             {"critic/vf_clipfrac", out.vf_clipfrac.item<double>()},
+             {"critic/vpred_mean", algos::masked_mean(vpreds.detach(), mask).item<double>()}},
+            {}};
+      };
+      for (const auto& [name, value] : critic->train_batch(batch, value_loss)) {
+        metrics[name.rfind("critic/", 0) == 0 ? name : "critic/" + name] = value;
+      }
+      const auto& mask = rollout.response_mask;
+      const auto stats = critic->average_over_ranks(
+          {{"values", algos::masked_mean(batch.at("values"), mask).item<double>()},
+           {"returns", algos::masked_mean(batch.at("returns"), mask).item<double>()}});
+      metrics["critic/values/mean"] = stats.at("values");
+      metrics["critic/returns/mean"] = stats.at("returns");
+      critic_seconds = seconds_since(critic_start);
+    }
+    const auto actor_start = std::chrono::steady_clock::now();
+    // verl's critic warmup: until step critic_warmup the critic alone learns.
+    if (step >= algorithm.critic_warmup) {
+      for (const auto& [name, value] : actor->train_batch(batch, grpo_loss)) {
+        metrics[name] = value;
+      }
+    }
+    const double actor_seconds = seconds_since(actor_start);
     const double update_end = seconds_since(start);
     const double tokens = rollout.response_mask.sum().item<double>();
     // Every rank holds as many samples, so means of means are global means.
@@ -883,7 +981,12 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
         stats["response_tokens"] * static_cast<double>(dp) / std::max(update_end, 1e-9);
     metrics["time_rollout"] = rollout_seconds;  // the weight sync included
     metrics["time_weight_sync"] = sync_seconds;
-    metrics["time_update"] = update_end - rollout_seconds;
+    // The actor's update; with a critic, its values and its update are their own phases.
+    metrics["time_update"] = actor_seconds;
+    if (critic) {
+      metrics["time_values"] = values_seconds;
+      metrics["time_update_critic"] = critic_seconds;
+    }
     if (run.dumps_rollouts()) {
       std::vector<nlohmann::json> samples;
       for (size_t i = 0; i < responses.size(); ++i) {
@@ -985,10 +1088,11 @@ Task lm_grpo_task() {
        "model.use_remove_padding)"},
       {"algorithm.adv_estimator", "grpo",
        text().one_of(
-           {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"}),
-       "the advantage estimator (verl's; gae needs a critic, which lm_grpo has not yet)"},
+           {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"}),
+       "the advantage estimator (verl's; gae trains a critic, critic.*)"},
       {"algorithm.gamma", 1.0, number().at_least(0).at_most(1),
-       "the discount of the returns (reinforce_plus_plus)"},
+       "the discount of the returns (gae, reinforce_plus_plus)"},
+      {"algorithm.lam", 1.0, number().at_least(0).at_most(1), "GAE's lambda"},
       {"algorithm.filter_groups.enable", false, boolean(),
        "DAPO's dynamic sampling: drop the groups whose metric is the same for every answer and "
        "draw more prompts until the batch is full"},
@@ -1021,6 +1125,7 @@ Task lm_grpo_task() {
       {r + "response_length", 4, integer().at_least(1), "tokens an answer may have"},
   };
   for (auto& row : rollout_task_keys()) task.keys.push_back(std::move(row));
+  for (auto& row : critic_keys()) task.keys.push_back(std::move(row));
   task.defaults = {
       {"trainer.experiment_name", "arithmetic_grpo"},
       {"trainer.default_local_dir", "runs/lm_grpo"},

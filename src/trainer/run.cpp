@@ -42,6 +42,16 @@ Run::Run(const nlohmann::json& config, dist::World& world, Throughput throughput
     if (std::find(loggers_.begin(), loggers_.end(), "tensorboard") != loggers_.end())
       val_generations_ = value->get<int64_t>();
   }
+  max_critic_ckpt_to_keep_ = get<int>(config, "trainer.max_actor_ckpt_to_keep");
+  if (const auto* value = trainer_key(config, "max_critic_ckpt_to_keep");
+      value && !value->is_null()) {
+    max_critic_ckpt_to_keep_ = value->get<int>();
+  }
+}
+
+void Run::save_critic_with(engine::Engine& critic) {
+  TORCH_CHECK(!tracking_, "Run::save_critic_with after Run::resume");
+  critic_ = &critic;
 }
 
 int64_t Run::resume(engine::Engine& engine) {
@@ -87,9 +97,28 @@ int64_t Run::resume(engine::Engine& engine) {
     const auto start = std::chrono::steady_clock::now();
     // Both modes checked every file of `dir` above.
     step = engine.load_checkpoint(dir, /*files_checked=*/true).step;
+    if (critic_) {
+      // The critic of the same step, beside the actor's (resume_path's folder's too).
+      const std::string critic_dir =
+          (fs::path(dir).parent_path() / "critic" / fs::path(dir).filename()).string();
+      const std::string problem =
+          fs::exists(fs::path(critic_dir) / "index.json")
+              ? checkpoint::find_damage(critic_dir, world_->group(), world_->device())
+              : "it is missing";
+      if (!problem.empty()) {
+        throw std::runtime_error(fmt::format(
+            "resuming from {}: the critic's checkpoint of step {}, {}, is not whole ({}); a run "
+            "with a critic (critic.enable) resumes both, so restore it, or resume from an earlier "
+            "step that has both (trainer.resume_mode=resume_path)",
+            dir, step, critic_dir, problem));
+      }
+      const auto critic_step = critic_->load_checkpoint(critic_dir, /*files_checked=*/true).step;
+      TORCH_CHECK(critic_step == step, "the critic checkpoint ", critic_dir, " holds step ",
+                  critic_step, ", not ", step);
+    }
     if (rank0_) {
-      spdlog::info("resumed from {} at step {}: {} bytes loaded in {:.2f} s", dir, step,
-                   checkpoint::directory_bytes(dir),
+      spdlog::info("resumed from {} at step {}{}: {} bytes loaded in {:.2f} s", dir, step,
+                   critic_ ? " (actor and critic)" : "", checkpoint::directory_bytes(dir),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }
@@ -133,9 +162,25 @@ void Run::after_step(engine::Engine& engine, int64_t step, const engine::Metrics
   tracking_->log(step, logged, /*training_step=*/true);
   if ((save_freq_ > 0 && step % save_freq_ == 0) || step == total_steps_) {
     const auto start = std::chrono::steady_clock::now();
-    const auto saved = engine.save_checkpoint((fs::path(dir_) / "checkpoints").string(), step);
+    const auto root = fs::path(dir_) / "checkpoints";
+    // The critic first: the actor's step, written last, is what a resume finds, and the critic's
+    // of that step is then already whole. Its older steps go only once the actor's is saved.
+    const std::string critic_saved =
+        critic_ ? critic_->save_checkpoint((root / "critic").string(), step) : "";
+    const auto saved = engine.save_checkpoint(root.string(), step);
+    if (critic_) {
+      if (rank0_) {
+        checkpoint::SaveOptions keep;
+        keep.max_ckpt_to_keep = max_critic_ckpt_to_keep_;
+        checkpoint::rotate((root / "critic").string(), keep, critic_saved);
+      }
+      world_->group().barrier();
+    }
     if (rank0_) {
-      spdlog::info("saved {}: {} bytes in {:.2f} s", saved, checkpoint::directory_bytes(saved),
+      spdlog::info("saved {}{}: {} bytes in {:.2f} s", saved,
+                   critic_ ? fmt::format(" and {}", critic_saved) : "",
+                   checkpoint::directory_bytes(saved) +
+                       (critic_ ? checkpoint::directory_bytes(critic_saved) : 0),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }

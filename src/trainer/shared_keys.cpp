@@ -16,13 +16,16 @@ constexpr int64_t kMaxCollectiveTimeoutSeconds = 30 * 24 * 3600;
 const std::vector<std::string> kDtypes = {"fp32", "bf16", "fp16"};
 const std::vector<std::string> kDtypeAliases = {"float32", "float", "bfloat16", "float16", "half"};
 
-// The rows of one engine role, actor or ref: verl's optim, fsdp_config and micro-batch keys.
+// The rows of one engine role, actor, ref or critic: verl's optim, fsdp_config and micro-batch
+// keys, under actor_rollout_ref.<role> (the critic's under critic.).
 std::vector<ConfigKey> role_keys(const std::string& role) {
-  const std::string r = "actor_rollout_ref." + role + ".";
+  const std::string r = role == "critic" ? "critic." : "actor_rollout_ref." + role + ".";
   // The ref is forward-only: it has no optimizer.
   const std::string unused = role == "ref" ? " (unused: the ref does not train)" : "";
+  // verl's critic learns at 1e-5.
+  const double lr = role == "critic" ? 1e-5 : 1e-4;
   std::vector<ConfigKey> rows = {
-      {r + "optim.lr", 1e-4, number().at_least(0), "learning rate" + unused},
+      {r + "optim.lr", lr, number().at_least(0), "learning rate" + unused},
       {r + "optim.betas",
        {0.9, 0.999},
        list().size(2).of(number().at_least(0).below(1)),
@@ -33,10 +36,6 @@ std::vector<ConfigKey> role_keys(const std::string& role) {
       {r + "optim.clip_grad", 1.0, number().at_least(0),
        "clip the gradient norm to this (0: no clipping); a step whose norm is not finite is "
        "skipped" +
-           unused},
-      {r + "optim.loraplus_lr_ratio", nullptr, number().above(0).or_null("no LoRA+"),
-       "PEFT's LoRA+: the adapters' B matrices learn at lr times this (needs model.lora_rank > "
-       "0); ShardRL's key, verl has none" +
            unused},
       {r + "optim.warmup_style", "constant", text().one_of({"constant", "cosine"}),
        "the schedule after warmup: constant, or cosine down to min_lr_ratio" + unused},
@@ -84,7 +83,16 @@ std::vector<ConfigKey> role_keys(const std::string& role) {
   } else {
     rows.push_back({r + "ulysses_sequence_parallel_size", nullptr,
                     integer().at_least(1).or_null("the actor's"),
-                    "ranks each sample's sequence is split over for the ref; divides the actor's"});
+                    fmt::format("ranks each sample's sequence is split over for the {}; divides "
+                                "the actor's",
+                                role)});
+  }
+  if (role != "critic") {
+    // The critic trains in full (no adapters).
+    rows.push_back({r + "optim.loraplus_lr_ratio", nullptr, number().above(0).or_null("no LoRA+"),
+                    "PEFT's LoRA+: the adapters' B matrices learn at lr times this (needs "
+                    "model.lora_rank > 0); ShardRL's key, verl has none" +
+                        unused});
   }
   return rows;
 }
@@ -160,6 +168,34 @@ std::vector<ConfigKey> shared_keys() {
   for (const char* role : {"actor", "ref"}) {
     for (auto& row : role_keys(role)) rows.push_back(std::move(row));
   }
+  return rows;
+}
+
+std::vector<ConfigKey> critic_keys() {
+  std::vector<ConfigKey> rows = {
+      {"critic.enable", nullptr, boolean().or_null("on with algorithm.adv_estimator gae"),
+       "train a critic (value model) beside the actor, as PPO with GAE needs"},
+      {"critic.model.path", nullptr, text().existing_folder("config.json").or_null("the actor's"),
+       "the causal LM folder the critic's decoder is read from; a new `score` head is added "
+       "unless the folder has one (a critic export)"},
+      {"critic.model.enable_gradient_checkpointing", nullptr, boolean().or_null("the actor's"),
+       "recompute each block's activations in the critic's backward"},
+      {"critic.cliprange_value", 0.5, number().at_least(0),
+       "how far a new value may move from the rollout's value before its error is clipped"},
+      {"critic.loss_agg_mode", nullptr,
+       text()
+           .one_of({"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                    "seq-mean-token-sum-norm"})
+           .or_null("the actor's"),
+       "how the value loss's tokens are aggregated"},
+      {"trainer.critic_warmup", 0, integer().at_least(0),
+       "the actor trains from this step on (verl's: steps before it update the critic alone)"},
+      {"trainer.max_critic_ckpt_to_keep", nullptr,
+       integer().at_least(0).or_null("trainer.max_actor_ckpt_to_keep"),
+       "critic checkpoints kept (checkpoints/critic/global_step_N), the oldest removed first (0: "
+       "all)"},
+  };
+  for (auto& row : role_keys("critic")) rows.push_back(std::move(row));
   return rows;
 }
 

@@ -46,8 +46,14 @@ class Run {
   // "disable" starts fresh, "resume_path" continues from trainer.resume_from_path (an error when it
   // is damaged). Collective over the world: every rank continues from the same step. Returns the
   // step to continue from.
-  // Call it once, before the first after_step().
+  // Call it once, before the first after_step(). With a critic (save_critic_with), the critic's
+  // checkpoint of the same step is loaded too; a step without a whole one is an error naming it.
   int64_t resume(engine::Engine& engine);
+  // PPO's critic, saved and resumed with the actor (the engine resume() and after_step() take):
+  // checkpoints/critic/global_step_N, written before the actor's step, which commits both, and
+  // rotated after it to trainer.max_critic_ckpt_to_keep (null: max_actor_ckpt_to_keep). Call it
+  // before resume().
+  void save_critic_with(engine::Engine& critic);
   // Logs a training step and saves every trainer.save_freq steps and at the last step.
   void after_step(engine::Engine& engine, int64_t step, const engine::Metrics& metrics);
   // Metrics outside a training step: validation before training is step 0, as verl logs it, so
@@ -92,6 +98,8 @@ class Run {
   int64_t val_generations_ = 0;
   Throughput throughput_;
   std::unique_ptr<Tracking> tracking_;  // opened by resume(), which knows the first step
+  engine::Engine* critic_ = nullptr;
+  int max_critic_ckpt_to_keep_ = 0;
 };
 
 // The mean of the last `window` values added: a noisy per-step loss as a progress line shows it.

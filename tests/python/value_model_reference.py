@@ -39,7 +39,8 @@ def values(export_dir, actor_dir, tokens_csv, mask_csv, rows, out_file):
     exported = load_file(os.path.join(export_dir, "model.safetensors")) if os.path.exists(
         os.path.join(export_dir, "model.safetensors")) else None
     actor_weights = {}
-    for name in sorted(os.listdir(actor_dir)):
+    # "-": a critic that trained, whose decoder is no longer the actor's.
+    for name in sorted(os.listdir(actor_dir)) if actor_dir != "-" else []:
         if name.endswith(".safetensors"):
             actor_weights.update(load_file(os.path.join(actor_dir, name)))
     state = model.state_dict()

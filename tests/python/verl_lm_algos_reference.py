@@ -179,6 +179,17 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode):
     raise ValueError(loss_agg_mode)
 
 
+# verl/trainer/ppo/core_algos.py: compute_value_loss (verl_F.clip_by_value is max(min(x, hi), lo))
+def value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode):
+    vpredclipped = torch.max(torch.min(vpreds, values + cliprange_value), values - cliprange_value)
+    vf_losses1 = (vpreds - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
+    vf_loss = 0.5 * agg_loss(clipped_vf_losses, response_mask, loss_agg_mode)
+    vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
+    return vf_loss, vf_clipfrac
+
+
 # the policy losses: (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 def vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, low, high, c):
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
@@ -306,8 +317,16 @@ def main():
             check("clipfrac/" + mode, clipfrac, io)
             check("ppo_kl/" + mode, ppo_kl, io)
             check("clipfrac_lower/" + mode, lower, io)
+    cliprange_value = io["cliprange_value"].item()
     for agg in AGGS:
         check("agg/" + agg, agg_loss(values, mask, agg), io)
+        vpreds = io["vpreds"].double().requires_grad_(True)
+        vf_loss, vf_clipfrac = value_loss(
+            vpreds, io["returns"].double(), values, mask, cliprange_value, agg)
+        vf_loss.backward()
+        check("vf_loss/" + agg, vf_loss, io)
+        check("vf_grad/" + agg, vpreds.grad, io)
+    check("vf_clipfrac", vf_clipfrac, io)
     check("entropy", entropy_from_logits(io["logits"].double()), io)
     max_len, buffer_len, factor = io["overlong_config"].tolist()
     check("overlong", torch.tensor([

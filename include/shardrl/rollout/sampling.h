@@ -76,4 +76,18 @@ torch::Tensor packed_response_log_probs(models::LlamaForCausalLM& model,
                                         double temperature, const torch::Tensor& attention_mask,
                                         const torch::Tensor& response_mask);
 
+// The critic's values of the response tokens: token j's is the value model's output at the
+// position before it (the state it is sampled from, as verl's critic reads
+// values[:, -response_length - 1 : -1]). [B, L] fp32, 0 where response_mask is 0, with grad when
+// grad mode is on. attention_mask as response_log_probs'.
+torch::Tensor response_values(models::LlamaForTokenClassification& model,
+                              const torch::Tensor& sequences, int64_t prompt_length,
+                              const torch::Tensor& attention_mask,
+                              const torch::Tensor& response_mask);
+// The same values on packed tokens (use_remove_padding), as packed_response_log_probs packs them.
+torch::Tensor packed_response_values(models::LlamaForTokenClassification& model,
+                                     const torch::Tensor& sequences, int64_t prompt_length,
+                                     const torch::Tensor& attention_mask,
+                                     const torch::Tensor& response_mask);
+
 }  // namespace shardrl::rollout
