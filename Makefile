@@ -45,8 +45,9 @@ demo: build
 	@scripts/demo.sh $(BUILD)
 
 # The second main job: GRPO on a real pretrained model, SmolLM2-135M-Instruct.
+# `make smollm2 CONFIG=examples/configs/smollm2_ppo.yaml ARGS="key=value ..."`
 smollm2: build
-	@scripts/smollm2.sh $(BUILD)
+	@SMOLLM2_CONFIG=$(or $(CONFIG),examples/configs/smollm2_grpo.yaml) scripts/smollm2.sh $(BUILD) $(ARGS)
 
 bench: build
 	@scripts/bench.sh $(BUILD)

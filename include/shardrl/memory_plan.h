@@ -86,6 +86,7 @@ struct Workload {
   int critic_fsdp_size = -1;
   bool critic_param_offload = false;
   bool critic_optimizer_offload = false;
+  bool critic_host_shared_params = false;  // its own host-shared image of its params
 };
 
 // Where the job runs.

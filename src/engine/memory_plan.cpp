@@ -96,6 +96,12 @@ MemoryPlan plan_memory(const EngineConfig& config, const ModelSize& model, const
                         largest.name, largest.params)
           : "every unit (reshard_after_forward false)";
   if (image) plan.host_shared = P * compute_bytes;
+  // The critic's own engine keeps its own image of its unsharded (fp32) params.
+  const int critic_shard =
+      work.critic_fsdp_size > 0 ? std::min(work.critic_fsdp_size, world) : world;
+  const int64_t critic_image =
+      cpu && work.critic_host_shared_params && critic_shard > 1 ? work.critic_params * 4 : 0;
+  plan.host_shared += critic_image;
 
   auto state_lines = [&](std::vector<PlanLine>& lines, bool params_out, bool optimizer_out) {
     lines.push_back({"params (fp32 shard)", param_bytes, params_out ? tier : "compute",
@@ -135,14 +141,16 @@ MemoryPlan plan_memory(const EngineConfig& config, const ModelSize& model, const
                        work.reference_param_offload ? tier : "compute", "forward-only"});
     }
     if (work.critic_params > 0) {
-      const int critic_shard =
-          work.critic_fsdp_size > 0 ? std::min(work.critic_fsdp_size, world) : world;
       const auto note = fmt::format("{} params / {} ranks", work.critic_params, critic_shard);
       lines.push_back({"critic params and grads (fp32 shards)",
                        sharded(work.critic_params, 8, critic_shard),
                        work.critic_param_offload ? tier : "compute", note});
       lines.push_back({"critic optimizer (AdamW)", sharded(work.critic_params, 8, critic_shard),
                        work.critic_optimizer_offload ? tier : "compute", note});
+      if (critic_image > 0) {
+        lines.push_back({"critic gathered params (host-shared image)", critic_image, "host-shared",
+                         "the critic's host_shared_params"});
+      }
     }
     lines.push_back({"process", cpu ? kProcessBaselineBytes : int64_t{512} << 20, "compute",
                      "LibTorch, BLAS, allocator"});

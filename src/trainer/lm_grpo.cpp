@@ -562,6 +562,7 @@ PlanInput lm_grpo_plan(const json& config, const engine::Layout& layout) {
     w.critic_fsdp_size = critic.fsdp_size;
     w.critic_param_offload = critic.offload.param_offload;
     w.critic_optimizer_offload = critic.offload.optimizer_offload;
+    w.critic_host_shared_params = critic.fsdp.host_shared_params;
   }
   return in;
 }
