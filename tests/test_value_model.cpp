@@ -104,19 +104,25 @@ TEST_P(ValueModel, MadeFromTheActorsFolderExportsAsTransformersTokenClassificati
 // actor's reward rises; the critic checkpoint the run wrote exports as
 // a folder transformers' AutoModelForTokenClassification reads, whose values equal those of the
 // checkpoint loaded into ShardRL's value model; and the run resumes on one rank from the two
-// ranks' checkpoints, actor and critic.
+// ranks' checkpoints, actor and critic, the critic's params and AdamW state offloaded to files.
 TEST(ValueModel, PpoTrainsItAsTheCriticAndItsCheckpointExportsForTransformers) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_python_modules({"torch", "transformers", "safetensors"}));
   const auto dir = make_temp_dir("ppo-critic");
-  const auto train = [&](int ranks, int steps) {
-    return run_process(
-        {bin("shardrl"), "train",
-         std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
-         "trainer.default_local_dir=" + dir + "/run", "sft.cache_dir=" + dir + "/cache",
-         "trainer.nproc_per_node=" + std::to_string(ranks),
-         "trainer.total_training_steps=" + std::to_string(steps), "trainer.save_freq=-1",
-         "algorithm.adv_estimator=gae", "trainer.critic_warmup=5", "critic.optim.lr=1e-3"},
-        {}, 400);
+  const auto train = [&](int ranks, int steps, std::vector<std::string> more = {}) {
+    std::vector<std::string> argv = {
+        bin("shardrl"),
+        "train",
+        std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
+        "trainer.default_local_dir=" + dir + "/run",
+        "sft.cache_dir=" + dir + "/cache",
+        "trainer.nproc_per_node=" + std::to_string(ranks),
+        "trainer.total_training_steps=" + std::to_string(steps),
+        "trainer.save_freq=-1",
+        "algorithm.adv_estimator=gae",
+        "trainer.critic_warmup=5",
+        "critic.optim.lr=1e-3"};
+    argv.insert(argv.end(), more.begin(), more.end());
+    return run_process(argv, {}, 400);
   };
   const auto first = train(2, 30);
   ASSERT_EQ(first.exit_code, 0) << first.output;
@@ -165,8 +171,11 @@ TEST(ValueModel, PpoTrainsItAsTheCriticAndItsCheckpointExportsForTransformers) {
   EXPECT_GT(relative_error_max(untrained.masked_select(real), theirs.masked_select(real)), 1e-2)
       << "the exported critic is the untrained one";
 
-  // Two ranks' checkpoints, resumed on one.
-  const auto resumed = train(1, 32);
+  // Two ranks' checkpoints, resumed on one, the critic's state offloaded to files between phases.
+  const auto resumed =
+      train(1, 32,
+            {"critic.fsdp_config.param_offload=true", "critic.fsdp_config.optimizer_offload=true",
+             "critic.fsdp_config.offload_dir=" + dir + "/offload"});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("at step 30 (actor and critic)"), std::string::npos)
       << resumed.output;

@@ -23,6 +23,7 @@
 // verl's metric). Held-out problems (data.val_size) are answered greedily before training, every
 // trainer.test_freq steps and at the end.
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <cmath>
 #include <deque>
@@ -791,6 +792,17 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
             torch::tensor({static_cast<int64_t>(kept.size()) < local ? 1.0 : 0.0}, torch::kDouble);
         data_parallel.all_reduce(short_ranks);
         if (short_ranks.item<double>() == 0) break;
+        // With no limit (max_num_gen_batches 0) a policy that solves or fails every problem
+        // draws forever, as verl's does: say so from the 10th batch on, so the run is not silent.
+        if (lead && num_gen_batches % 10 == 0) {
+          spdlog::warn(
+              "algorithm.filter_groups: step {} has drawn {} generation batches and a rank still "
+              "holds fewer than {} groups whose {} varies (the limit, "
+              "algorithm.filter_groups.max_num_gen_batches, is {})",
+              step, num_gen_batches, local, algorithm.filter_metric,
+              algorithm.max_num_gen_batches > 0 ? std::to_string(algorithm.max_num_gen_batches)
+                                                : std::string("0: none"));
+        }
         if (algorithm.max_num_gen_batches > 0 && num_gen_batches >= algorithm.max_num_gen_batches) {
           throw std::runtime_error(fmt::format(
               "algorithm.filter_groups: {} generation batches (algorithm.filter_groups."
