@@ -266,6 +266,33 @@ TEST(Ulysses, LmGrpoWithPaddingRemovedLogsThePaddedRunsSteps) {
   EXPECT_LT(read_jsonl(dir + "/padded_1/metrics.jsonl")[0]["response_length"].get<double>(), 4.0);
 }
 
+// PPO's critic under Ulysses (critic.ulysses_sequence_parallel_size: the actor's) on packed
+// sequences gives the value losses, critic grad norms and values that one rank gives on the
+// padded rows, and the actor trains on the same advantages.
+TEST(Ulysses, LmPpoCriticPackedAtSp2LogsThePaddedRanksSteps) {
+  const auto dir = make_temp_dir("ulysses_lm_ppo");
+  auto run = [&](const std::string& name, int nproc, bool remove_padding) {
+    auto result = run_process(
+        train_argv(
+            "arithmetic_grpo.yaml",
+            {"trainer.default_local_dir=" + dir + "/" + name, "sft.cache_dir=" + dir + "/cache",
+             "trainer.nproc_per_node=" + std::to_string(nproc),
+             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=" + std::to_string(nproc),
+             std::string("actor_rollout_ref.model.use_remove_padding=") +
+                 (remove_padding ? "true" : "false"),
+             "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3",
+             "trainer.total_training_steps=4", "data.train_batch_size=4", "trainer.save_freq=-1"}),
+        {}, 300);
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+  };
+  run("packed_sp2", 2, true);
+  run("padded_1", 1, false);
+  expect_same_steps(dir + "/packed_sp2/metrics.jsonl", dir + "/padded_1/metrics.jsonl", 4,
+                    {"reward_mean", "critic/vf_loss", "critic/grad_norm", "critic/values/mean",
+                     "critic/returns/mean", "loss", "grad_norm"},
+                    3e-5);
+}
+
 // Sizes that do not split the world or the heads fail before any stage, naming the key.
 TEST(Ulysses, SizesThatDoNotSplitAreErrorsNamingTheKey) {
   expect_invalid_argument_naming([] { ulysses::check_heads(9, 3, 2); },

@@ -12,7 +12,10 @@
 // algorithm.adv_estimator (grpo's group-normalised outcome by default; rloo, reinforce_plus_plus
 // [_baseline], remax with one greedy answer a prompt as its baseline), the loss of
 // actor.policy_loss.loss_mode (PPO's dual clip by default; gspo, gpg, geo_mean), optionally a KL
-// to the reference and an entropy bonus. DAPO's dynamic sampling (algorithm.filter_groups) drops
+// to the reference and an entropy bonus. With gae it is PPO: a critic (verl's value_model, a
+// second trainable engine made from the actor's folder) gives the values GAE needs and trains
+// first on the clipped value loss; the actor waits trainer.critic_warmup steps, and the run saves
+// and resumes both. DAPO's dynamic sampling (algorithm.filter_groups) drops
 // the groups whose answers all score alike and draws more until the batch is full; its overlong
 // penalty (reward_model.overlong_buffer) lowers the reward of answers near response_length.
 // rollout.dtype float16 packs the replica's weights into fbgemm's fp16 GEMM (with LoRA, the frozen
@@ -1051,8 +1054,9 @@ Task lm_grpo_task() {
                     r = "actor_rollout_ref.rollout.";
   Task task;
   task.description =
-      "GRPO for a LLaMA-style decoder on arithmetic: a model trained here after a short "
-      "supervised stage, or a pretrained chat model (model.path)";
+      "GRPO, PPO with a critic and verl's other estimators for a LLaMA-style decoder on "
+      "arithmetic: a model trained here after a short supervised stage, or a pretrained chat "
+      "model (model.path)";
   task.keys = {
       {"trainer.log_val_generations", 0, integer().at_least(0),
        "validation answers (prompt, answer, score) logged to TensorBoard as text at each "
