@@ -16,6 +16,6 @@ for est in estimators:
     median = {k: statistics.median(m.get(k, 0.0) for m in steps) for k in phases + ["step_time"]}
     rows[est] = {"val_accuracy": val, "median_seconds": median, "steps": len(steps)}
     print(f"| {est} | {val.get(0, float('nan')):.2f} | {val.get(8, float('nan')):.2f} "
-          f"| {val.get(16, float('nan')):.2f} | {median['step_time']:.1f} "
+          f"| {val.get(16, float('nan')):.2f} | {median['step_time']:.1f} | "
           + " | ".join(f"{median[k]:.1f}" if median[k] else "-" for k in phases) + " |")
 json.dump(rows, open(f"{out}/table.json", "w"), indent=1)
