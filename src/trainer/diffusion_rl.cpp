@@ -1356,7 +1356,10 @@ PlanInput diffusion_rl_plan(const json& config, const engine::Layout& layout) {
   const int64_t width = encoder_config.is_object() ? encoder_config.value("hidden_size", 384) : 384;
   const auto transformer = transformer_config(o, width, width);
   json engine_json = config;
+  // Sized from the config alone: a pretrained model.path needs its config.json for the plan, not
+  // its weights.
   engine_json["actor_rollout_ref"]["model"]["config"] = transformer;
+  engine_json["actor_rollout_ref"]["model"]["path"] = "";
   PlanInput in{engine_config(engine_json, o.model_type, "actor"), {}};
   auto& w = in.workload;
   const int64_t rows_per_mini_batch = o.mini_batch_size / dp * o.group_size;
