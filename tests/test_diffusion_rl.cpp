@@ -708,6 +708,12 @@ TEST(FmnistDemo, ConfigErrorsNameTheKey) {
       {{"actor_rollout_ref.rollout.pipeline.height=32"},
        "actor_rollout_ref.rollout.pipeline.height"},
       {{"actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"}, "loss_mode"},
+      {{"actor_rollout_ref.model.architecture=FluxPipeline"},
+       "actor_rollout_ref.model.architecture"},
+      // model.path's model_index.json names QwenImagePipeline.
+      {{"actor_rollout_ref.model.path=" SHARDRL_SOURCE_DIR "/bench/realsize/qwen-image-config",
+        "actor_rollout_ref.model.architecture=StableDiffusion3Pipeline"},
+       "'actor_rollout_ref.model.architecture' is StableDiffusion3Pipeline, but model.path"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> argv = {bin("shardrl"), "train", config,
