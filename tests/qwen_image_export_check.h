@@ -7,12 +7,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include <filesystem>
-#include <fstream>
-#include <regex>
-
+#include "diffusers_export_check.h"
 #include "model_test_util.h"
-#include "shardrl/checkpoint.h"
 #include "shardrl/models/qwen_image.h"
 
 namespace shardrl::testing {
@@ -24,7 +20,6 @@ namespace shardrl::testing {
 // in PEFT. The adapter targets `lora_targets` modules.
 inline void expect_qwen_image_lora_export_loads_in_diffusers_and_peft(const std::string& ckpt,
                                                                       size_t lora_targets) {
-  namespace fs = std::filesystem;
   using nlohmann::json;
   const json index = checkpoint::read_index(ckpt);
   const json& extra = index.at("extra");
@@ -34,13 +29,8 @@ inline void expect_qwen_image_lora_export_loads_in_diffusers_and_peft(const std:
   const auto lora = models::lora::config_from_peft(extra.at("lora").at("default"), ckpt);
   EXPECT_EQ(lora.target_modules.size(), lora_targets);
   models::lora::apply_lora(*model, lora, "default");
-  auto params = models::state_dict(*model);
-  std::vector<std::string> names;
-  for (const auto& [name, unused] : params) names.push_back(name);
-  ASSERT_EQ(index.at("model").size(), names.size()) << "the checkpoint holds every param";
+  load_checkpoint_params(ckpt, *model);
   torch::NoGradGuard no_grad;
-  checkpoint::for_each_full_tensor(
-      ckpt, names, [&](const std::string& name, const auto& full) { params.at(name).copy_(full); });
 
   // Two samples of 3 x 4 patches, 5 text tokens of which the second sample's last 2 are padding.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -62,31 +52,10 @@ inline void expect_qwen_image_lora_export_loads_in_diffusers_and_peft(const std:
   const std::string root = make_temp_dir("qwen-image-export-check");
   models::save_weights(io, root + "/io.safetensors");
 
-  const std::string base = root + "/base", merged = root + "/merged", adapter = root + "/adapter";
-  for (const auto& [out, args] : std::vector<std::pair<std::string, std::vector<std::string>>>{
-           {base, {}},
-           // Small files: diffusers' sharded layout.
-           {merged, {"--merge-adapter", "default", "--max-shard-size", "20000"}},
-           {adapter, {"--adapter", "default"}}}) {
-    std::vector<std::string> argv = {ckpt, out, "--dtype", "fp32"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    const auto exported = shardrl_export(argv);
-    ASSERT_EQ(exported.exit_code, 0) << exported.output;
-  }
-  // diffusers' names: one file alone, or numbered files with their index.
-  EXPECT_TRUE(fs::exists(base + "/diffusion_pytorch_model.safetensors"));
-  EXPECT_EQ(count_files_matching(base, std::regex(".*safetensors.*")), 1u);
-  EXPECT_TRUE(fs::exists(merged + "/diffusion_pytorch_model.safetensors.index.json"));
-  EXPECT_GT(count_files_matching(
-                merged, std::regex(R"(diffusion_pytorch_model-\d{5}-of-\d{5}\.safetensors)")),
-            1u);
-  for (const auto& dir : {base, merged}) {
-    const auto written = json::parse(std::ifstream(dir + "/config.json"));
-    EXPECT_EQ(written, config.to_json()) << dir << ": config.json as diffusers writes it";
-  }
+  const auto exports = export_three_ways(ckpt, root, config.to_json());
   expect_checks_pass(
-      run_python_reference("qwen_image_reference.py",
-                           {"export", base, merged, adapter, root + "/io.safetensors"}),
+      run_python_reference("qwen_image_reference.py", {"export", exports.base, exports.merged,
+                                                       exports.adapter, root + "/io.safetensors"}),
       5);
 }
 
