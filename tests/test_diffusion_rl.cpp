@@ -1,7 +1,8 @@
 // The reward classifier, and the diffusion RL task through `shardrl train` on 2 ranks, as a user
 // runs it: the text-conditioned MMDiT on captioned Fashion-MNIST, Flow-GRPO / DiffusionNFT /
 // Diffusion-DPO with LoRA and with full fine-tuning, caching of the supervised stages, resume after
-// a kill, and the config's errors.
+// a kill, and the config's errors; the same with a tiny Qwen-Image in place of the SD3 MMDiT
+// (every loss mode, resume, the distillation teacher, the trained LoRA in diffusers and PEFT).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -11,6 +12,7 @@
 #include <regex>
 
 #include "model_test_util.h"
+#include "qwen_image_export_check.h"
 #include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/data.h"
 #include "shardrl/models/classifier.h"
@@ -133,6 +135,34 @@ ProcessResult train(const std::string& config, std::vector<std::string> override
 std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
   base.insert(base.end(), more.begin(), more.end());
   return base;
+}
+
+// A Qwen-Image transformer in place of the SD3 MMDiT, chosen by verl-omni's key, with the
+// LoRA targets verl-omni's Qwen-Image examples train (its 12 projections) instead of the example's
+// SD3 ones.
+const std::vector<std::string> kQwenImage = {
+    "actor_rollout_ref.model.architecture=QwenImagePipeline",
+    "actor_rollout_ref.model.target_modules=[to_q, to_k, to_v, to_out.0, add_q_proj, add_k_proj, "
+    "add_v_proj, to_add_out, img_mlp.net.0.proj, img_mlp.net.2, txt_mlp.net.0.proj, "
+    "txt_mlp.net.2]"};
+
+// Every RL step of a run's metrics.jsonl (after line 0, the evaluation before RL) trains (a finite
+// loss), logs `keys` and stays on policy: the rollout's log-probs equal the sharded trainer's
+// recomputation of them up to fp32 rounding (rollout_corr/logprob_abs_diff_max <= 1e-6: the rollout
+// batch and the trainer's micro-batches have other shapes, and MKL's sgemm may take another path
+// for another row count; dpo_cps_no_cfg: 6e-8; the unit test OnPolicy.* shows 0 where the paths
+// agree).
+void expect_steps_on_policy(const std::string& metrics_file, size_t steps,
+                            const std::vector<std::string>& keys) {
+  auto metrics = read_jsonl(metrics_file);
+  ASSERT_EQ(metrics.size(), steps + 1);
+  EXPECT_FALSE(metrics[0].contains("loss")) << metrics[0].dump();
+  metrics.erase(metrics.begin());
+  for (const auto& m : metrics) {
+    EXPECT_TRUE(std::isfinite(m["loss"].get<double>())) << m.dump();
+    for (const auto& key : keys) EXPECT_TRUE(m.contains(key)) << key << ": " << m.dump();
+    EXPECT_LE(m["rollout_corr/logprob_abs_diff_max"].get<double>(), 1e-6) << m.dump();
+  }
 }
 
 // `shardrl train` starts 2 ranks, writes the captioned sample grids and one metrics line per RL
@@ -268,10 +298,12 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStagesAndResumes) {
 struct Variant {
   std::string config;
   bool lora;
+  bool qwen_image = false;  // kQwenImage
 };
 
 void PrintTo(const Variant& v, std::ostream* os) {
-  *os << v.config << (v.lora ? " with LoRA" : " with full fine-tuning");
+  *os << v.config << (v.lora ? " with LoRA" : " with full fine-tuning")
+      << (v.qwen_image ? " on Qwen-Image" : "");
 }
 
 class DiffusionAlgorithm : public ::testing::TestWithParam<Variant> {};
@@ -282,6 +314,7 @@ TEST_P(DiffusionAlgorithm, ResumesAfterAKillBitwise) {
   const auto dir = make_temp_dir("fmnist_resume");
   auto overrides = [&](const std::string& run) {
     auto o = tiny_for(v.config, dir + "/cache");
+    if (v.qwen_image) o = with(o, kQwenImage);
     o.push_back("trainer.default_local_dir=" + dir + "/" + run);
     o.push_back("trainer.total_training_steps=5");
     o.push_back("trainer.resume_mode=auto");
@@ -316,12 +349,14 @@ INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, DiffusionAlgorithm,
                                            Variant{"fmnist_dpo.yaml", true},
                                            Variant{"fmnist_flow_grpo_full.yaml", false},
                                            Variant{"fmnist_nft.yaml", false},
-                                           Variant{"fmnist_dpo.yaml", false}),
+                                           Variant{"fmnist_dpo.yaml", false},
+                                           Variant{"fmnist_flow_grpo.yaml", true, true}),
                          [](const ::testing::TestParamInfo<Variant>& info) {
                            auto name = info.param.config.substr(7, info.param.config.find('.') - 7);
                            if (name.size() > 5 && name.substr(name.size() - 5) == "_full")
                              name.resize(name.size() - 5);
-                           return name + (info.param.lora ? "_lora" : "_full");
+                           return name + (info.param.lora ? "_lora" : "_full") +
+                                  (info.param.qwen_image ? "_qwen_image" : "");
                          });
 
 // verl-omni's loss modes, SDE types, NFT options and MixGRPO windows through `shardrl train` on 2
@@ -351,19 +386,7 @@ TEST_P(DiffusionLossMode, TrainsOnPolicyThroughTheTrainer) {
   overrides.push_back("trainer.save_freq=-1");
   auto run = train(c.config, overrides);
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  auto metrics = read_jsonl(dir + "/run/metrics.jsonl");
-  // Line 0 is the evaluation before RL (trainer.val_before_train), then a line per step.
-  ASSERT_EQ(metrics.size(), 3u);
-  EXPECT_FALSE(metrics[0].contains("loss")) << metrics[0].dump();
-  metrics.erase(metrics.begin());
-  for (const auto& m : metrics) {
-    EXPECT_TRUE(std::isfinite(m["loss"].get<double>())) << m.dump();
-    for (const auto& key : c.metrics) EXPECT_TRUE(m.contains(key)) << key << ": " << m.dump();
-    // The stated bound: the rollout batch and the trainer's micro-batches have other shapes, and
-    // MKL's sgemm may take another path for another row count (dpo_cps_no_cfg: 6e-8; the unit
-    // test OnPolicy.* shows 0 where the paths agree).
-    EXPECT_LE(m["rollout_corr/logprob_abs_diff_max"].get<double>(), 1e-6) << m.dump();
-  }
+  expect_steps_on_policy(dir + "/run/metrics.jsonl", 2, c.metrics);
   std::filesystem::remove_all(dir);
 }
 
@@ -402,6 +425,35 @@ INSTANTIATE_TEST_SUITE_P(
                  "fmnist_dpo.yaml",
                  {kAlgo + "sde_type=cps", "actor_rollout_ref.rollout.pipeline.true_cfg_scale=1.0"},
                  {"implicit_acc"}}),
+    [](const ::testing::TestParamInfo<ModeCase>& info) { return info.param.name; });
+
+// Every loss mode of verl-omni's three engines on a tiny Qwen-Image (flow_grpo and the
+// distillation modes are FmnistDemo/Distillation.FromAnExportedTeacher/QwenImage's), with true
+// CFG (the examples' 1.5) where the sampler uses it.
+INSTANTIATE_TEST_SUITE_P(
+    QwenImage, DiffusionLossMode,
+    ::testing::Values(
+        ModeCase{"dance_grpo",
+                 "fmnist_flow_grpo.yaml",
+                 with(kQwenImage, {kLossMode + "dance_grpo", kAlgo + "sde_type=dance_sde"}),
+                 {"clipfrac"}},
+        ModeCase{"flow_dppo",
+                 "fmnist_flow_grpo.yaml",
+                 with(kQwenImage, {kLossMode + "flow_dppo"}),
+                 {"masked_fraction", "kl_new_old_mean"}},
+        ModeCase{"grpo_guard",
+                 "fmnist_flow_grpo.yaml",
+                 with(kQwenImage, {kLossMode + "grpo_guard", kAlgo + "sde_type=cps"}),
+                 {"clipfrac", "ratio_mean"}},
+        ModeCase{"kl",
+                 "fmnist_flow_grpo.yaml",
+                 with(kQwenImage, {kLossMode + "kl", "actor_rollout_ref.actor.use_kl_loss=false"}),
+                 {"policy_loss", "time_reference"}},
+        ModeCase{"diffusion_nft",
+                 "fmnist_nft.yaml",
+                 with(kQwenImage, {"actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0.01"}),
+                 {"positive_loss", "kl", "old_policy_decay"}},
+        ModeCase{"dpo", "fmnist_dpo.yaml", kQwenImage, {"implicit_acc", "reward_margin"}}),
     [](const ::testing::TestParamInfo<ModeCase>& info) { return info.param.name; });
 
 // MixGRPO (actor_rollout_ref.model.algorithm mix_grpo): the window of each step is where
@@ -451,20 +503,32 @@ TEST(FmnistDemo, MixGrpoWindowsFollowTheirStrategy) {
 
 // Diffusion on-policy distillation: a teacher exported from a run's checkpoint (`shardrl export
 // --merge-adapter default`) is a third, forward-only engine; distill_kl and distill_fm_mse train
-// on its columns alone, and flow_grpo adds the teacher's term with use_distill_loss.
-TEST(FmnistDemo, DistillationFromAnExportedTeacher) {
+// on its columns alone, and flow_grpo adds the teacher's term with use_distill_loss. On SD3's
+// MMDiT and on Qwen-Image (true: kQwenImage), whose teacher run's LoRA also exports for diffusers
+// and PEFT.
+class Distillation : public ::testing::TestWithParam<bool> {};
+
+TEST_P(Distillation, FromAnExportedTeacher) {
   SHARDRL_REQUIRE_DEPENDENCY(missing_demo_data());
+  const bool qwen_image = GetParam();
   const auto dir = make_temp_dir("fmnist_distill");
-  const auto base = tiny_for("fmnist_flow_grpo.yaml", dir + "/cache");
+  auto base = tiny_for("fmnist_flow_grpo.yaml", dir + "/cache");
+  if (qwen_image) base = with(base, kQwenImage);
   auto teacher_run = train("fmnist_flow_grpo.yaml",
                            with(base, {"trainer.default_local_dir=" + dir + "/teacher_run",
                                        "trainer.total_training_steps=2"}));
   ASSERT_EQ(teacher_run.exit_code, 0) << teacher_run.output;
+  expect_steps_on_policy(dir + "/teacher_run/metrics.jsonl", 2, {"clipfrac", "kl"});
   auto exported =
       run_process({bin("shardrl"), "export", dir + "/teacher_run/checkpoints/global_step_2",
                    dir + "/teacher", "--merge-adapter", "default", "--dtype", "fp32"},
                   {}, 120);
   ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  if (qwen_image) {
+    SCOPED_TRACE("the teacher run's LoRA in diffusers and PEFT");
+    expect_qwen_image_lora_export_loads_in_diffusers_and_peft(
+        dir + "/teacher_run/checkpoints/global_step_2", 12);
+  }
   const std::string teacher =
       "distillation.teacher_models.teacher_model.model_path=" + dir + "/teacher";
   struct Case {
@@ -488,12 +552,10 @@ TEST(FmnistDemo, DistillationFromAnExportedTeacher) {
     auto run = train("fmnist_flow_grpo.yaml", overrides);
     ASSERT_EQ(run.exit_code, 0) << run.output;
     EXPECT_NE(run.output.find("distillation teacher: " + dir + "/teacher"), std::string::npos);
-    auto metrics = read_jsonl(dir + "/" + c.name + "/metrics.jsonl");
-    ASSERT_EQ(metrics.size(), 3u);  // the evaluation before RL, then 2 steps
-    metrics.erase(metrics.begin());
-    for (const auto& m : metrics) {
-      EXPECT_GT(m["distill_loss"].get<double>(), 0.0) << m.dump();
-      EXPECT_TRUE(m.contains("time_teacher")) << m.dump();
+    const auto metrics_file = dir + "/" + c.name + "/metrics.jsonl";
+    expect_steps_on_policy(metrics_file, 2, {"time_teacher"});
+    for (const auto& m : read_jsonl(metrics_file)) {
+      if (m.contains("loss")) EXPECT_GT(m["distill_loss"].get<double>(), 0.0) << m.dump();
     }
   }
   // A teacher without a loss that reads it, and a distillation loss without a teacher, are errors.
@@ -505,6 +567,11 @@ TEST(FmnistDemo, DistillationFromAnExportedTeacher) {
     EXPECT_NE(run.output.find("distillation"), std::string::npos) << run.output;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(FmnistDemo, Distillation, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "QwenImage" : "SD3";
+                         });
 
 // Offline Diffusion-DPO (algorithm.sample_source offline): an online run writes the best and worst
 // sample of each group under trainer.rollout_data_dir, as verl-omni's offline DPO rows; an offline
@@ -641,6 +708,12 @@ TEST(FmnistDemo, ConfigErrorsNameTheKey) {
       {{"actor_rollout_ref.rollout.pipeline.height=32"},
        "actor_rollout_ref.rollout.pipeline.height"},
       {{"actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"}, "loss_mode"},
+      {{"actor_rollout_ref.model.architecture=FluxPipeline"},
+       "actor_rollout_ref.model.architecture"},
+      // model.path's model_index.json names QwenImagePipeline.
+      {{"actor_rollout_ref.model.path=" SHARDRL_SOURCE_DIR "/bench/realsize/qwen-image-config",
+        "actor_rollout_ref.model.architecture=StableDiffusion3Pipeline"},
+       "'actor_rollout_ref.model.architecture' is StableDiffusion3Pipeline, but model.path"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> argv = {bin("shardrl"), "train", config,

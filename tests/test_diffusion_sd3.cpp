@@ -146,11 +146,11 @@ TEST(Sd3Velocity, TrueCfgIsTheNegativeBranchPlusScaleTimesTheDifference) {
   auto t = sigma * 1000;
   auto v = model(x, cond.prompt_embeds, cond.pooled_prompt_embeds, t);
   auto v_neg = model(x, cond.negative_prompt_embeds, cond.negative_pooled_prompt_embeds, t);
-  auto guided = algos::sd3_velocity(model, x, sigma, cond, 4.5);
+  auto guided = algos::flow_velocity(model, x, sigma, cond, 4.5);
   EXPECT_TRUE(torch::allclose(guided, v_neg + 4.5 * (v - v_neg), 1e-5, 1e-5));
-  EXPECT_TRUE(torch::allclose(algos::sd3_velocity(model, x, sigma, cond, 1.0), v, 1e-6, 1e-6));
+  EXPECT_TRUE(torch::allclose(algos::flow_velocity(model, x, sigma, cond, 1.0), v, 1e-6, 1e-6));
   cond.negative_prompt_embeds = cond.negative_pooled_prompt_embeds = torch::Tensor();
-  expect_invalid_argument_naming([&] { algos::sd3_velocity(model, x, sigma, cond, 2.0); },
+  expect_invalid_argument_naming([&] { algos::flow_velocity(model, x, sigma, cond, 2.0); },
                                  "negative_prompt_embeds");
 }
 
@@ -203,7 +203,7 @@ TEST(Sd3Sampler, StepsOutsideTheWindowAreDeterministicEulerSteps) {
     torch::NoGradGuard no_grad;
     for (int64_t j = 0; j < s.num_inference_steps; ++j) {
       auto x = ro.latents.select(1, j);
-      auto v = algos::sd3_velocity(model, x, ro.sigmas[j], cond, 2.0);
+      auto v = algos::flow_velocity(model, x, ro.sigmas[j], cond, 2.0);
       auto euler = x + (ro.sigmas[j + 1] - ro.sigmas[j]) * v;
       const bool inside = window.contains(j);
       EXPECT_EQ(torch::allclose(ro.latents.select(1, j + 1), euler, 1e-5, 1e-5), !inside)

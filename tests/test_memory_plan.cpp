@@ -11,7 +11,9 @@
 #include "model_test_util.h"
 #include "shardrl/engine.h"
 #include "shardrl/memory_plan.h"
+#include "shardrl/models/flow_model.h"
 #include "test_util.h"
+#include "trainer/tasks.h"
 
 namespace shardrl::testing {
 namespace {
@@ -69,6 +71,44 @@ TEST(MemoryPlan, UnitsAreTheShardedModelsUnits) {
   auto engine = engine::EngineRegistry::create(sd3, dist::World::init_from_env());
   EXPECT_EQ(sorted_units(planned), sharded_units(*engine));
   EXPECT_EQ(planned.buffer_bytes, 8 * 8 * 16 * 4);  // the fixed position table
+}
+
+// The diffusion trainer's plan (diffusion_rl_plan, what `shardrl plan` prints) of a Qwen-Image
+// job: for the example config, the units it sizes are those FSDP builds from the same engine
+// config (LoRA on verl-omni's 12 projections); for Qwen/Qwen-Image's published config, found as
+// verl-omni finds it (model.path's model_index.json names QwenImagePipeline) and read without its
+// weights, the params are the published count, plus rank 64 adapters on 60 blocks.
+TEST(MemoryPlan, QwenImageThroughTheDiffusionTrainersPlan) {
+  const std::string example =
+      SHARDRL_SOURCE_DIR "/examples/configs/fmnist_qwen_image_flow_grpo.yaml";
+  const std::string published = SHARDRL_SOURCE_DIR "/bench/realsize/qwen-image-config";
+  engine::Layout one_rank;
+  auto plan = [&](const std::string& file, const std::vector<std::string>& overrides) {
+    const auto config = trainer::task_config(file, overrides, trainer::ConfigChecks::kValues);
+    return trainer::diffusion_rl_plan(config, one_rank);
+  };
+  const auto small = plan(example, {"actor_rollout_ref.actor.fsdp_config.param_offload=false",
+                                    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false"});
+  EXPECT_TRUE(models::is_qwen_image_config(small.engine.model.at("config")))
+      << small.engine.model.dump();
+  const auto planned = engine::EngineRegistry::model_size(small.engine);
+  auto engine = engine::EngineRegistry::create(small.engine, dist::World::init_from_env());
+  EXPECT_EQ(sorted_units(planned), sharded_units(*engine));
+  EXPECT_EQ(engine->export_info().at("lora").at("default").at("target_modules").size(), 12u);
+
+  auto total_params = [](const engine::ModelSize& size) {
+    int64_t n = 0;
+    for (const auto& unit : size.units) n += unit.params;
+    return n;
+  };
+  for (const auto& [lora_rank, expected] :
+       std::vector<std::pair<int64_t, int64_t>>{{0, 20430401088}, {64, 20855074368}}) {
+    const auto real = plan(SHARDRL_SOURCE_DIR "/bench/realsize/qwen_image_lora_flow_grpo.yaml",
+                           {"actor_rollout_ref.model.path=" + published,
+                            fmt::format("actor_rollout_ref.model.lora_rank={}", lora_rank)});
+    EXPECT_EQ(total_params(engine::EngineRegistry::model_size(real.engine)), expected)
+        << "lora_rank " << lora_rank;
+  }
 }
 
 // A model of 4 units: the root (100 params), three blocks of 300, LoRA-free.

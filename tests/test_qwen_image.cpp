@@ -14,6 +14,7 @@
 
 #include "expect_error.h"
 #include "model_test_util.h"
+#include "shardrl/algos/diffusion_rl.h"
 #include "shardrl/checkpoint.h"
 #include "shardrl/engine.h"
 #include "shardrl/memory_plan.h"
@@ -175,6 +176,37 @@ TEST_P(QwenImageDiffusers, RotaryPositionsAndLatentPackingAreDiffusers) {
   const auto packed = models::qwen_image_pack_latents(io.at("latents"), 2);
   EXPECT_TRUE(torch::equal(packed, io.at("packed")));
   EXPECT_TRUE(torch::equal(models::qwen_image_unpack_latents(packed, 6, 10, 2), io.at("latents")));
+}
+
+// The diffusion algorithms' velocity of unpacked latents [B, C, H, W] through models::FlowModel
+// is QwenImagePipeline's: packed 2x2 patches, img_shapes (1, H / 2, W / 2), timestep sigma, the
+// prompt's mask, and true CFG rescaled to the conditional prediction's norm per token.
+TEST(QwenImage, FlowVelocityIsThePipelinesWithAndWithoutTrueCfg) {
+  const std::string dir = make_temp_dir("qwen-image-flow") + "/model";
+  const auto made = qwen_image_reference({"pretrained", dir, "small"});
+  ASSERT_EQ(made.exit_code, 0) << made.output;
+  auto io = read_safetensors(dir + "/io.safetensors");
+  const models::FlowModel model = models::load_qwen_image(dir);
+  EXPECT_EQ(model.latent_channels(), io.at("flow_latents").size(1));
+  algos::Conditioning cond;
+  cond.prompt_embeds = io.at("prompt_embeds");
+  cond.prompt_embeds_mask = io.at("mask");
+  cond.negative_prompt_embeds = io.at("flow_negative_embeds");
+  cond.negative_prompt_embeds_mask = io.at("flow_negative_mask");
+  torch::NoGradGuard no_grad;
+  for (const auto& [scale, want] : {std::pair{1.0, io.at("flow_v")}, {3.0, io.at("flow_v_cfg")}}) {
+    const auto got =
+        algos::flow_velocity(model, io.at("flow_latents"), io.at("flow_sigma"), cond, scale);
+    ASSERT_EQ(got.sizes(), want.sizes()) << scale;
+    EXPECT_LE(relative_error_max(got, want), 1e-5) << "true_cfg_scale " << scale;
+  }
+  // The rescale acts: plain CFG is another velocity.
+  EXPECT_GT(relative_error_max(
+                io.at("flow_v_cfg"),
+                algos::cfg_combine(model.velocity(io.at("flow_latents"), io.at("flow_sigma"),
+                                                  cond.negative_text()),
+                                   io.at("flow_v"), 3.0)),
+            1e-3);
 }
 
 // ShardRL's save_qwen_image and save_qwen_image_lora (an adapter on all 12 targets) load in

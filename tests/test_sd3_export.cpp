@@ -9,6 +9,7 @@
 #include <regex>
 
 #include "checkpoint/reader.h"  // index_checksum_line, to write a checkpoint with a bad config
+#include "diffusers_export_check.h"
 #include "model_test_util.h"
 #include "shardrl/checkpoint.h"
 #include "workers/sd3_scenario.h"
@@ -31,13 +32,8 @@ void expect_sd3_exports_load_in_diffusers(const std::string& ckpt) {
   models::SD3Transformer2DModel model(config);
   models::lora::apply_lora(
       *model, models::lora::config_from_peft(extra.at("lora").at("default"), ckpt), "default");
-  auto params = models::state_dict(*model);
-  std::vector<std::string> names;
-  for (const auto& [name, unused] : params) names.push_back(name);
-  ASSERT_EQ(index.at("model").size(), names.size()) << "the checkpoint holds every param";
+  load_checkpoint_params(ckpt, *model);
   torch::NoGradGuard no_grad;
-  checkpoint::for_each_full_tensor(
-      ckpt, names, [&](const std::string& name, const auto& full) { params.at(name).copy_(full); });
 
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   std::map<std::string, torch::Tensor> io = {
@@ -54,31 +50,11 @@ void expect_sd3_exports_load_in_diffusers(const std::string& ckpt) {
   const std::string root = make_temp_dir("sd3-export-check");
   models::save_weights(io, root + "/io.safetensors");
 
-  const std::string base = root + "/base", merged = root + "/merged", adapter = root + "/adapter";
-  for (const auto& [out, args] : std::vector<std::pair<std::string, std::vector<std::string>>>{
-           {base, {}},
-           // Small files: diffusers' sharded layout.
-           {merged, {"--merge-adapter", "default", "--max-shard-size", "20000"}},
-           {adapter, {"--adapter", "default"}}}) {
-    std::vector<std::string> argv = {ckpt, out, "--dtype", "fp32"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    const auto exported = shardrl_export(argv);
-    ASSERT_EQ(exported.exit_code, 0) << exported.output;
-  }
-  // diffusers' names: one file alone, or numbered files with their index.
-  EXPECT_TRUE(fs::exists(base + "/diffusion_pytorch_model.safetensors"));
-  EXPECT_EQ(count_files_matching(base, std::regex(".*safetensors.*")), 1u);
+  const auto exports = export_three_ways(ckpt, root, config.to_json());
+  const auto& [base, merged, adapter] = exports;
   // The position table is no param: the export adds it (diffusers would keep its own otherwise).
   EXPECT_TRUE(checkpoint::HfWeights(base).contains(models::kSD3PosEmbedName));
   EXPECT_TRUE(checkpoint::HfWeights(merged).contains(models::kSD3PosEmbedName));
-  EXPECT_TRUE(fs::exists(merged + "/diffusion_pytorch_model.safetensors.index.json"));
-  EXPECT_GT(count_files_matching(
-                merged, std::regex(R"(diffusion_pytorch_model-\d{5}-of-\d{5}\.safetensors)")),
-            1u);
-  for (const auto& dir : {base, merged}) {
-    const auto written = json::parse(std::ifstream(dir + "/config.json"));
-    EXPECT_EQ(written, config.to_json()) << dir << ": config.json as diffusers writes it";
-  }
   expect_checks_pass(run_python_reference("sd3_reference.py", {"export", base, merged, adapter,
                                                                root + "/io.safetensors"}),
                      6);

@@ -25,6 +25,10 @@
 #include "shardrl/offload.h"
 #include "shardrl/optim.h"
 
+namespace shardrl::models {
+class FlowModel;
+}  // namespace shardrl::models
+
 namespace shardrl::engine {
 
 // verl's DataProto in its simplest form: named tensors that share dim 0, the sample dimension.
@@ -245,7 +249,8 @@ class Engine {
 // diffusion_nft_model (DiffusionNFT, with the "old" adapter under LoRA) and diffusion_dpo_model
 // (Diffusion-DPO). The transformer is the one its config.json's _class_name names, as diffusers
 // picks it: SD3Transformer2DModel (family "sd3", also when _class_name is absent) or
-// QwenImageTransformer2DModel (family "qwen_image"; the losses still call SD3's model).
+// QwenImageTransformer2DModel (family "qwen_image"); the losses call either through
+// flow_model().
 class EngineRegistry {
  public:
   static void register_model(const std::string& model_type, const std::string& backend,
@@ -258,5 +263,9 @@ class EngineRegistry {
   static ModelSize model_size(const EngineConfig& config);
   static std::vector<std::string> keys();  // "model_type/backend"
 };
+
+// The transformer of a diffusion model type's engine as the diffusion algorithms call it
+// (models::FlowModel): SD3's or Qwen-Image's, by the family its builder recorded.
+models::FlowModel flow_model(Engine& engine);
 
 }  // namespace shardrl::engine

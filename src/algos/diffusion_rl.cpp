@@ -1,6 +1,6 @@
-// Diffusion RL on the SD3 transformer: text conditioning, the sampler, the rows of each
-// algorithm's update and their per-micro-batch losses. The math is algos.h; this file runs the
-// model and moves tensors into rows.
+// Diffusion RL on a flow-matching transformer (models::FlowModel): text conditioning, the sampler,
+// the rows of each algorithm's update and their per-micro-batch losses. The math is algos.h; this
+// file runs the model and moves tensors into rows.
 #include "shardrl/algos/diffusion_rl.h"
 
 #include <fmt/format.h>
@@ -21,6 +21,8 @@ const char* const kPromptEmbeds = "prompt_embeds";
 const char* const kPooled = "pooled_prompt_embeds";
 const char* const kNegativeEmbeds = "negative_prompt_embeds";
 const char* const kNegativePooled = "negative_pooled_prompt_embeds";
+const char* const kMask = "prompt_embeds_mask";
+const char* const kNegativeMask = "negative_prompt_embeds_mask";
 
 // A column the caller must have put in the rows; the error names it and who needs it.
 const torch::Tensor& column(const TensorMap& rows, const std::string& name,
@@ -37,14 +39,6 @@ torch::Tensor repeat_each(int64_t n, int64_t k, const torch::Device& device) {
       .repeat_interleave(k);
 }
 
-// The model's velocity for one batch of conditioning, without CFG: sigma [B] in [0, 1].
-torch::Tensor velocity(models::SD3Transformer2DModel& model, const torch::Tensor& x,
-                       const torch::Tensor& sigma, const torch::Tensor& embeds,
-                       const torch::Tensor& pooled) {
-  auto t = (sigma.to(x.device(), torch::kFloat) * 1000.0).expand({x.size(0)}).contiguous();
-  return model(x, embeds, pooled, t).to(torch::kFloat);
-}
-
 // [P, ...] chosen and [P, ...] rejected -> [2P, ...] interleaved, as dpo_make_pairs orders pairs.
 torch::Tensor interleave(const torch::Tensor& chosen, const torch::Tensor& rejected) {
   auto both = torch::stack({chosen, rejected}, 1);
@@ -55,11 +49,10 @@ torch::Tensor interleave(const torch::Tensor& chosen, const torch::Tensor& rejec
 }
 
 // DiffusionNFT: the conditional velocity at (xt, t), no CFG (NFT trains the guidance-free model).
-torch::Tensor nft_velocity(models::SD3Transformer2DModel& model, const TensorMap& rows) {
+torch::Tensor nft_velocity(const models::FlowModel& model, const TensorMap& rows) {
   const std::string who = "the diffusion_nft loss";
   auto cond = Conditioning::from(rows);
-  return velocity(model, column(rows, "xt", who), column(rows, "t", who), cond.prompt_embeds,
-                  cond.pooled_prompt_embeds);
+  return model.velocity(column(rows, "xt", who), column(rows, "t", who), cond.text());
 }
 
 // Diffusion-DPO: both members of each pair noised with the pair's eps and sigma, interleaved.
@@ -80,8 +73,8 @@ DpoInputs dpo_inputs(const TensorMap& rows) {
 }
 
 // Both members' predictions in one forward, interleaved like the inputs.
-torch::Tensor dpo_prediction(models::SD3Transformer2DModel& model, const DpoInputs& in) {
-  return velocity(model, in.xt, in.sigma, in.cond.prompt_embeds, in.cond.pooled_prompt_embeds);
+torch::Tensor dpo_prediction(const models::FlowModel& model, const DpoInputs& in) {
+  return model.velocity(in.xt, in.sigma, in.cond.text());
 }
 
 Metrics detached(std::initializer_list<std::pair<const char*, torch::Tensor>> values) {
@@ -97,24 +90,39 @@ Metrics detached(std::initializer_list<std::pair<const char*, torch::Tensor>> va
 
 Conditioning Conditioning::from(const TensorMap& rows) {
   const std::string who = "the text conditioning";
+  auto optional = [&](const char* name) {
+    auto it = rows.find(name);
+    return it == rows.end() ? torch::Tensor() : it->second;
+  };
   Conditioning c;
   c.prompt_embeds = column(rows, kPromptEmbeds, who);
-  c.pooled_prompt_embeds = column(rows, kPooled, who);
-  const bool neg = rows.count(kNegativeEmbeds) > 0, neg_pooled = rows.count(kNegativePooled) > 0;
-  if (neg || neg_pooled) {
-    // Half a negative prompt is a caller's bug, not "no CFG".
+  c.pooled_prompt_embeds = optional(kPooled);
+  c.prompt_embeds_mask = optional(kMask);
+  const bool neg = rows.count(kNegativeEmbeds) > 0, neg_pooled = rows.count(kNegativePooled) > 0,
+             neg_mask = rows.count(kNegativeMask) > 0;
+  if (neg || neg_pooled || neg_mask) {
+    // Half a negative prompt is a caller's bug, not "no CFG": it has what the positive one has.
     c.negative_prompt_embeds = column(rows, kNegativeEmbeds, who);
-    c.negative_pooled_prompt_embeds = column(rows, kNegativePooled, who);
+    if (c.pooled_prompt_embeds.defined() || neg_pooled) {
+      c.negative_pooled_prompt_embeds = column(rows, kNegativePooled, who);
+    }
+    if (c.prompt_embeds_mask.defined() || neg_mask) {
+      c.negative_prompt_embeds_mask = column(rows, kNegativeMask, who);
+    }
   }
   return c;
 }
 
 void Conditioning::add_to(TensorMap& rows) const {
-  rows[kPromptEmbeds] = prompt_embeds;
-  rows[kPooled] = pooled_prompt_embeds;
-  if (has_negative()) {
-    rows[kNegativeEmbeds] = negative_prompt_embeds;
-    rows[kNegativePooled] = negative_pooled_prompt_embeds;
+  const std::pair<const char*, const torch::Tensor*> columns[] = {
+      {kPromptEmbeds, &prompt_embeds},
+      {kPooled, &pooled_prompt_embeds},
+      {kMask, &prompt_embeds_mask},
+      {kNegativeEmbeds, &negative_prompt_embeds},
+      {kNegativePooled, &negative_pooled_prompt_embeds},
+      {kNegativeMask, &negative_prompt_embeds_mask}};
+  for (const auto& [name, tensor] : columns) {
+    if (tensor->defined()) rows[name] = *tensor;
   }
 }
 
@@ -122,34 +130,38 @@ Conditioning Conditioning::index_select(const torch::Tensor& rows) const {
   auto pick = [&](const torch::Tensor& t) {
     return t.defined() ? t.index_select(0, rows.to(t.device())) : t;
   };
-  return {pick(prompt_embeds), pick(pooled_prompt_embeds), pick(negative_prompt_embeds),
-          pick(negative_pooled_prompt_embeds)};
+  return {pick(prompt_embeds),          pick(pooled_prompt_embeds),
+          pick(negative_prompt_embeds), pick(negative_pooled_prompt_embeds),
+          pick(prompt_embeds_mask),     pick(negative_prompt_embeds_mask)};
 }
 
-torch::Tensor sd3_velocity(models::SD3Transformer2DModel& model, const torch::Tensor& x,
-                           const torch::Tensor& sigma, const Conditioning& cond,
-                           double true_cfg_scale) {
+torch::Tensor flow_velocity(const models::FlowModel& model, const torch::Tensor& x,
+                            const torch::Tensor& sigma, const Conditioning& cond,
+                            double true_cfg_scale) {
   require(cond.size() == x.size(0), kPromptEmbeds,
           fmt::format("has {} rows for {} latents", cond.size(), x.size(0)));
   // diffusers' do_true_cfg: guidance only above 1.
-  if (true_cfg_scale <= 1.0) {
-    return velocity(model, x, sigma, cond.prompt_embeds, cond.pooled_prompt_embeds);
-  }
+  if (true_cfg_scale <= 1.0) return model.velocity(x, sigma, cond.text());
   require(
       cond.has_negative(), kNegativeEmbeds,
       fmt::format("required by true_cfg_scale {} > 1 (the unconditional branch)", true_cfg_scale));
   const int64_t b = x.size(0);
   auto s = sigma.to(x.device(), torch::kFloat).expand({b});
-  auto v = velocity(model, torch::cat({x, x}), torch::cat({s, s}),
-                    torch::cat({cond.negative_prompt_embeds, cond.prompt_embeds}),
-                    torch::cat({cond.negative_pooled_prompt_embeds, cond.pooled_prompt_embeds}));
-  return cfg_combine(v.narrow(0, 0, b), v.narrow(0, b, b), true_cfg_scale);
+  auto both = [](const torch::Tensor& negative, const torch::Tensor& positive) {
+    return positive.defined() ? torch::cat({negative, positive}) : positive;
+  };
+  const auto neg = cond.negative_text(), pos = cond.text();
+  auto v = model.velocity(
+      torch::cat({x, x}), torch::cat({s, s}),
+      {both(neg.embeds, pos.embeds), both(neg.pooled, pos.pooled), both(neg.mask, pos.mask)});
+  auto v_cond = v.narrow(0, b, b);
+  return model.rescale_guidance(cfg_combine(v.narrow(0, 0, b), v_cond, true_cfg_scale), v_cond);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Supervised stage
 
-MicroBatchLoss flow_matching_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
+MicroBatchLoss flow_matching_loss(const models::FlowModel& model, const TensorMap& rows,
                                   const FlowMatchingLossConfig& config, at::Generator generator) {
   require(config.caption_dropout >= 0 && config.caption_dropout <= 1, "caption_dropout",
           fmt::format("must be in [0, 1], got {}", config.caption_dropout));
@@ -159,15 +171,23 @@ MicroBatchLoss flow_matching_loss(models::SD3Transformer2DModel& model, const Te
   auto sigma = internal::flow_matching_sigmas(config.timestep_sampling, b, generator, f32);
   auto eps = at::randn(x0.sizes(), generator, f32);
   auto cond = Conditioning::from(rows);
-  auto embeds = cond.prompt_embeds, pooled = cond.pooled_prompt_embeds;
+  auto text = cond.text();
   if (config.caption_dropout > 0) {
     require(cond.has_negative(), kNegativeEmbeds,
             "required by caption_dropout > 0 (the dropped captions' embedding)");
     auto drop = at::rand({b}, generator, f32) < config.caption_dropout;
-    embeds = torch::where(drop.view({b, 1, 1}), cond.negative_prompt_embeds, embeds);
-    pooled = torch::where(drop.view({b, 1}), cond.negative_pooled_prompt_embeds, pooled);
+    // A dropped caption is the negative prompt's every column: its embeddings, pooled and mask.
+    auto dropped = [&](const torch::Tensor& positive, const torch::Tensor& negative) {
+      if (!positive.defined()) return positive;
+      std::vector<int64_t> shape(static_cast<size_t>(positive.dim()), 1);
+      shape[0] = b;
+      return torch::where(drop.view(shape), negative, positive);
+    };
+    const auto neg = cond.negative_text();
+    text = {dropped(text.embeds, neg.embeds), dropped(text.pooled, neg.pooled),
+            dropped(text.mask, neg.mask)};
   }
-  auto v = velocity(model, flow_interpolate(x0, eps, sigma), sigma, embeds, pooled);
+  auto v = model.velocity(flow_interpolate(x0, eps, sigma), sigma, text);
   auto loss = torch::mse_loss(v, diffusion_target(x0, eps, "flow_matching"));
   return {loss, detached({{"flow_matching_loss", loss}})};
 }
@@ -312,7 +332,7 @@ SdeWindow draw_sde_window(const SamplerConfig& config, at::Generator generator,
   return {start, start + config.sde_window_size};
 }
 
-DiffusionRollout sample_with_logprob(models::SD3Transformer2DModel& model, const Conditioning& cond,
+DiffusionRollout sample_with_logprob(const models::FlowModel& model, const Conditioning& cond,
                                      const SamplerConfig& config, const SdeWindow& window,
                                      at::Generator generator) {
   config.validate();
@@ -321,12 +341,17 @@ DiffusionRollout sample_with_logprob(models::SD3Transformer2DModel& model, const
           fmt::format("[{}, {}) must lie in [0, {}]", window.begin, window.end, steps));
   require(cond.prompt_embeds.defined() && cond.size() > 0, kPromptEmbeds,
           "must hold at least one prompt");
+  const int64_t patch = model.patch_size();
+  require(config.height % patch == 0 && config.width % patch == 0,
+          "actor_rollout_ref.rollout.pipeline.height",
+          fmt::format("{} x {} latents must be multiples of the model's patch size {}",
+                      config.height, config.width, patch));
   torch::NoGradGuard no_grad;
   const int64_t b = cond.size();
   const auto scheduler = config.scheduler();
   auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(cond.prompt_embeds.device());
   auto sigmas = scheduler.sigmas.to(f32.device());
-  auto x = at::randn({b, model->config().in_channels, config.height, config.width}, generator, f32);
+  auto x = at::randn({b, model.latent_channels(), config.height, config.width}, generator, f32);
   std::vector<torch::Tensor> latents{x};
   auto log_probs = torch::zeros({b, steps}, f32);
   SdeStepOptions opts;
@@ -337,7 +362,7 @@ DiffusionRollout sample_with_logprob(models::SD3Transformer2DModel& model, const
     // Per-sample sigmas, as the training rows carry them: the step then runs the same kernels on
     // the same shapes as the trainer's recomputation of it.
     auto sigma = sigmas[j].expand({b}), sigma_next = sigmas[j + 1].expand({b});
-    auto v = sd3_velocity(model, x, sigma, cond, config.true_cfg_scale);
+    auto v = flow_velocity(model, x, sigma, cond, config.true_cfg_scale);
     // noise_level 0 is the ODE everywhere: the SDE step's std would be 0 (log-prob undefined).
     if (window.contains(j) && config.noise_level > 0) {
       auto step = sde_step_with_logprob_sigmas(v, x, sigma, sigma_next, scheduler.sigma(1), opts);
@@ -384,12 +409,12 @@ GroupAdvantages group_advantages(const torch::Tensor& rewards, int64_t group_siz
 // ---------------------------------------------------------------------------------------------
 // The policy's step on the rows
 
-PolicyStep policy_step(models::SD3Transformer2DModel& model, const TensorMap& rows,
+PolicyStep policy_step(const models::FlowModel& model, const TensorMap& rows,
                        const SamplerConfig& sampler) {
   const std::string who = "the policy's SDE step";
   const auto& x = column(rows, "latents", who);
   const auto& sigma = column(rows, "sigma", who);
-  auto v = sd3_velocity(model, x, sigma, Conditioning::from(rows), sampler.true_cfg_scale);
+  auto v = flow_velocity(model, x, sigma, Conditioning::from(rows), sampler.true_cfg_scale);
   SdeStepOptions opts;
   opts.noise_level = sampler.noise_level;
   opts.sde_type = sampler.sde_type;
@@ -399,7 +424,7 @@ PolicyStep policy_step(models::SD3Transformer2DModel& model, const TensorMap& ro
   return {v, step};
 }
 
-TensorMap recompute_log_probs(models::SD3Transformer2DModel& model, const TensorMap& rows,
+TensorMap recompute_log_probs(const models::FlowModel& model, const TensorMap& rows,
                               const SamplerConfig& sampler) {
   torch::NoGradGuard no_grad;
   auto out = policy_step(model, rows, sampler).step;
@@ -553,7 +578,7 @@ torch::Tensor distill_term(const std::string& mode, const PolicyStep& policy,
 // verl-omni's diffusion_loss for the PPO engine: the mode's loss on the step, plus kl_loss_coef
 // times the reference KL (actor.use_kl_loss) and distill_loss_coef times the teacher's term
 // (actor.use_distill_loss).
-MicroBatchLoss reverse_process_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
+MicroBatchLoss reverse_process_loss(const models::FlowModel& model, const TensorMap& rows,
                                     const DiffusionLossConfig& loss, const SamplerConfig& sampler) {
   const std::string who = "the " + loss.loss_mode + " loss";
   const auto policy = policy_step(model, rows, sampler);
@@ -704,7 +729,7 @@ bool DiffusionLossConfig::needs_old_step() const {
   return loss_mode == "flow_dppo" || loss_mode == "grpo_guard";
 }
 
-TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel& model,
+TensorMap frozen_outputs(const std::string& role, const models::FlowModel& model,
                          const TensorMap& rows, const DiffusionLossConfig& loss,
                          const SamplerConfig& sampler) {
   loss.validate();
@@ -744,7 +769,7 @@ TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel&
   internal::throw_unknown_value("role", role, {"reference", "old", "teacher"});
 }
 
-MicroBatchLoss diffusion_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
+MicroBatchLoss diffusion_loss(const models::FlowModel& model, const TensorMap& rows,
                               const DiffusionLossConfig& loss, const SamplerConfig& sampler) {
   loss.validate();
   if (is_reverse_process_loss(loss.loss_mode)) {

@@ -12,6 +12,7 @@
 #include "shardrl/checkpoint.h"
 #include "shardrl/engine.h"
 #include "shardrl/memory_plan.h"
+#include "shardrl/models/flow_model.h"
 #include "shardrl/models/llama.h"
 #include "shardrl/models/lora.h"
 #include "shardrl/models/qwen_image.h"
@@ -492,14 +493,27 @@ LossFactory diffusion_loss(const std::string& model_type) {
     const auto sampler = j.value("sampler", json::object()).get<algos::SamplerConfig>();
     sampler.validate();
     return [loss, sampler](Engine& engine, const MicroBatch& micro_batch) {
-      auto out = algos::diffusion_loss(engine.model<models::SD3Transformer2DModel>(),
-                                       micro_batch.data, loss, sampler);
+      auto out = algos::diffusion_loss(flow_model(engine), micro_batch.data, loss, sampler);
       LossOutput result{out.loss / static_cast<double>(micro_batch.count), {}, {}};
       for (const auto& [name, value] : out.metrics) result.metrics[name] = value.item<double>();
       return result;
     };
   };
 }
+
+}  // namespace
+
+models::FlowModel flow_model(Engine& engine) {
+  const auto family = engine.export_info().value("family", std::string());
+  if (family == "qwen_image") return engine.model<models::QwenImageTransformer2DModel>();
+  if (family == "sd3") return engine.model<models::SD3Transformer2DModel>();
+  throw std::invalid_argument(fmt::format(
+      "model family '{}' is no diffusion transformer (SD3 or Qwen-Image): the diffusion losses "
+      "run on model_type diffusion_model, diffusion_nft_model or diffusion_dpo_model",
+      family));
+}
+
+namespace {
 
 struct Entry {
   ModelBuilder builder;

@@ -1,5 +1,6 @@
 // Task "diffusion_rl": RL post-training of a text-conditioned diffusion transformer (diffusers'
-// SD3 MMDiT) on real images (Fashion-MNIST with captions), the main job `make demo` runs.
+// SD3 or Qwen-Image MMDiT, actor_rollout_ref.model.architecture) on real images (Fashion-MNIST with
+// captions), the main job `make demo` runs.
 //   1. a small CNN classifier trains on the images: the reward model;
 //   2. the prompts ("a photo of a sneaker", ...) and the empty negative prompt are encoded once by
 //      a frozen sentence-transformers encoder (all-MiniLM-L6-v2) and cached;
@@ -32,7 +33,9 @@
 #include "shardrl/dist.h"
 #include "shardrl/fsdp.h"
 #include "shardrl/models/classifier.h"
+#include "shardrl/models/flow_model.h"
 #include "shardrl/models/lora.h"
+#include "shardrl/models/qwen_image.h"
 #include "shardrl/models/sd3.h"
 #include "shardrl/models/text_encoder.h"
 #include "shardrl/progress.h"
@@ -107,7 +110,7 @@ struct RewardWeights {
 
 // The folder of a pretrained diffusers transformer named by model.path (at its top or under
 // model.transformer_subfolder), or "" when model.path is empty.
-std::string pretrained_sd3_dir(const json& c) {
+std::string pretrained_transformer_dir(const json& c) {
   const std::string m = "actor_rollout_ref.model";
   const auto path = get<std::string>(c, m + ".path");
   if (path.empty()) return path;
@@ -121,8 +124,42 @@ std::string pretrained_sd3_dir(const json& c) {
       m, path, m));
 }
 
+json read_json_file(const fs::path& file) {
+  std::ifstream in(file);
+  return json::parse(in, nullptr, /*allow_exceptions=*/false);
+}
+
+// verl-omni's model.architecture, the diffusers pipeline class that picks the transformer:
+// the key's value; else model.path's model_index.json _class_name, else that of the transformer
+// its config.json names; else (no model.path: the supervised stage pretrains one) SD3's.
+std::string model_architecture(const json& c, const std::string& pretrained_dir) {
+  const std::string m = "actor_rollout_ref.model";
+  std::string from_path;
+  if (!pretrained_dir.empty()) {
+    const auto index =
+        read_json_file(fs::path(get<std::string>(c, m + ".path")) / "model_index.json");
+    from_path =
+        index.is_object() && index.contains("_class_name")
+            ? index.value("_class_name", std::string())
+        : models::is_qwen_image_config(read_json_file(fs::path(pretrained_dir) / "config.json"))
+            ? models::kQwenImageArchitecture
+            : models::kSD3Architecture;
+  }
+  if (at(c, m + ".architecture").is_null()) {
+    return from_path.empty() ? std::string(models::kSD3Architecture) : from_path;
+  }
+  const auto architecture = get<std::string>(c, m + ".architecture");
+  if (!from_path.empty() && from_path != architecture) {
+    throw std::invalid_argument(
+        fmt::format("config key '{}.architecture' is {}, but model.path '{}' holds a {}", m,
+                    architecture, get<std::string>(c, m + ".path"), from_path));
+  }
+  return architecture;
+}
+
 struct Options {
   std::string data_dir, run_dir, cache_dir, text_encoder_path, model_type;
+  std::string architecture;  // actor_rollout_ref.model.architecture, resolved
   uint64_t seed = 0;
   int64_t image_size, max_sequence_length;
   json model_config;
@@ -174,7 +211,8 @@ struct Options {
     text_encoder_path = get<std::string>(c, m + ".text_encoder_path");
     model_config = at(c, m + ".config");
     lora_rank = get<int64_t>(c, m + ".lora_rank");
-    pretrained_dir = pretrained_sd3_dir(c);
+    pretrained_dir = pretrained_transformer_dir(c);
+    architecture = model_architecture(c, pretrained_dir);
 
     const std::string r = "actor_rollout_ref.rollout";
     group_size = get<int64_t>(c, r + ".n");
@@ -380,8 +418,9 @@ struct Options {
   std::string pretrained_dir;
   bool latent_model() const {
     return !pretrained_dir.empty() &&
-           models::SD3Config::load(pretrained_dir + "/config.json").in_channels != 1;
+           models::flow_latent_channels(read_json_file(pretrained_dir + "/config.json")) != 1;
   }
+  bool qwen_image() const { return architecture == models::kQwenImageArchitecture; }
 
  private:
   static int64_t nullable(const json& c, const std::string& key, int64_t fallback) {
@@ -455,13 +494,16 @@ models::ImageClassifier reward_model(const Options& o, const data::ImageDataset&
 // [0, num_prompts()) are the task's captions; an offline run's other prompts follow them.
 struct PromptTable {
   torch::Tensor prompt_embeds;         // [prompts + 1, L, D]
-  torch::Tensor pooled;                // [prompts + 1, D]
+  torch::Tensor pooled;                // [prompts + 1, D]; undefined when the model reads none
+  torch::Tensor mask;                  // [prompts + 1, L]; defined when the model reads it
   std::string encoder;                 // the text encoder's fingerprint
   std::map<std::string, int64_t> ids;  // prompt text -> row
   int64_t width() const { return prompt_embeds.size(2); }
 
-  // Zero-padded to a model's text widths, as SD3 pads its CLIP embeddings to T5's width.
-  void fit(const models::SD3Config& model) {
+  // Zero-padded to a model's text widths (`model`: its diffusers config.json), as SD3 pads its
+  // CLIP embeddings to T5's width; what the model does not read is dropped: SD3 attends to every
+  // token (no mask), Qwen-Image has no pooled projection.
+  void fit(const json& model) {
     const auto pad = [](const torch::Tensor& t, int64_t width, const char* field) {
       if (t.size(-1) > width) {
         throw std::invalid_argument(
@@ -470,16 +512,26 @@ struct PromptTable {
       }
       return torch::constant_pad_nd(t, {0, width - t.size(-1)});
     };
-    prompt_embeds = pad(prompt_embeds, model.joint_attention_dim, "joint_attention_dim");
-    pooled = pad(pooled, model.pooled_projection_dim, "pooled_projection_dim");
+    prompt_embeds =
+        pad(prompt_embeds, model.at("joint_attention_dim").get<int64_t>(), "joint_attention_dim");
+    if (models::is_qwen_image_config(model)) {
+      pooled = torch::Tensor();
+    } else {
+      pooled =
+          pad(pooled, model.at("pooled_projection_dim").get<int64_t>(), "pooled_projection_dim");
+      mask = torch::Tensor();
+    }
   }
 
   // The conditioning of prompts `ids` [B], with the negative prompt's rows beside them.
   algos::Conditioning rows(const torch::Tensor& ids) const {
     const int64_t negative = prompt_embeds.size(0) - 1;
     auto neg = torch::full_like(ids, negative);
-    return {prompt_embeds.index_select(0, ids), pooled.index_select(0, ids),
-            prompt_embeds.index_select(0, neg), pooled.index_select(0, neg)};
+    auto pick = [](const torch::Tensor& t, const torch::Tensor& i) {
+      return t.defined() ? t.index_select(0, i) : t;
+    };
+    return {pick(prompt_embeds, ids), pick(pooled, ids), pick(prompt_embeds, neg),
+            pick(pooled, neg),        pick(mask, ids),   pick(mask, neg)};
   }
 };
 
@@ -508,39 +560,68 @@ PromptTable encode_prompts(const Options& o, dist::World& world,
   }
   world.group().barrier();
   const auto cached = models::encode_cached(encoder, prompts, path, o.max_sequence_length);
-  return {cached.encoding.prompt_embeds, cached.encoding.pooled, encoder.fingerprint(), ids};
+  return {cached.encoding.prompt_embeds, cached.encoding.pooled, cached.encoding.attention_mask,
+          encoder.fingerprint(), ids};
 }
 
 json model_config_json(const Options& o) {
   return o.model_config.is_null() ? json::object() : o.model_config;
 }
-int64_t sd3_heads(const Options& o) {
+int64_t model_heads(const Options& o) {
   return model_config_json(o).value("num_attention_heads", int64_t{4});
 }
 
-// The MMDiT's diffusers config: the YAML's actor_rollout_ref.model.config (width, depth, patch)
-// completed by what the data and the text encoder fix.
-models::SD3Config sd3_config(const Options& o, int64_t text_width, int64_t pooled_width) {
-  if (!o.pretrained_dir.empty()) return models::SD3Config::load(o.pretrained_dir + "/config.json");
-  json j = model_config_json(o);
-  j["in_channels"] = 1;
-  j["out_channels"] = 1;
-  j["sample_size"] = o.image_size;
-  j["joint_attention_dim"] = text_width;
-  j["pooled_projection_dim"] = pooled_width;
-  const auto heads = sd3_heads(o);
-  const auto head_dim = j.value("attention_head_dim", int64_t{16});
-  j["caption_projection_dim"] = heads * head_dim;
-  if (!j.contains("pos_embed_max_size")) {
-    j["pos_embed_max_size"] = o.image_size / j.value("patch_size", int64_t{2});
+// The transformer's diffusers config.json (with its _class_name): model.path's, or, for the
+// supervised stage, the YAML's actor_rollout_ref.model.config (width, depth, patch) completed by
+// what the data, the text encoder and the architecture fix. The demo's model denoises the 1-channel
+// images themselves: Qwen-Image's packs each 2x2 patch into a token of 4 channels.
+json transformer_config(const Options& o, int64_t text_width, int64_t pooled_width) {
+  if (!o.pretrained_dir.empty()) {
+    const auto j = read_json_file(o.pretrained_dir + "/config.json");
+    return models::is_qwen_image_config(j) ? models::QwenImageConfig::from_json(j).to_json()
+                                           : models::SD3Config::from_json(j).to_json();
   }
+  json j = model_config_json(o);
+  const auto heads = model_heads(o);
+  const auto head_dim = j.value("attention_head_dim", int64_t{16});
+  const auto patch = j.value("patch_size", int64_t{2});
+  j["joint_attention_dim"] = text_width;
   try {
+    if (o.qwen_image()) {
+      j["in_channels"] = patch * patch;
+      j["out_channels"] = 1;
+      if (!j.contains("axes_dims_rope")) {
+        // Qwen-Image's split of the rotary dims (16, 56, 56 of 128): frame, height, width; each
+        // an even count.
+        const int64_t side = head_dim * 7 / 32 * 2;
+        j["axes_dims_rope"] = {head_dim - 2 * side, side, side};
+      }
+      auto c = models::QwenImageConfig::from_json(j);
+      c.validate();
+      return c.to_json();
+    }
+    j["in_channels"] = 1;
+    j["out_channels"] = 1;
+    j["sample_size"] = o.image_size;
+    j["pooled_projection_dim"] = pooled_width;
+    j["caption_projection_dim"] = heads * head_dim;
+    if (!j.contains("pos_embed_max_size")) j["pos_embed_max_size"] = o.image_size / patch;
     auto c = models::SD3Config::from_json(j);
     c.validate();
-    return c;
+    return c.to_json();
   } catch (const std::exception& e) {
     throw std::invalid_argument(
         fmt::format("config key 'actor_rollout_ref.model.config': {}", e.what()));
+  }
+}
+
+// Writes the supervised stage's model as a diffusers folder of its family.
+void save_transformer(const std::map<std::string, torch::Tensor>& params, const json& config,
+                      const std::string& dir) {
+  if (models::is_qwen_image_config(config)) {
+    models::save_qwen_image(params, models::QwenImageConfig::from_json(config), dir);
+  } else {
+    models::save_sd3(params, models::SD3Config::from_json(config), dir);
   }
 }
 
@@ -553,15 +634,14 @@ json loss_json(const Options& o) {
 
 // The supervised stage: flow matching on the captioned training images, sharded, with the engine
 // the RL stage uses; saved as a diffusers transformer folder and cached.
-std::string pretrained_transformer(const Options& o, const json& config,
-                                   const models::SD3Config& sd3, const PromptTable& prompts,
-                                   const data::ImageDataset& train,
+std::string pretrained_transformer(const Options& o, const json& config, const json& transformer,
+                                   const PromptTable& prompts, const data::ImageDataset& train,
                                    const std::shared_ptr<dist::World>& world) {
   const bool lead = world->rank() == 0;
   // The cache holds one folder per model config, text encoder and recipe.
   const std::string key =
-      fmt::format("sd3-{:016x}-{}-n{}-b{}-lr{}-drop{}-seed{}",
-                  std::hash<std::string>{}(sd3.to_json().dump()), prompts.encoder, o.pretrain_steps,
+      fmt::format("{}-{:016x}-{}-n{}-b{}-lr{}-drop{}-seed{}", o.qwen_image() ? "qwen_image" : "sd3",
+                  std::hash<std::string>{}(transformer.dump()), prompts.encoder, o.pretrain_steps,
                   o.pretrain_batch, o.pretrain_lr, o.caption_dropout, o.seed);
   const std::string dir = o.cache_dir + "/" + key;
   if (!o.pretrained_dir.empty()) {
@@ -575,7 +655,7 @@ std::string pretrained_transformer(const Options& o, const json& config,
   const auto start = Clock::now();
   json stage = config;
   auto& model_json = stage["actor_rollout_ref"]["model"];
-  model_json["config"] = sd3.to_json();
+  model_json["config"] = transformer;
   model_json["path"] = "";
   model_json["lora_rank"] = 0;
   auto& optim_json = stage["actor_rollout_ref"]["actor"]["optim"];
@@ -593,7 +673,7 @@ std::string pretrained_transformer(const Options& o, const json& config,
   torch::manual_seed(o.seed);
   auto engine =
       engine::EngineRegistry::create(engine_config(stage, "diffusion_model", "actor"), world);
-  auto& model = engine->model<models::SD3Transformer2DModel>();
+  const auto model = engine::flow_model(*engine);
   data::DistributedSampler sampler(train.size(), o.pretrain_batch, engine->data_parallel_rank(),
                                    engine->data_parallel_size(), o.seed);
   // By data-parallel rank: the sequence-parallel ranks of a sample must draw the same noise.
@@ -610,7 +690,8 @@ std::string pretrained_transformer(const Options& o, const json& config,
                      "pretraining the MMDiT ({} params, {} image + {} text tokens) for {} steps, "
                      "batch {}\n",
                      count_params(engine->module()),
-                     (o.image_size / sd3.patch_size) * (o.image_size / sd3.patch_size),
+                     (o.image_size / transformer.at("patch_size").get<int64_t>()) *
+                         (o.image_size / transformer.at("patch_size").get<int64_t>()),
                      prompts.prompt_embeds.size(1), o.pretrain_steps, o.pretrain_batch)
               << std::flush;
   }
@@ -632,7 +713,7 @@ std::string pretrained_transformer(const Options& o, const json& config,
   progress.finish();
   auto params = engine->fsdp().full_parameters();
   if (lead) {
-    models::save_sd3(params, sd3, dir + ".tmp");
+    save_transformer(params, transformer, dir + ".tmp");
     fs::remove_all(dir);
     fs::rename(dir + ".tmp", dir);
     std::cout << fmt::format(
@@ -688,8 +769,8 @@ struct Evaluation {
   std::map<std::string, double> per_class_prob;  // class phrase -> mean p(class)
 };
 
-Evaluation evaluate(models::SD3Transformer2DModel& model, TaskReward& reward,
-                    const PromptTable& prompts, const Options& o, dist::World& world) {
+Evaluation evaluate(const models::FlowModel& model, TaskReward& reward, const PromptTable& prompts,
+                    const Options& o, dist::World& world) {
   const int64_t total = kClasses * o.eval_per_class;
   const int64_t local = (total + world.size() - 1) / world.size();
   auto all_labels = torch::arange(kClasses, torch::kLong).repeat_interleave(o.eval_per_class);
@@ -764,11 +845,10 @@ void same_rows_in_group(engine::Batch& rows, dist::ProcessGroup* group) {
 // adapters unmerged (every adapter of the engine's export_info), so that it evaluates the very
 // function the trainer's recomputation evaluates: the same base GEMM plus the same low-rank path,
 // not a merged weight whose sum rounds differently.
-models::SD3Transformer2DModel rollout_replica(const models::SD3Config& config,
-                                              const engine::Engine& trainer) {
-  models::SD3Transformer2DModel replica(config);
-  add_trainer_adapters(*replica, trainer);
-  for (auto& p : replica->parameters()) p.set_requires_grad(false);
+models::FlowModel rollout_replica(const json& config, const engine::Engine& trainer) {
+  auto replica = models::make_flow_model(config);
+  add_trainer_adapters(replica.module(), trainer);
+  for (auto& p : replica.module().parameters()) p.set_requires_grad(false);
   return replica;
 }
 
@@ -817,8 +897,9 @@ std::unique_ptr<engine::Engine> frozen_engine(const json& engine_json, const jso
   return engine::EngineRegistry::create(c, std::move(world));
 }
 
-// A teacher must run on the student's inputs: the same latents and text conditioning.
-void check_teacher(const std::string& path, const models::SD3Config& student) {
+// A teacher must run on the student's inputs: the same architecture, latents and text
+// conditioning.
+void check_teacher(const std::string& path, const json& student) {
   const std::string key = "distillation.teacher_models.teacher_model.model_path";
   const auto file = fs::path(path) / "config.json";
   const auto sub = fs::path(path) / "transformer" / "config.json";
@@ -829,22 +910,27 @@ void check_teacher(const std::string& path, const models::SD3Config& student) {
         "transformer/); `shardrl export CKPT DIR --merge-adapter default --dtype fp32` writes one",
         key, path));
   }
-  const auto teacher = models::SD3Config::load(found.string());
-  if (teacher.in_channels != student.in_channels || teacher.sample_size != student.sample_size ||
-      teacher.joint_attention_dim != student.joint_attention_dim ||
-      teacher.pooled_projection_dim != student.pooled_projection_dim) {
-    throw std::invalid_argument(fmt::format(
-        "config key '{}': the teacher at '{}' takes other inputs than the student (in_channels "
-        "{} / {}, sample_size {} / {}, joint_attention_dim {} / {}, pooled_projection_dim {} / {})",
-        key, path, teacher.in_channels, student.in_channels, teacher.sample_size,
-        student.sample_size, teacher.joint_attention_dim, student.joint_attention_dim,
-        teacher.pooled_projection_dim, student.pooled_projection_dim));
+  const auto teacher = read_json_file(found);
+  std::string differences;
+  for (const char* field : {"_class_name", "in_channels", "out_channels", "patch_size",
+                            "sample_size", "joint_attention_dim", "pooled_projection_dim"}) {
+    const json t = teacher.is_object() ? teacher.value(field, json()) : json();
+    const json s = student.value(field, json());
+    if (t != s) {
+      differences +=
+          fmt::format("{}{} {} / {}", differences.empty() ? "" : ", ", field, t.dump(), s.dump());
+    }
+  }
+  if (!differences.empty()) {
+    throw std::invalid_argument(
+        fmt::format("config key '{}': the teacher at '{}' takes other inputs than the student ({})",
+                    key, path, differences));
   }
 }
 
 int run(const Options& o, const json& config, std::shared_ptr<dist::World> world) {
   for (const char* role : {"actor", "ref"}) {
-    check_sequence_parallel_heads(config, role, sd3_heads(o), sd3_heads(o));
+    check_sequence_parallel_heads(config, role, model_heads(o), model_heads(o));
   }
   auto mesh = dist::DeviceMesh::create(*world);
   const bool lead = world->rank() == 0;
@@ -883,10 +969,11 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   const double classifier_seconds = since(t_stage);
   auto prompts = encode_prompts(
       o, *world, offline_pairs ? offline_pairs->prompts : std::vector<std::string>{});
-  const auto sd3 = sd3_config(o, prompts.width(), prompts.pooled.size(1));
-  prompts.fit(sd3);
+  const auto transformer = transformer_config(o, prompts.width(), prompts.pooled.size(1));
+  prompts.fit(transformer);
   t_stage = Clock::now();
-  const auto transformer_dir = pretrained_transformer(o, config, sd3, prompts, train, world);
+  const auto transformer_dir =
+      pretrained_transformer(o, config, transformer, prompts, train, world);
   const double pretrain_seconds = since(t_stage);
 
   // The RL policy: the pretrained MMDiT, with LoRA adapters (NFT adds its "old" one) or, with
@@ -914,7 +1001,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   // The distillation teacher (verl-omni's diffusion OPD): a third, forward-only engine.
   std::unique_ptr<engine::Engine> teacher;
   if (o.loss.needs_teacher()) {
-    check_teacher(o.teacher_path, sd3);
+    check_teacher(o.teacher_path, transformer);
     teacher = frozen_engine(engine_json, config, o, o.teacher_path, world);
     if (lead) std::cout << "distillation teacher: " << o.teacher_path << "\n" << std::flush;
   }
@@ -934,12 +1021,8 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
         "config key 'actor_rollout_ref.rollout.name' is hf: DiffusionNFT without LoRA samples "
         "with the weights before each update, which only a rollout replica keeps");
   }
-  models::SD3Transformer2DModel rollout_model{nullptr};
-  if (actor_samples) {
-    rollout_model = engine->model<models::SD3Transformer2DModel>();
-  } else {
-    rollout_model = rollout_replica(sd3, *engine);
-  }
+  const models::FlowModel rollout_model =
+      actor_samples ? engine::flow_model(*engine) : rollout_replica(transformer, *engine);
   // NFT samples with its behaviour policy, the "old" adapter; evaluation always reads "default".
   const std::string behaviour = nft && o.lora() ? "old" : "default";
   // Before every rollout the trainer's params stream into the replica (adapters unmerged), and the
@@ -947,12 +1030,12 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
   // arrive stops the run instead of sampling with stale weights.
   auto sync_weights = [&](const std::string& adapter) {
     if (!actor_samples) {
-      sync_rollout_replica(*engine, *rollout_model, "");
+      sync_rollout_replica(*engine, rollout_model.module(), "");
       if (o.check_weight_sync) {
-        check_rollout_replica(*engine, *rollout_model, o.lora() ? adapter : "");
+        check_rollout_replica(*engine, rollout_model.module(), o.lora() ? adapter : "");
       }
     } else if (o.lora()) {
-      models::lora::set_active_adapter(*rollout_model, adapter);
+      models::lora::set_active_adapter(rollout_model.module(), adapter);
     }
   };
 
@@ -964,12 +1047,12 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
                              : role == "reference" && reference ? *reference
                                                                 : *engine;
     auto frozen = [&](engine::Engine& e, const engine::MicroBatch& mb) {
-      auto& model = e.model<models::SD3Transformer2DModel>();
+      const auto model = engine::flow_model(e);
       std::optional<models::lora::DisableAdapters> adapters_off;
       std::optional<models::lora::UseAdapter> adapter;
       if (&e == engine.get() && o.lora()) {
-        if (role == "reference") adapters_off.emplace(*model);
-        if (role == "recompute") adapter.emplace(*model, behaviour);
+        if (role == "reference") adapters_off.emplace(model.module());
+        if (role == "recompute") adapter.emplace(model.module(), behaviour);
       }
       if (role == "recompute") {
         return engine::LossOutput{{}, {}, algos::recompute_log_probs(model, mb.data, o.sampler)};
@@ -1069,7 +1152,7 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
       algos::DiffusionRollout rollout;
       {
         std::optional<models::lora::UseAdapter> policy;
-        if (o.lora()) policy.emplace(*rollout_model, behaviour);
+        if (o.lora()) policy.emplace(rollout_model.module(), behaviour);
         rollout =
             algos::sample_with_logprob(rollout_model, prompts.rows(mine), o.sampler, *window, gen);
       }
@@ -1143,14 +1226,15 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
         // The old policy sampled: the replica holds it (the "old" adapter active, or the weights
         // before this update under full fine-tuning).
         std::optional<models::lora::UseAdapter> old;
-        if (o.lora()) old.emplace(*rollout_model, behaviour);
+        if (o.lora()) old.emplace(rollout_model.module(), behaviour);
         add_columns(rows, algos::frozen_outputs("old", rollout_model, rows, o.loss, o.sampler));
       } else if (!reverse) {
         rows = algos::dpo_rows(rollout, scores.total, adv.group_ids, o.sampler.shift, gen);
       }
       seconds["rows"] = since(t);
     }
-    if (actor_samples && o.lora()) models::lora::set_active_adapter(*rollout_model, "default");
+    if (actor_samples && o.lora())
+      models::lora::set_active_adapter(rollout_model.module(), "default");
     // What the loss needs from frozen policies.
     auto t = Clock::now();
     same_rows_in_group(rows, engine->mesh().sequence_parallel_group().get());
@@ -1270,15 +1354,19 @@ PlanInput diffusion_rl_plan(const json& config, const engine::Layout& layout) {
   std::ifstream encoder(o.text_encoder_path + "/config.json");
   const json encoder_config = json::parse(encoder, nullptr, false);
   const int64_t width = encoder_config.is_object() ? encoder_config.value("hidden_size", 384) : 384;
-  const auto sd3 = sd3_config(o, width, width);
+  const auto transformer = transformer_config(o, width, width);
   json engine_json = config;
-  engine_json["actor_rollout_ref"]["model"]["config"] = sd3.to_json();
+  // Sized from the config alone: a pretrained model.path needs its config.json for the plan, not
+  // its weights.
+  engine_json["actor_rollout_ref"]["model"]["config"] = transformer;
+  engine_json["actor_rollout_ref"]["model"]["path"] = "";
   PlanInput in{engine_config(engine_json, o.model_type, "actor"), {}};
   auto& w = in.workload;
   const int64_t rows_per_mini_batch = o.mini_batch_size / dp * o.group_size;
   const int64_t micro = in.engine.micro_batch_size_per_gpu;
   w.micro_batch_rows = micro > 0 ? std::min(micro, rows_per_mini_batch) : rows_per_mini_batch;
-  const int64_t patches = (o.sampler.height / sd3.patch_size) * (o.sampler.width / sd3.patch_size);
+  const int64_t patch = transformer.at("patch_size").get<int64_t>();
+  const int64_t patches = (o.sampler.height / patch) * (o.sampler.width / patch);
   w.tokens_per_row = patches + o.max_sequence_length;
   w.gradient_checkpointing =
       get<bool>(config, "actor_rollout_ref.model.enable_gradient_checkpointing");
@@ -1302,7 +1390,7 @@ Task diffusion_rl_task() {
   Task task;
   task.description =
       "RL post-training (Flow-GRPO and verl-omni's other reverse-process losses, DiffusionNFT, "
-      "Diffusion-DPO online or offline) of a text-conditioned SD3 MMDiT on captioned "
+      "Diffusion-DPO online or offline) of a text-conditioned SD3 or Qwen-Image MMDiT on captioned "
       "Fashion-MNIST, after its reward classifier and supervised stage";
   task.keys = {
       {"data.data_dir", "/usr/share/datasets/fashion-mnist",
@@ -1333,7 +1421,8 @@ Task diffusion_rl_task() {
        "a teacher for distill_kl / distill_fm_mse or actor.use_distill_loss (diffusion OPD)"},
       {"distillation.teacher_models.teacher_model.model_path", nullptr,
        text().existing_folder().or_null("none"),
-       "the teacher: a diffusers SD3 transformer folder with the student's inputs (e.g. `shardrl "
+       "the teacher: a diffusers transformer folder of the student's architecture and inputs (e.g. "
+       "`shardrl "
        "export CKPT DIR --merge-adapter default --dtype fp32`)"},
       {"pretrain.steps", 1500, integer().at_least(1),
        "flow-matching steps of the supervised stage on the captioned images"},
@@ -1369,8 +1458,15 @@ Task diffusion_rl_task() {
       {"evaluation.per_class", 8, integer().at_least(1),
        "evaluation samples per class, before and after RL (ShardRL's key)"},
       {m + "path", "", text().existing_folder(),
-       "a pretrained diffusers SD3 transformer: its folder, or a pipeline folder holding it under "
+       "a pretrained diffusers SD3 or Qwen-Image transformer: its folder, or a pipeline folder "
+       "holding it under "
        "transformer_subfolder (empty: the task pretrains its own MMDiT, pretrain.*)"},
+      {m + "architecture", nullptr,
+       text()
+           .one_of({models::kSD3Architecture, models::kQwenImageArchitecture})
+           .or_null("model.path's model_index.json, else StableDiffusion3Pipeline"),
+       "the diffusers pipeline whose transformer the task trains: SD3's MMDiT or Qwen-Image's "
+       "(with model.path, it must match the path's)"},
       {m + "model_type", "diffusion_model",
        text().one_of({"diffusion_model", "diffusion_nft_model", "diffusion_dpo_model"}),
        "the algorithm, by the engine it picks: the reverse-process losses (Flow-GRPO and "
@@ -1465,9 +1561,8 @@ Task diffusion_rl_task() {
         {"attention_head_dim", 16}}},
       {m + "lora_rank", 16},
       {m + "lora_alpha", 32.0},
-      {m + "target_modules",
-       {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-        "to_add_out"}},
+      // The family's (verl-omni's): SD3's 8 attention projections, Qwen-Image's 12 projections.
+      {m + "target_modules", nullptr},
       {a + "optim.lr", 1e-3},
       {a + "optim.weight_decay", 1e-4},
       {a + "ppo_micro_batch_size_per_gpu", 16},

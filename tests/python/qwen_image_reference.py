@@ -13,7 +13,8 @@ usage:
       diffusers' outputs for each case of CASES (packed latents x_<case>, prompt_embeds, mask: a
       padded text mask with a hole, t: sigmas), and diffusers' rotary angles for ROPE_SHAPES
       (rope_image_cos, rope_image_sin, rope_text_cos, rope_text_sin) and the pipeline's packing
-      (latents -> packed).
+      (latents -> packed); for `small`, QwenImagePipeline's velocity of unpacked latents without
+      and with true CFG (flow_velocities).
   qwen_image_reference.py check MODEL_DIR IO_FILE [LORA_DIR]
       MODEL_DIR (ShardRL's save_qwen_image) loads with from_pretrained and gives IO_FILE's `out`
       on its inputs; LORA_DIR (ShardRL's save_qwen_image_lora) loads with load_lora_adapter and
@@ -109,8 +110,51 @@ def pretrained(out_dir, variant):
     latents = torch.randn(2, 4, 6, 10, generator=gen)
     io["latents"] = latents
     io["packed"] = QwenImagePipeline._pack_latents(latents, 2, 4, 6, 10)
+    if variant == "small":  # a latent model the pipeline packs (in_channels = 4 out_channels)
+        flow_velocities(model, io, gen)
     save_file({k: v.contiguous() for k, v in io.items()}, f"{out_dir}/io.safetensors")
     print(json.dumps({"max_abs_out": io["out_wide"].abs().max().item()}))
+
+
+def pipeline_velocity(model, latents, sigma, text, negative=None, true_cfg_scale=1.0):
+    """QwenImagePipeline's velocity of [B, C, H, W] latents (its denoising loop's noise_pred,
+    unpacked): packed latents, img_shapes (1, H / 2, W / 2), timestep / 1000 (the sigma), the
+    prompt's mask, and true CFG rescaled to the conditional prediction's norm."""
+    b, c, h, w = latents.shape
+    packed = QwenImagePipeline._pack_latents(latents, b, c, h, w)
+
+    def branch(embeds, mask):
+        with torch.no_grad():
+            return model(hidden_states=packed, encoder_hidden_states=embeds,
+                         encoder_hidden_states_mask=mask, timestep=sigma,
+                         img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
+
+    noise_pred = branch(*text)
+    if true_cfg_scale > 1:
+        neg_noise_pred = branch(*negative)
+        comb_pred = neg_noise_pred + true_cfg_scale * (noise_pred - neg_noise_pred)
+        cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+        noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
+        noise_pred = comb_pred * (cond_norm / noise_norm)
+    vae_scale_factor = 8  # _unpack_latents takes pixel sides
+    return QwenImagePipeline._unpack_latents(noise_pred, h * vae_scale_factor, w * vae_scale_factor,
+                                             vae_scale_factor).squeeze(2)
+
+
+def flow_velocities(model, io, gen):
+    """The pipeline's velocity of unpacked latents, without and with true CFG (scale 3), for
+    algos::flow_velocity: flow_latents [2, C, 6, 10], flow_sigma, a negative prompt's embeddings
+    and mask (flow_negative_embeds, flow_negative_mask)."""
+    cfg = model.config
+    latents = torch.randn(2, cfg.out_channels, 6, 10, generator=gen)
+    negative_mask = torch.zeros(2, TEXT_TOKENS)
+    negative_mask[:, :2] = 1  # the empty prompt: [CLS] and [SEP]
+    io["flow_latents"], io["flow_sigma"] = latents, torch.tensor([0.25, 0.8])
+    io["flow_negative_embeds"] = torch.randn(2, TEXT_TOKENS, cfg.joint_attention_dim, generator=gen)
+    io["flow_negative_mask"] = negative_mask
+    text, negative = (io["prompt_embeds"], io["mask"]), (io["flow_negative_embeds"], negative_mask)
+    io["flow_v"] = pipeline_velocity(model, latents, io["flow_sigma"], text)
+    io["flow_v_cfg"] = pipeline_velocity(model, latents, io["flow_sigma"], text, negative, 3.0)
 
 
 def check(model_dir, io_file, lora_dir=None):

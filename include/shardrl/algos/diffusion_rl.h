@@ -1,4 +1,5 @@
-// Diffusion RL on the SD3 transformer (MMDiT) conditioned on text: the supervised flow-matching
+// Diffusion RL on a flow-matching transformer conditioned on text (models::FlowModel: SD3's or
+// Qwen-Image's MMDiT): the supervised flow-matching
 // loss, the sampler that records what Flow-GRPO needs (SDE or CPS steps inside an SDE window,
 // ODE steps outside it), the rows each algorithm trains on, and the per-micro-batch losses of
 // Flow-GRPO, DiffusionNFT and Diffusion-DPO. The math (schedule, SDE step, losses) is algos.h;
@@ -27,7 +28,7 @@
 
 #include "shardrl/algos.h"
 #include "shardrl/dist.h"
-#include "shardrl/models/sd3.h"
+#include "shardrl/models/flow_model.h"
 
 namespace shardrl::algos {
 
@@ -44,13 +45,17 @@ struct MicroBatchLoss {
 // ---------------------------------------------------------------------------------------------
 // Text conditioning
 
-// The text encoder's output for each row, under these column names in a TensorMap:
-//   "prompt_embeds" [B, L, joint_attention_dim], "pooled_prompt_embeds" [B, pooled_projection_dim]
+// The text encoder's output for each row, under these column names in a TensorMap (diffusers'
+// pipeline argument names):
+//   "prompt_embeds" [B, L, joint_attention_dim] and what the model reads beside it: SD3
+//   "pooled_prompt_embeds" [B, pooled_projection_dim], Qwen-Image "prompt_embeds_mask" [B, L]
 // and, for CFG's unconditional branch (the empty negative prompt's encoding, repeated per row),
-//   "negative_prompt_embeds", "negative_pooled_prompt_embeds" of the same shapes.
+//   "negative_prompt_embeds", "negative_pooled_prompt_embeds", "negative_prompt_embeds_mask" of
+//   the same shapes (those of the positive columns present).
 struct Conditioning {
   torch::Tensor prompt_embeds, pooled_prompt_embeds;
   torch::Tensor negative_prompt_embeds, negative_pooled_prompt_embeds;  // undefined: no CFG
+  torch::Tensor prompt_embeds_mask, negative_prompt_embeds_mask;        // undefined: no mask
 
   // Reads the columns above (the negative ones when present); a missing one is an error naming it.
   static Conditioning from(const TensorMap& rows);
@@ -58,14 +63,22 @@ struct Conditioning {
   Conditioning index_select(const torch::Tensor& rows) const;
   int64_t size() const { return prompt_embeds.size(0); }
   bool has_negative() const { return negative_prompt_embeds.defined(); }
+  models::FlowText text() const {
+    return {prompt_embeds, pooled_prompt_embeds, prompt_embeds_mask};
+  }
+  models::FlowText negative_text() const {
+    return {negative_prompt_embeds, negative_pooled_prompt_embeds, negative_prompt_embeds_mask};
+  }
 };
 
-// The velocity at noise level sigma [B] (fp32, in [0, 1]; the model sees timestep 1000 * sigma)
-// for latents x [B, C, H, W]. true_cfg_scale > 1: v_neg + s * (v - v_neg) from one batched forward
-// of both branches (needs the negative embeddings); 1: the conditional branch alone.
-torch::Tensor sd3_velocity(models::SD3Transformer2DModel& model, const torch::Tensor& x,
-                           const torch::Tensor& sigma, const Conditioning& cond,
-                           double true_cfg_scale);
+// The velocity at noise level sigma [B] (fp32, in [0, 1]) for latents x [B, C, H, W], as the
+// model's pipeline computes it (models::FlowModel). true_cfg_scale > 1: v_neg + s * (v - v_neg)
+// from one batched forward of both branches (needs the negative embeddings), with the family's
+// correction (Qwen-Image: rescaled to the conditional velocity's norm); 1: the conditional branch
+// alone.
+torch::Tensor flow_velocity(const models::FlowModel& model, const torch::Tensor& x,
+                            const torch::Tensor& sigma, const Conditioning& cond,
+                            double true_cfg_scale);
 
 // ---------------------------------------------------------------------------------------------
 // Supervised stage
@@ -80,7 +93,7 @@ struct FlowMatchingLossConfig {
 
 // rows: "images" [B, C, H, W] (clean latents) and the conditioning. The loss is
 // mean((v(x_sigma, sigma) - (eps - x0))^2) with x_sigma = (1 - sigma) x0 + sigma eps, no CFG.
-MicroBatchLoss flow_matching_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
+MicroBatchLoss flow_matching_loss(const models::FlowModel& model, const TensorMap& rows,
                                   const FlowMatchingLossConfig& config, at::Generator generator);
 
 // ---------------------------------------------------------------------------------------------
@@ -156,7 +169,7 @@ struct DiffusionRollout {
 // Samples cond.size() latents of config's size from N(0, I) noise: the SDE (or CPS) step with
 // noise_level inside `window`, the deterministic Euler (ODE) step outside it. No grad; the noise
 // is drawn from `generator`. noise_level 0 gives the ODE sample (evaluation).
-DiffusionRollout sample_with_logprob(models::SD3Transformer2DModel& model, const Conditioning& cond,
+DiffusionRollout sample_with_logprob(const models::FlowModel& model, const Conditioning& cond,
                                      const SamplerConfig& config, const SdeWindow& window,
                                      at::Generator generator);
 
@@ -187,13 +200,13 @@ struct PolicyStep {
   torch::Tensor velocity;
   SdeStepResult step;
 };
-PolicyStep policy_step(models::SD3Transformer2DModel& model, const TensorMap& rows,
+PolicyStep policy_step(const models::FlowModel& model, const TensorMap& rows,
                        const SamplerConfig& sampler);
 
 // verl's old-log-prob pass: the trainer's recomputation of the rollout's steps on the rows,
 // without grad: "old_log_probs" [R] and "old_prev_sample_mean". The rollout's own log-probs stay in
 // the rows as "rollout_log_probs".
-TensorMap recompute_log_probs(models::SD3Transformer2DModel& model, const TensorMap& rows,
+TensorMap recompute_log_probs(const models::FlowModel& model, const TensorMap& rows,
                               const SamplerConfig& sampler);
 
 // verl-omni's rollout-train consistency metrics: rollout_corr/logprob_abs_diff_mean and _max of
@@ -284,7 +297,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(DiffusionLossConfig, loss_mode, 
 // (diffusion_nft only): {"old_velocity"}. role "teacher" (a reverse-process loss with
 // needs_teacher()): {"teacher_prev_sample_mean"} for distill_kl, {"teacher_noise_pred"} (the
 // teacher's velocity at the row's state) for distill_fm_mse.
-TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel& model,
+TensorMap frozen_outputs(const std::string& role, const models::FlowModel& model,
                          const TensorMap& rows, const DiffusionLossConfig& loss,
                          const SamplerConfig& sampler);
 
@@ -294,7 +307,7 @@ TensorMap frozen_outputs(const std::string& role, models::SD3Transformer2DModel&
 // "clipfrac", "ratio_mean" and, with a teacher term, "distill_loss"; flow_dppo adds
 // "kl_new_old_mean" and "masked_fraction"; diffusion_nft "policy_loss", "kl", "positive_loss",
 // "negative_loss"; dpo "implicit_acc", "reward_margin", "model_mse", "ref_mse".
-MicroBatchLoss diffusion_loss(models::SD3Transformer2DModel& model, const TensorMap& rows,
+MicroBatchLoss diffusion_loss(const models::FlowModel& model, const TensorMap& rows,
                               const DiffusionLossConfig& loss, const SamplerConfig& sampler);
 
 }  // namespace shardrl::algos
