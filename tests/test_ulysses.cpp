@@ -231,23 +231,32 @@ TEST(Ulysses, LmGrpoThroughShardrlTrainAtSp2MatchesOneRank) {
   expect_same_steps(dir + "/sp2/metrics.jsonl", dir + "/sp1/metrics.jsonl", 6, {"kl"}, 2e-4);
 }
 
+// `shardrl train` of the arithmetic job for 4 steps into <dir>/<name>, on `nproc` ranks split by
+// Ulysses `sp`, its padding removed or not, with `more` overrides.
+void train_arithmetic(const std::string& dir, const std::string& name, int nproc, int sp,
+                      bool remove_padding, const std::vector<std::string>& more = {}) {
+  std::vector<std::string> overrides = {
+      "trainer.default_local_dir=" + dir + "/" + name,
+      "sft.cache_dir=" + dir + "/cache",
+      "trainer.nproc_per_node=" + std::to_string(nproc),
+      "actor_rollout_ref.actor.ulysses_sequence_parallel_size=" + std::to_string(sp),
+      std::string("actor_rollout_ref.model.use_remove_padding=") +
+          (remove_padding ? "true" : "false"),
+      "trainer.total_training_steps=4",
+      "data.train_batch_size=4",
+      "trainer.save_freq=-1"};
+  overrides.insert(overrides.end(), more.begin(), more.end());
+  auto result = run_process(train_argv("arithmetic_grpo.yaml", overrides), {}, 300);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+}
+
 // actor_rollout_ref.model.use_remove_padding=true: the update and the reference pass run on
 // packed sequences, with each answer's padding after its EOS left out, and log what the padded
 // rows log: on 2 data-parallel ranks, and split by Ulysses on 2 ranks against 1 padded rank.
 TEST(Ulysses, LmGrpoWithPaddingRemovedLogsThePaddedRunsSteps) {
   const auto dir = make_temp_dir("ulysses_lm_grpo_packed");
-  auto run = [&](const std::string& name, int nproc, int sp, bool remove_padding) {
-    auto result = run_process(
-        train_argv(
-            "arithmetic_grpo.yaml",
-            {"trainer.default_local_dir=" + dir + "/" + name, "sft.cache_dir=" + dir + "/cache",
-             "trainer.nproc_per_node=" + std::to_string(nproc),
-             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=" + std::to_string(sp),
-             std::string("actor_rollout_ref.model.use_remove_padding=") +
-                 (remove_padding ? "true" : "false"),
-             "trainer.total_training_steps=4", "data.train_batch_size=4", "trainer.save_freq=-1"}),
-        {}, 300);
-    ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto run = [&](const std::string& name, int nproc, int sp, bool remove_padding) {
+    train_arithmetic(dir, name, nproc, sp, remove_padding);
   };
   run("padded_dp2", 2, 1, false);
   run("packed_dp2", 2, 1, true);
@@ -271,22 +280,9 @@ TEST(Ulysses, LmGrpoWithPaddingRemovedLogsThePaddedRunsSteps) {
 // padded rows, and the actor trains on the same advantages.
 TEST(Ulysses, LmPpoCriticPackedAtSp2LogsThePaddedRanksSteps) {
   const auto dir = make_temp_dir("ulysses_lm_ppo");
-  auto run = [&](const std::string& name, int nproc, bool remove_padding) {
-    auto result = run_process(
-        train_argv(
-            "arithmetic_grpo.yaml",
-            {"trainer.default_local_dir=" + dir + "/" + name, "sft.cache_dir=" + dir + "/cache",
-             "trainer.nproc_per_node=" + std::to_string(nproc),
-             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=" + std::to_string(nproc),
-             std::string("actor_rollout_ref.model.use_remove_padding=") +
-                 (remove_padding ? "true" : "false"),
-             "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3",
-             "trainer.total_training_steps=4", "data.train_batch_size=4", "trainer.save_freq=-1"}),
-        {}, 300);
-    ASSERT_EQ(result.exit_code, 0) << result.output;
-  };
-  run("packed_sp2", 2, true);
-  run("padded_1", 1, false);
+  const std::vector<std::string> ppo = {"algorithm.adv_estimator=gae", "critic.optim.lr=1e-3"};
+  train_arithmetic(dir, "packed_sp2", 2, 2, true, ppo);
+  train_arithmetic(dir, "padded_1", 1, 1, false, ppo);
   expect_same_steps(dir + "/packed_sp2/metrics.jsonl", dir + "/padded_1/metrics.jsonl", 4,
                     {"reward_mean", "critic/vf_loss", "critic/grad_norm", "critic/values/mean",
                      "critic/returns/mean", "loss", "grad_norm"},
