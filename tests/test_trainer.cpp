@@ -753,6 +753,20 @@ TEST(Trainer, LmPpoWithACriticResumesAfterAKillBitwise) {
   EXPECT_FALSE(metrics[1].contains("pg_loss")) << metrics[1].dump();
   EXPECT_TRUE(metrics[2].contains("pg_loss")) << metrics[2].dump();
   for (const auto& m : metrics) EXPECT_TRUE(m.contains("critic/vf_clipfrac")) << m.dump();
+
+  // The actor's step without its critic's: the resume stops naming the critic's folder rather
+  // than train the actor against a new critic.
+  const auto lost = dir + "/killed/checkpoints/critic/global_step_24";
+  fs::remove_all(lost);
+  auto resumed = run_process(
+      {bin("shardrl"), "train",
+       std::string(SHARDRL_SOURCE_DIR "/examples/configs/arithmetic_grpo.yaml"),
+       "trainer.default_local_dir=" + dir + "/killed", "sft.cache_dir=" + dir + "/cache",
+       "trainer.total_training_steps=26", "algorithm.adv_estimator=gae"},
+      {}, 300);
+  EXPECT_NE(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("the critic's checkpoint of step 24, " + lost), std::string::npos)
+      << resumed.output;
 }
 
 // With FSDP2's offload policy to the file tier (params, grads and AdamW state out of memory during

@@ -101,10 +101,9 @@ int64_t Run::resume(engine::Engine& engine) {
       // The critic of the same step, beside the actor's (resume_path's folder's too).
       const std::string critic_dir =
           (fs::path(dir).parent_path() / "critic" / fs::path(dir).filename()).string();
+      // Collective, and the same answer on every rank (a missing index included).
       const std::string problem =
-          fs::exists(fs::path(critic_dir) / "index.json")
-              ? checkpoint::find_damage(critic_dir, world_->group(), world_->device())
-              : "it is missing";
+          checkpoint::find_damage(critic_dir, world_->group(), world_->device());
       if (!problem.empty()) {
         throw std::runtime_error(fmt::format(
             "resuming from {}: the critic's checkpoint of step {}, {}, is not whole ({}); a run "
