@@ -16,6 +16,11 @@ struct Overloaded : F... {
 template <class... F>
 Overloaded(F...) -> Overloaded<F...>;
 
+// The latent channels Qwen-Image denoises: each token packs a patch_size^2 patch of them.
+int64_t qwen_image_latent_channels(const QwenImageConfig& c) {
+  return c.in_channels / (c.patch_size * c.patch_size);
+}
+
 // sigma as one fp32 value per sample on x's device.
 torch::Tensor per_sample(const torch::Tensor& sigma, const torch::Tensor& x) {
   return sigma.to(x.device(), torch::kFloat).expand({x.size(0)}).contiguous();
@@ -79,8 +84,7 @@ int64_t FlowModel::latent_channels() const {
   return std::visit(
       Overloaded{[](const SD3Transformer2DModel& m) { return m->config().in_channels; },
                  [](const QwenImageTransformer2DModel& m) {
-                   const auto& c = m->config();
-                   return c.in_channels / (c.patch_size * c.patch_size);
+                   return qwen_image_latent_channels(m->config());
                  }},
       model_);
 }
@@ -122,8 +126,7 @@ FlowModel make_flow_model(const nlohmann::json& config_json) {
 
 int64_t flow_latent_channels(const nlohmann::json& config_json) {
   if (is_qwen_image_config(config_json)) {
-    const auto c = QwenImageConfig::from_json(config_json);
-    return c.in_channels / (c.patch_size * c.patch_size);
+    return qwen_image_latent_channels(QwenImageConfig::from_json(config_json));
   }
   return SD3Config::from_json(config_json).in_channels;
 }
