@@ -695,6 +695,72 @@ TEST(Llama, PackedLogProbsAndGradsEqualThePaddedRows) {
       "row 1", "no valid token");
 }
 
+// verl's use_prefix_grouper: consecutive rows with one prompt (a GRPO group) pack it once and
+// each answer attends to that copy. The log-probs and all gradients are the padded rows', for
+// each family with activation checkpointing. The rows: a left-padded group of 4 (one answer of a
+// single token, one with nothing after the prompt), a group of 2, the first prompt again though
+// not adjacent (packed anew), and a row alone.
+TEST(Llama, PackedLogProbsWithSharedPromptsEqualThePaddedRows) {
+  const int64_t P = 6, L = 5, B = 8;
+  const std::vector<int64_t> group = {0, 0, 0, 0, 1, 1, 0, 2};
+  const std::vector<int64_t> prompt_lengths = {4, 6, 2},
+                             response_lengths = {5, 1, 3, 0, 3, 4, 2, 5};
+  for (const std::string family : {"llama", "qwen3", "llama3"}) {
+    SCOPED_TRACE(family);
+    const auto c = family_config(family);
+    auto model = random_model(c);
+    model->set_activation_checkpointing(true);
+    auto sequences = tokens_for(c, B, P + L);
+    auto attention_mask = torch::ones({B, P + L}, torch::kLong);
+    auto response_mask = torch::zeros({B, L});
+    const auto prompts = tokens_for(c, 3, P);
+    for (int64_t r = 0; r < B; ++r) {
+      const int64_t g = group[r], pad = P - prompt_lengths[g];
+      sequences[r].narrow(0, 0, P).copy_(prompts[g]);
+      sequences[r].narrow(0, 0, pad).fill_(0);  // the pad token
+      attention_mask[r].narrow(0, 0, pad).zero_();
+      response_mask[r].narrow(0, 0, response_lengths[r]).fill_(1);
+    }
+    const double temperature = 0.7;
+    auto grads_of = [&](const torch::Tensor& log_probs) {
+      model->zero_grad();
+      ((log_probs * response_mask).sum()).backward();
+      std::vector<torch::Tensor> grads;
+      for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
+      return std::make_pair(log_probs.detach(), grads);
+    };
+    const auto [padded, padded_grads] =
+        grads_of(rollout::response_log_probs(model, sequences, P, temperature, attention_mask));
+    const auto [shared, shared_grads] = grads_of(rollout::packed_response_log_probs(
+        model, sequences, P, temperature, attention_mask, response_mask, /*share_prompts=*/true));
+    EXPECT_LE(((shared - padded) * response_mask).abs().max().item<double>(), 1e-5);
+    EXPECT_TRUE(torch::equal(shared * (1 - response_mask), torch::zeros_like(shared)));
+    for (size_t i = 0; i < padded_grads.size(); ++i) {
+      const double scale = padded_grads[i].abs().max().item<double>();
+      ASSERT_GT(scale, 0) << "param " << i;
+      EXPECT_LE((shared_grads[i] - padded_grads[i]).abs().max().item<double>(), 1e-5 * scale)
+          << "param " << i;
+    }
+  }
+
+  // The layout: rows 1 and 2 repeat row 0's prompt (tokens and padding); row 2 then holds
+  // nothing and packs no sequence; row 3 differs only in its padding, so it packs its own.
+  const auto tokens = torch::tensor({0, 5, 6, 1, 0, 5, 6, 2, 0, 5, 6, 0, 0, 5, 6, 3}).view({4, 4});
+  const auto valid = torch::tensor({0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1}).view({4, 4});
+  const auto packed = models::pack_sequences(tokens, valid, /*shared_prefix_length=*/3);
+  EXPECT_TRUE(torch::equal(packed.tokens, torch::tensor({5, 6, 1, 2, 0, 5, 6, 3}).unsqueeze(0)));
+  EXPECT_TRUE(
+      torch::equal(packed.position_ids, torch::tensor({0, 1, 2, 2, 0, 1, 2, 3}).unsqueeze(0)));
+  EXPECT_EQ(packed.lengths, (std::vector<int64_t>{3, 1, 4}));
+  EXPECT_EQ(packed.shared_prefix, (std::vector<int64_t>{0, 2, 0}));
+  EXPECT_TRUE(torch::equal(packed.packed_index,
+                           torch::tensor({-1, 0, 1, 2, -1, 0, 1, 3, -1, 0, 1, -1, 4, 5, 6, 7})));
+  // Without sharing the same rows pack one sequence each.
+  EXPECT_EQ(models::pack_sequences(tokens, valid).lengths, (std::vector<int64_t>{3, 3, 2, 4}));
+  expect_invalid_argument_naming([&] { models::pack_sequences(tokens, valid, 5); },
+                                 "shared_prefix_length", "[0, 4]");
+}
+
 // num_return_sequences (GRPO's rollout.n): each prompt is prefilled once and its rows continue
 // from copies of its cache; they are what the prompt repeated n times gives. Rows that end leave
 // the batch, and the rows still running continue as they would alone.

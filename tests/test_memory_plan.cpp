@@ -163,6 +163,19 @@ TEST(MemoryPlan, FormulaCountsEachStateInItsTier) {
             10 * (3 * 10 + 1000));
   work.gradient_checkpointing = false;
 
+  // use_prefix_grouper: 6 rows in micro-batches of 2, each group's 3 prompt tokens packed once.
+  // Groups of 2 fill each micro-batch alone (2 x 5 - 3 tokens); groups of 3 put rows of two
+  // groups in the middle micro-batch, which shares nothing.
+  work.update_rows = 6;
+  work.shared_prompt_tokens = 3;
+  work.rows_per_prompt = 2;
+  EXPECT_EQ(line(engine::plan_memory(config, size, work, layout).update, "activations", "compute"),
+            7 * 3 * 1000);
+  work.rows_per_prompt = 3;
+  EXPECT_EQ(line(engine::plan_memory(config, size, work, layout).update, "activations", "compute"),
+            10 * 3 * 1000);
+  work.shared_prompt_tokens = 0;
+
   // FSDP2's offload policy in the file tier: the state leaves compute memory, one unit's
   // comes back for its step, and the host's disk holds it.
   config.offload_policy = config.offload.param_offload = config.offload.optimizer_offload = true;

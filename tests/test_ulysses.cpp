@@ -40,22 +40,23 @@ Run run_worker(int nproc, const std::string& dir, std::vector<std::string> args)
 }
 
 // `split` trained as `reference` did: every step's loss and grad norm, and every final param, to
-// 1e-5 relative in fp32.
-void expect_same_training(const Run& split, const Run& reference, size_t steps) {
+// `tolerance` (1e-5) relative in fp32.
+void expect_same_training(const Run& split, const Run& reference, size_t steps,
+                          double tolerance = 1e-5) {
   ASSERT_EQ(reference.metrics.size(), steps);
   ASSERT_EQ(split.metrics.size(), steps);
   for (size_t s = 0; s < steps; ++s) {
     SCOPED_TRACE("step " + std::to_string(s));
     const auto [loss, norm] = split.metrics[s];
     const auto [want_loss, want_norm] = reference.metrics[s];
-    EXPECT_NEAR(loss, want_loss, 1e-5 * std::max(1.0, std::abs(want_loss)));
-    EXPECT_NEAR(norm, want_norm, 1e-5 * std::max(1.0, std::abs(want_norm)));
+    EXPECT_NEAR(loss, want_loss, tolerance * std::max(1.0, std::abs(want_loss)));
+    EXPECT_NEAR(norm, want_norm, tolerance * std::max(1.0, std::abs(want_norm)));
   }
   ASSERT_FALSE(reference.params.empty());
   ASSERT_EQ(split.params.size(), reference.params.size());
   for (const auto& [name, want] : reference.params) {
     ASSERT_TRUE(split.params.count(name)) << name;
-    EXPECT_LT(relative_error(split.params.at(name), want), 1e-5) << name;
+    EXPECT_LT(relative_error(split.params.at(name), want), tolerance) << name;
   }
 }
 
@@ -77,11 +78,12 @@ TEST(Ulysses, LlamaPolicyLossAtSp2EqualsSp1) {
   expect_same_training(sp2, sp1, 3);
   // What each rank sends in its group, from the shapes alone: a forward of B sequences exchanges,
   // in each of the 2 layers, q and the attention output (4 heads) and k and v (2 heads), each
-  // (sp - 1) / sp of a [B, 7 tokens, heads, 8] fp32 slice, then all-gathers its [B, 7] log-probs;
-  // a backward exchanges as much again. A step is the old log-probs' forward over the batch of 4
-  // and 4 micro-batches of 1 forward and backward.
+  // (sp - 1) / sp of a [B, 7 tokens, heads, 8] fp32 slice, then all-gathers the log-probs per
+  // scored entry, as many as the most any rank scores: the 5 response positions (8-12) all lie
+  // in rank 1's slice, so [B, 5] each. A backward exchanges as much again. A step is the old
+  // log-probs' forward over the batch of 4 and 4 micro-batches of 1 forward and backward.
   auto forward_exchange = [](int64_t rows) { return 2 * rows * 7 * 8 * (4 + 4 + 2 + 2) * 4 / 2; };
-  auto gather = [](int64_t rows) { return rows * 7 * 4; };
+  auto gather = [](int64_t rows) { return rows * 5 * 4; };
   const int64_t step = forward_exchange(4) + gather(4) + 4 * (2 * forward_exchange(1) + gather(1));
   for (uint64_t bytes : sp2.exchange_bytes) EXPECT_EQ(bytes, 3u * step);
   ASSERT_EQ(sp2.exchange_bytes.size(), 2u);
@@ -111,7 +113,10 @@ TEST(Ulysses, Qwen3AndLlama3PolicyLossAtSp2EqualsSp1) {
                                            "--prompt", "9",      "--steps",  "2"};
     const auto sp1 = run_worker(1, dir + "/sp1", with(args, {"--sp", "1"}));
     const auto sp2 = run_worker(2, dir + "/sp2", with(args, {"--sp", "2"}));
-    expect_same_training(sp2, sp1, 2);
+    // Llama 3's final down_proj differs by 1.4e-5 on an AVX-512 VM (under 1e-5 on AVX2): the
+    // kernels there sum in another order, and Adam's first steps divide each gradient element
+    // by its own magnitude, so a rounding difference in a small element moves its update fully.
+    expect_same_training(sp2, sp1, 2, 3e-5);
   }
 }
 
@@ -253,19 +258,28 @@ void train_arithmetic(const std::string& dir, const std::string& name, int nproc
 // actor_rollout_ref.model.use_remove_padding=true: the update and the reference pass run on
 // packed sequences, with each answer's padding after its EOS left out, and log what the padded
 // rows log: on 2 data-parallel ranks, and split by Ulysses on 2 ranks against 1 padded rank.
+// With actor.use_prefix_grouper each group's prompt is packed once: at sp 2 the first token of
+// every answer of a group is scored at one position, which the group gathers per entry.
 TEST(Ulysses, LmGrpoWithPaddingRemovedLogsThePaddedRunsSteps) {
   const auto dir = make_temp_dir("ulysses_lm_grpo_packed");
-  const auto run = [&](const std::string& name, int nproc, int sp, bool remove_padding) {
-    train_arithmetic(dir, name, nproc, sp, remove_padding);
+  const auto run = [&](const std::string& name, int nproc, int sp, bool remove_padding,
+                       bool grouper = false) {
+    train_arithmetic(dir, name, nproc, sp, remove_padding,
+                     {std::string("actor_rollout_ref.actor.use_prefix_grouper=") +
+                      (grouper ? "true" : "false")});
   };
   run("padded_dp2", 2, 1, false);
   run("packed_dp2", 2, 1, true);
+  run("grouped_dp2", 2, 1, true, true);
   run("padded_1", 1, 1, false);
   run("packed_sp2", 2, 2, true);
+  run("grouped_sp2", 2, 2, true, true);
   const std::vector<std::string> keys = {"reward_mean", "response_length", "loss", "pg_loss",
                                          "grad_norm"};
-  for (const auto& [packed, padded] :
-       {std::pair{"packed_dp2", "padded_dp2"}, {"packed_sp2", "padded_1"}}) {
+  for (const auto& [packed, padded] : {std::pair{"packed_dp2", "padded_dp2"},
+                                       {"grouped_dp2", "padded_dp2"},
+                                       {"packed_sp2", "padded_1"},
+                                       {"grouped_sp2", "padded_1"}}) {
     SCOPED_TRACE(packed);
     const auto metrics = [&](const char* name) { return dir + "/" + name + "/metrics.jsonl"; };
     expect_same_steps(metrics(packed), metrics(padded), 4, keys, 3e-5);
@@ -287,6 +301,24 @@ TEST(Ulysses, LmPpoCriticPackedAtSp2LogsThePaddedRanksSteps) {
                     {"reward_mean", "critic/vf_loss", "critic/grad_norm", "critic/values/mean",
                      "critic/returns/mean", "loss", "grad_norm"},
                     3e-5);
+}
+
+// The prefix grouper shares a prompt inside the packed rows: without them it is an error naming
+// both keys, before any stage runs.
+TEST(Ulysses, PrefixGrouperWithoutPackedTokensIsAnErrorNamingTheKeys) {
+  const auto dir = make_temp_dir("ulysses_prefix_grouper_error");
+  const auto result = run_process(
+      train_argv("arithmetic_grpo.yaml", {"trainer.default_local_dir=" + dir,
+                                          "actor_rollout_ref.actor.use_prefix_grouper=true",
+                                          "actor_rollout_ref.model.use_remove_padding=false"}),
+      {}, 120);
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_NE(result.output.find("'actor_rollout_ref.actor.use_prefix_grouper'"), std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("actor_rollout_ref.model.use_remove_padding: true"),
+            std::string::npos)
+      << result.output;
+  EXPECT_FALSE(fs::exists(dir + "/cache")) << "a stage ran";
 }
 
 // Sizes that do not split the world or the heads fail before any stage, naming the key.

@@ -64,6 +64,12 @@ struct ModelSize {
 struct Workload {
   int64_t micro_batch_rows = 0;  // rows of one micro-batch of the update
   int64_t tokens_per_row = 0;    // tokens (or image + text positions) of a row
+  // verl's use_prefix_grouper: the first shared_prompt_tokens of a row are its group's prompt,
+  // packed once for each group of rows_per_prompt consecutive rows that a micro-batch holds
+  // (0: every row packs its own).
+  int64_t shared_prompt_tokens = 0;
+  int64_t rows_per_prompt = 1;
+  int64_t update_rows = 0;  // the rank's rows a step, split into micro-batches as the engine does
   bool gradient_checkpointing = false;
   bool logits = false;  // a language model's loss reads [rows, tokens, vocab] fp32 logits
   enum class Rollout {

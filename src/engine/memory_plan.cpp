@@ -48,6 +48,26 @@ std::string gb(int64_t bytes) {
   return fmt::format("{:.2f} GB", static_cast<double>(bytes) / 1e9);
 }
 
+// The tokens of the update's largest micro-batch. With shared prompts, a micro-batch packs one
+// prompt for each group it touches; the engine splits the rank's rows as split_batch does, so
+// the micro-batch that straddles the most group boundaries sets the peak.
+int64_t micro_batch_tokens(const Workload& work) {
+  const int64_t rows = work.micro_batch_rows, padded = rows * work.tokens_per_row;
+  if (work.shared_prompt_tokens <= 0 || work.update_rows <= 0 || work.rows_per_prompt <= 0) {
+    return padded;
+  }
+  const int64_t count = (work.update_rows + rows - 1) / rows;
+  int64_t most = 0;
+  for (int64_t i = 0, first = 0; i < count; ++i) {
+    const int64_t size = work.update_rows / count + (i < work.update_rows % count ? 1 : 0);
+    const int64_t groups =
+        (first + size - 1) / work.rows_per_prompt - first / work.rows_per_prompt + 1;
+    most = std::max(most, size * work.tokens_per_row - (size - groups) * work.shared_prompt_tokens);
+    first += size;
+  }
+  return most;
+}
+
 int64_t sum(const std::vector<PlanLine>& lines) {
   int64_t total = 0;
   for (const auto& line : lines) {
@@ -174,7 +194,7 @@ MemoryPlan plan_memory(const EngineConfig& config, const ModelSize& model, const
                  "its optimizer step or all-gather input"});
   }
   if (trains && work.micro_batch_rows > 0 && work.tokens_per_row > 0) {
-    const double tokens = static_cast<double>(work.micro_batch_rows * work.tokens_per_row);
+    const double tokens = static_cast<double>(micro_batch_tokens(work));
     const double block =
         model.block_activation_bytes_per_token +
         model.block_attention_bytes_per_token_position * static_cast<double>(work.tokens_per_row);
@@ -184,8 +204,12 @@ MemoryPlan plan_memory(const EngineConfig& config, const ModelSize& model, const
                                  : blocks * block;
     u.push_back(
         {"activations", static_cast<int64_t>(tokens * per_token), "compute",
-         fmt::format("micro-batch {} rows x {} tokens{}", work.micro_batch_rows,
-                     work.tokens_per_row, work.gradient_checkpointing ? ", checkpointed" : "")});
+         fmt::format(
+             "micro-batch {} rows x {} tokens{}{}", work.micro_batch_rows, work.tokens_per_row,
+             work.shared_prompt_tokens > 0
+                 ? ", prompts shared: " + std::to_string(micro_batch_tokens(work)) + " tokens"
+                 : "",
+             work.gradient_checkpointing ? ", checkpointed" : "")});
     if (work.logits && model.vocab_size > 0) {
       u.push_back({"logits (fp32, x3)", static_cast<int64_t>(tokens) * model.vocab_size * 4 * 3,
                    "compute", fmt::format("vocab {}", model.vocab_size)});

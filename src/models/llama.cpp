@@ -429,9 +429,28 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
          vs = v.split_with_sizes(lengths, 2);
     std::vector<torch::Tensor> outs;
     outs.reserve(lengths.size());
+    size_t leader = 0;
     for (size_t i = 0; i < lengths.size(); ++i) {
-      outs.push_back(at::scaled_dot_product_attention(qs[i], ks[i], vs[i], std::nullopt, 0.0,
-                                                      /*is_causal=*/true, std::nullopt, true));
+      const int64_t prefix = mask.shared_prefix.empty() ? 0 : mask.shared_prefix[i];
+      if (prefix == 0) {
+        leader = i;
+        outs.push_back(at::scaled_dot_product_attention(qs[i], ks[i], vs[i], std::nullopt, 0.0,
+                                                        /*is_causal=*/true, std::nullopt, true));
+        continue;
+      }
+      // An answer after its group's shared prompt: its keys are the prompt's (the leader's
+      // first `prefix`) then its own. Causal within the answer needs an explicit mask, since
+      // is_causal aligns the diagonal top-left when queries and keys differ in number.
+      const int64_t L = lengths[i];
+      const auto keys = torch::cat({ks[leader].narrow(2, 0, prefix), ks[i]}, 2);
+      const auto values = torch::cat({vs[leader].narrow(2, 0, prefix), vs[i]}, 2);
+      const auto future =
+          torch::ones({L, prefix + L}, torch::dtype(torch::kBool).device(q.device()))
+              .triu(prefix + 1);
+      const auto scores_mask = torch::zeros({L, prefix + L}, q.options())
+                                   .masked_fill(future, -std::numeric_limits<float>::infinity());
+      outs.push_back(at::scaled_dot_product_attention(qs[i], keys, values, scores_mask, 0.0,
+                                                      /*is_causal=*/false, std::nullopt, true));
     }
     out = torch::cat(outs, 2);
   }
@@ -550,8 +569,22 @@ torch::Tensor LlamaModelImpl::forward_packed(const PackedSequences& packed) {
               packed.tokens.sizes(), " and ", packed.position_ids.sizes());
   TORCH_CHECK(std::accumulate(packed.lengths.begin(), packed.lengths.end(), int64_t{0}) == N,
               "packed sequences: the lengths do not sum to the ", N, " tokens");
+  TORCH_CHECK(packed.shared_prefix.empty() || packed.shared_prefix.size() == packed.lengths.size(),
+              "packed sequences: ", packed.shared_prefix.size(), " shared prefixes for ",
+              packed.lengths.size(), " sequences");
+  for (size_t i = 0, leader = 0; i < packed.shared_prefix.size(); ++i) {
+    if (packed.shared_prefix[i] == 0) {
+      leader = i;
+      continue;
+    }
+    TORCH_CHECK(packed.shared_prefix[i] > 0 && i > 0 && packed.shared_prefix[leader] == 0 &&
+                    packed.shared_prefix[i] <= packed.lengths[leader],
+                "packed sequences: sequence ", i, " shares ", packed.shared_prefix[i],
+                " tokens, more than the sequence it shares them with has (or there is none)");
+  }
   AttentionMask mask;
   mask.sequence_lengths = packed.lengths;
+  mask.shared_prefix = packed.shared_prefix;
   torch::Tensor tokens = packed.tokens, positions = packed.position_ids;
   std::optional<ulysses::SequenceSlice> slice;
   if (sequence_parallel) {
@@ -561,6 +594,7 @@ torch::Tensor LlamaModelImpl::forward_packed(const PackedSequences& packed) {
     tokens = at::constant_pad_nd(tokens, {0, pad}, 0);
     positions = at::constant_pad_nd(positions, {0, pad}, 0);
     if (pad > 0) mask.sequence_lengths.push_back(pad);
+    if (pad > 0 && !mask.shared_prefix.empty()) mask.shared_prefix.push_back(0);
   }
   return run(tokens, positions, std::move(mask), nullptr, slice);
 }
@@ -660,7 +694,7 @@ torch::Tensor LlamaForCausalLMImpl::log_probs_at(const torch::Tensor& h, int64_t
   std::optional<ulysses::SequenceSlice> slice;
   if (group) slice = ulysses::sequence_slice(T, *group);
   const int64_t begin = slice ? slice->begin : 0, local_length = slice ? slice->local_length : T;
-  // The head runs on this rank's scored positions only, so no rank holds more than its share of
+  // The head runs on this rank's scored entries only, so no rank holds more than its share of
   // the logits. A rank with none runs it on one position at weight 0: every rank must run every
   // FSDP unit and every all-to-all of the backward, whatever its slice holds.
   const auto scored = positions.to(h.device());
@@ -676,33 +710,84 @@ torch::Tensor LlamaForCausalLMImpl::log_probs_at(const torch::Tensor& h, int64_t
     local = torch::zeros({h.size(0), 0}, unused.options()) + 0.0 * unused.sum();
   }
   if (!slice) return local;
-  const auto index = local_positions.unsqueeze(0).expand({h.size(0), -1});
-  const auto row =
-      torch::zeros({h.size(0), local_length}, local.options()).scatter(1, index, local);
-  return ulysses::gather_outputs_and_unpad(row, 1, T, *group).index_select(1, scored);
+  // Gathered per entry, not per position: a position may score several entries (a shared
+  // prompt's last token, once for each answer). Each rank's entries, in order, padded to the
+  // most any rank has; entry k then sits at column owner * most + its rank among the owner's.
+  const int64_t ranks = group->size();
+  const auto owner = scored.div(local_length, "floor");
+  const auto owned =
+      owner.unsqueeze(1) == torch::arange(ranks, owner.options()).unsqueeze(0);  // [K, ranks]
+  const auto counts = owned.sum(0);
+  const int64_t most = std::max<int64_t>(1, counts.numel() ? counts.max().item<int64_t>() : 0);
+  const auto order = (owned.to(torch::kLong).cumsum(0) - 1).gather(1, owner.unsqueeze(1));
+  const auto column = owner * most + order.squeeze(1);
+  const auto padded = at::constant_pad_nd(local, {0, most - local.size(1)}, 0);
+  return ulysses::gather_outputs_and_unpad(padded, 1, ranks * most, *group).index_select(1, column);
 }
 
-PackedSequences pack_sequences(const torch::Tensor& tokens, const torch::Tensor& valid_in) {
+PackedSequences pack_sequences(const torch::Tensor& tokens, const torch::Tensor& valid_in,
+                               int64_t shared_prefix_length) {
   if (tokens.dim() != 2 || valid_in.sizes() != tokens.sizes()) {
     throw std::invalid_argument(
         fmt::format("pack_sequences: tokens and valid must both be [B, T], got {} and {}",
                     c10::str(tokens.sizes()), c10::str(valid_in.sizes())));
   }
+  const int64_t rows = tokens.size(0), T = tokens.size(1);
+  if (shared_prefix_length < 0 || shared_prefix_length > T) {
+    throw std::invalid_argument(
+        fmt::format("pack_sequences: shared_prefix_length must be in [0, {}], got {}", T,
+                    shared_prefix_length));
+  }
   const auto valid = valid_in.to(torch::kBool);
-  const auto lengths = valid.sum(1).to(torch::kLong).cpu().contiguous();
-  PackedSequences packed;
-  packed.lengths.assign(lengths.data_ptr<int64_t>(), lengths.data_ptr<int64_t>() + lengths.numel());
-  for (size_t row = 0; row < packed.lengths.size(); ++row) {
-    if (packed.lengths[row] == 0) {
-      throw std::invalid_argument(fmt::format("pack_sequences: row {} has no valid token", row));
+  const auto device = tokens.device();
+  // A row shares its prompt when its first P columns repeat the row's before it (a GRPO group's
+  // answers are consecutive rows) and that prompt has a token to share.
+  std::vector<bool> shares(static_cast<size_t>(rows), false);
+  std::vector<int64_t> prompt_tokens(static_cast<size_t>(rows), 0);
+  const int64_t P = shared_prefix_length;
+  if (P > 0 && rows > 1) {
+    const auto prompt = tokens.narrow(1, 0, P), prompt_valid = valid.narrow(1, 0, P);
+    const auto same = ((prompt.narrow(0, 1, rows - 1) == prompt.narrow(0, 0, rows - 1)) &
+                       (prompt_valid.narrow(0, 1, rows - 1) == prompt_valid.narrow(0, 0, rows - 1)))
+                          .all(1)
+                          .cpu();
+    const auto counts = prompt_valid.sum(1).to(torch::kLong).cpu().contiguous();
+    for (int64_t row = 1; row < rows; ++row) {
+      prompt_tokens[row] = counts.data_ptr<int64_t>()[row];
+      shares[row] = same[row - 1].item<bool>() && prompt_tokens[row] > 0;
     }
   }
-  packed.indices = valid.flatten().nonzero().squeeze(1);
+  // What each row packs: all its valid tokens, or only those after a shared prompt.
+  auto packs = valid.clone();
+  for (int64_t row = 0; row < rows; ++row) {
+    if (shares[row]) packs[row].narrow(0, 0, P).fill_(false);
+  }
+  const auto lengths = packs.sum(1).to(torch::kLong).cpu().contiguous();
+  PackedSequences packed;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t length = lengths.data_ptr<int64_t>()[row];
+    if (length == 0 && !shares[row]) {
+      throw std::invalid_argument(fmt::format("pack_sequences: row {} has no valid token", row));
+    }
+    if (length == 0) continue;
+    packed.lengths.push_back(length);
+    if (P > 0) packed.shared_prefix.push_back(shares[row] ? prompt_tokens[row] : 0);
+  }
+  packed.indices = packs.flatten().nonzero().squeeze(1);
   packed.tokens = tokens.flatten().index_select(0, packed.indices).unsqueeze(0);
   // Each token's position in its sequence: HF's position_ids of the padded row,
   // cumsum(mask) - 1, at the valid tokens.
   packed.position_ids =
       (valid.to(torch::kLong).cumsum(1) - 1).flatten().index_select(0, packed.indices).unsqueeze(0);
+  auto packed_index = torch::full({rows, T}, -1, torch::dtype(torch::kLong).device(device));
+  packed_index.view({-1}).index_put_(
+      {packed.indices}, torch::arange(packed.indices.numel(), packed.indices.options()));
+  // A sharing row's prompt is its leader's (equal rows back to the first of the run, copied in
+  // order so each points at the first).
+  for (int64_t row = 1; row < rows; ++row) {
+    if (shares[row]) packed_index[row].narrow(0, 0, P).copy_(packed_index[row - 1].narrow(0, 0, P));
+  }
+  packed.packed_index = packed_index.view({-1});
   return packed;
 }
 

@@ -238,7 +238,7 @@ struct PackedResponses {
 
 PackedResponses pack_responses(const char* who, const torch::Tensor& sequences,
                                int64_t prompt_length, const torch::Tensor& attention_mask,
-                               const torch::Tensor& response_mask) {
+                               const torch::Tensor& response_mask, bool share_prompts = false) {
   check_tokens(sequences, fmt::format("{}: sequences", who));
   const int64_t rows = sequences.size(0), total = sequences.size(1), length = total - prompt_length;
   if (prompt_length < 1 || length < 1) {
@@ -267,18 +267,15 @@ PackedResponses pack_responses(const char* who, const torch::Tensor& sequences,
   PackedResponses out;
   out.rows = rows;
   out.length = length;
-  out.packed = models::pack_sequences(sequences, torch::cat({prompt_valid, kept}, 1));
-  // A packed token's index, at its place in the padded batch (-1: padding).
-  const auto packed_index =
-      torch::full({rows * total}, -1, torch::dtype(torch::kLong).device(device))
-          .index_put_({out.packed.indices},
-                      torch::arange(out.packed.indices.numel(), out.packed.indices.options()));
-  // Response token (row, j) is predicted at the packed index of the token before it.
+  out.packed = models::pack_sequences(sequences, torch::cat({prompt_valid, kept}, 1),
+                                      share_prompts ? prompt_length : 0);
+  // Response token (row, j) is predicted at the packed index of the token before it: for the
+  // first token of an answer whose prompt is shared, the shared copy's last token.
   const auto flat =
       (torch::arange(rows, torch::dtype(torch::kLong).device(device)) * total).unsqueeze(1) +
       prompt_length + torch::arange(length, torch::dtype(torch::kLong).device(device));
   out.scored_flat = flat.masked_select(response_valid);
-  out.scored = packed_index.index_select(0, out.scored_flat - 1);
+  out.scored = out.packed.packed_index.index_select(0, out.scored_flat - 1);
   if (out.scored.numel() > 0 && out.scored.min().item<int64_t>() < 0) {
     throw std::invalid_argument(
         fmt::format("{}: a response follows a prompt with no valid token", who));
@@ -293,9 +290,9 @@ PackedResponses pack_responses(const char* who, const torch::Tensor& sequences,
 torch::Tensor packed_response_log_probs(models::LlamaForCausalLM& model,
                                         const torch::Tensor& sequences, int64_t prompt_length,
                                         double temperature, const torch::Tensor& attention_mask,
-                                        const torch::Tensor& response_mask) {
+                                        const torch::Tensor& response_mask, bool share_prompts) {
   const auto r = pack_responses("packed_response_log_probs", sequences, prompt_length,
-                                attention_mask, response_mask);
+                                attention_mask, response_mask, share_prompts);
   return r.scatter(
       model(r.packed, r.scored, sequences.flatten().index_select(0, r.scored_flat), temperature));
 }

@@ -466,6 +466,12 @@ struct Algorithm {
           "response's logits, which the packed update (actor_rollout_ref.model.use_remove_padding) "
           "never forms; set one of them off");
     }
+    if (get<bool>(config, "actor_rollout_ref.actor.use_prefix_grouper") &&
+        !get<bool>(config, "actor_rollout_ref.model.use_remove_padding")) {
+      throw std::invalid_argument(
+          "config key 'actor_rollout_ref.actor.use_prefix_grouper': a group's prompt is shared "
+          "inside the packed rows, so it needs actor_rollout_ref.model.use_remove_padding: true");
+    }
   }
   bool remax() const { return advantage.adv_estimator == "remax"; }
 };
@@ -549,6 +555,11 @@ PlanInput lm_grpo_plan(const json& config, const engine::Layout& layout) {
   w.micro_batch_rows = micro > 0 ? std::min(micro, rows) : rows;
   w.tokens_per_row =
       get<int64_t>(config, r + "prompt_length") + get<int64_t>(config, r + "response_length");
+  if (get<bool>(config, "actor_rollout_ref.actor.use_prefix_grouper")) {
+    w.shared_prompt_tokens = get<int64_t>(config, r + "prompt_length");
+    w.rows_per_prompt = get<int64_t>(config, r + "n");
+    w.update_rows = rows;
+  }
   w.gradient_checkpointing =
       get<bool>(config, "actor_rollout_ref.model.enable_gradient_checkpointing");
   w.logits = true;
@@ -586,6 +597,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
   const auto kl_coef = use_kl_loss ? get<double>(config, actor_key + "kl_loss_coef") : 0.0;
   const auto kl_type = get<std::string>(config, actor_key + "kl_loss_type");
   const bool use_remove_padding = get<bool>(config, "actor_rollout_ref.model.use_remove_padding");
+  const bool use_prefix_grouper = get<bool>(config, actor_key + "use_prefix_grouper");
   Algorithm algorithm(config);
   const auto& policy = algorithm.policy;
 
@@ -870,7 +882,7 @@ int run_lm_grpo(const json& config, std::shared_ptr<dist::World> world) {
       return use_remove_padding
                  ? rollout::packed_response_log_probs(model, d.at("sequences"), prompt_length,
                                                       temperature, d.at("attention_mask"),
-                                                      d.at("response_mask"))
+                                                      d.at("response_mask"), use_prefix_grouper)
                  : rollout::response_log_probs(model, d.at("sequences"), prompt_length, temperature,
                                                d.at("attention_mask"));
     };
@@ -1079,6 +1091,9 @@ Task lm_grpo_task() {
       {m + "use_remove_padding", false, boolean(),
        "the update and the reference pass run on packed tokens, each row's prompt and response "
        "without their padding (verl's; false: on the padded rows)"},
+      {a + "use_prefix_grouper", false, boolean(),
+       "each group's prompt packed once for its answers in the update and the reference pass, "
+       "which attend to that copy (verl's; needs model.use_remove_padding)"},
       {m + "path", "", text().existing_folder("config.json"),
        "a pretrained chat model: a Hugging Face folder with config.json, safetensors, "
        "tokenizer.json and a chat template (empty: train one here)"},

@@ -104,6 +104,10 @@ struct AttentionMask {
   // and each query sees the earlier keys of its own sequence only (flash-attn's varlen, as verl's
   // use_remove_padding runs it). Empty: the row is one sequence.
   std::vector<int64_t> sequence_lengths;
+  // Per packed sequence, or empty for none: how many keys at the start of the last earlier
+  // sequence with no shared prefix its queries see before their own (a GRPO group's prompt packed
+  // once for all its answers, PackedSequences::shared_prefix).
+  std::vector<int64_t> shared_prefix;
 };
 
 // Several sequences in one row without their padding (verl's use_remove_padding; flash-attn's
@@ -115,11 +119,24 @@ struct PackedSequences {
   std::vector<int64_t> lengths;  // tokens of each sequence, in order; they sum to N
   // [N]: where each packed token sits in the padded batch, flattened (row * T + column).
   torch::Tensor indices;
+  // [B * T]: the packed index that computes each position of the padded batch, -1 at padding. A
+  // row whose prompt is shared points its prompt positions at the packed copy it shares.
+  torch::Tensor packed_index;
+  // Per sequence, or empty when no prompt is shared: the tokens of the last earlier sequence
+  // without a shared prefix (its leader, which starts with the prompt) that this sequence attends
+  // to before its own (AttentionMask::shared_prefix).
+  std::vector<int64_t> shared_prefix;
 };
 
 // The tokens of `tokens` [B, T] where `valid` [B, T] (bool, or 0/1) is set, row by row. A row
 // with no valid token is an error naming it.
-PackedSequences pack_sequences(const torch::Tensor& tokens, const torch::Tensor& valid);
+// With shared_prefix_length P > 0 (verl's use_prefix_grouper), a row whose first P columns equal
+// the row's before it, tokens and validity alike, packs only its tokens after them: it attends
+// to the first row of its run's prompt, computed once, and keeps the positions of its padded
+// row, so every token computes what it would in its padded row. A row that shares its prompt and
+// has nothing after it packs no sequence.
+PackedSequences pack_sequences(const torch::Tensor& tokens, const torch::Tensor& valid,
+                               int64_t shared_prefix_length = 0);
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
@@ -222,8 +239,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
                         torch::Tensor attention_mask = {}, int64_t logits_to_keep = 0,
                         torch::Tensor next_tokens = {}, double temperature = 1.0);
   // Packed sequences (verl's use_remove_padding): the log-probs [K] fp32 of next_tokens [K] at
-  // the packed positions `scored` [K] (increasing), under log_softmax(logits / temperature). The
-  // decoder runs on the N packed tokens only and the head on the K scored positions only. Under
+  // the packed positions `scored` [K], under log_softmax(logits / temperature). A position may be
+  // scored more than once: a shared prompt's last token predicts the first token of every answer
+  // of its group. The decoder runs on the N packed tokens only and the head on the K scored
+  // entries only. Under
   // Ulysses every rank of the group passes the same packed sequences and gets the same result.
   torch::Tensor forward(const PackedSequences& packed, torch::Tensor scored,
                         torch::Tensor next_tokens, double temperature);
@@ -245,8 +264,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 
  private:
   torch::Tensor head(const torch::Tensor& hidden);  // lm_head, or the tied embeddings
-  // Log-probs [B, K] of next_tokens [B, K] at positions [K] (increasing) of the length-T rows
-  // whose hidden states are h: all of them, or this rank's slice under sequence parallelism.
+  // Log-probs [B, K] of next_tokens [B, K] at positions [K] (in any order, repeats allowed) of the
+  // length-T rows whose hidden states are h: all of them, or this rank's slice under sequence
+  // parallelism, where each rank scores the entries whose position it holds and the group
+  // all-gathers them per entry.
   torch::Tensor log_probs_at(const torch::Tensor& h, int64_t T, const torch::Tensor& positions,
                              const torch::Tensor& next_tokens, double temperature);
   LlamaConfig config_;

@@ -71,10 +71,14 @@ torch::Tensor response_log_probs(models::LlamaForCausalLM& model, const torch::T
 // packed row (models::pack_sequences), so the decoder computes nothing on padding and its time
 // follows the real tokens. Positions where response_mask is 0 get 0. Equal to
 // response_log_probs where response_mask is 1.
+// share_prompts (verl's use_prefix_grouper): consecutive rows with the same prompt (a GRPO
+// group) pack it once, and each answer attends to that copy (models::pack_sequences); the
+// log-probs and their gradients are those of the padded rows, for a prompt's compute once a group.
 torch::Tensor packed_response_log_probs(models::LlamaForCausalLM& model,
                                         const torch::Tensor& sequences, int64_t prompt_length,
                                         double temperature, const torch::Tensor& attention_mask,
-                                        const torch::Tensor& response_mask);
+                                        const torch::Tensor& response_mask,
+                                        bool share_prompts = false);
 
 // The critic's values of the response tokens: token j's is the value model's output at the
 // position before it (the state it is sampled from, as verl's critic reads
