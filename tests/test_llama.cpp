@@ -635,6 +635,28 @@ TEST(Llama, LeftPaddedRowsContinueAsTheyWouldAlone) {
       [&] { rollout::sample(model, prompts, greedy, mask.narrow(1, 0, 5)); }, "prompt_mask");
 }
 
+// The log-probs, detached, and every param's gradient of their sum where response_mask is 1.
+std::pair<torch::Tensor, std::vector<torch::Tensor>> masked_log_probs_and_grads(
+    models::LlamaForCausalLM& model, const torch::Tensor& log_probs,
+    const torch::Tensor& response_mask) {
+  model->zero_grad();
+  ((log_probs * response_mask).sum()).backward();
+  std::vector<torch::Tensor> grads;
+  for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
+  return {log_probs.detach(), grads};
+}
+
+// Each gradient within 1e-5 of its reference's largest element, which must be nonzero.
+void expect_same_grads(const std::vector<torch::Tensor>& got,
+                       const std::vector<torch::Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double scale = want[i].abs().max().item<double>();
+    ASSERT_GT(scale, 0) << "param " << i;
+    EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-5 * scale) << "param " << i;
+  }
+}
+
 // verl's use_remove_padding: the packed log-probs, and their gradients, are the padded rows' at
 // every response token that counts, for each family (per-head q/k norms, head_dim apart, GQA,
 // rope scaling), with activation checkpointing; responses ending early (EOS) leave padding that
@@ -660,11 +682,7 @@ TEST(Llama, PackedLogProbsAndGradsEqualThePaddedRows) {
     }
     const double temperature = 0.7;
     auto grads_of = [&](const torch::Tensor& log_probs) {
-      model->zero_grad();
-      ((log_probs * response_mask).sum()).backward();
-      std::vector<torch::Tensor> grads;
-      for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
-      return std::make_pair(log_probs.detach(), grads);
+      return masked_log_probs_and_grads(model, log_probs, response_mask);
     };
     const auto [padded, padded_grads] =
         grads_of(rollout::response_log_probs(model, sequences, P, temperature, attention_mask));
@@ -673,12 +691,7 @@ TEST(Llama, PackedLogProbsAndGradsEqualThePaddedRows) {
     EXPECT_LE(((packed - padded) * response_mask).abs().max().item<double>(), 1e-5);
     EXPECT_TRUE(torch::equal(packed * (1 - response_mask), torch::zeros_like(packed)));
     EXPECT_LT(packed.masked_select(response_mask > 0).max().item<double>(), 0);
-    for (size_t i = 0; i < padded_grads.size(); ++i) {
-      const double scale = padded_grads[i].abs().max().item<double>();
-      ASSERT_GT(scale, 0) << "param " << i;
-      EXPECT_LE((packed_grads[i] - padded_grads[i]).abs().max().item<double>(), 1e-5 * scale)
-          << "param " << i;
-    }
+    expect_same_grads(packed_grads, padded_grads);
   }
 
   // The packed row holds the valid tokens only, each at its position within its sequence.
@@ -723,11 +736,7 @@ TEST(Llama, PackedLogProbsWithSharedPromptsEqualThePaddedRows) {
     }
     const double temperature = 0.7;
     auto grads_of = [&](const torch::Tensor& log_probs) {
-      model->zero_grad();
-      ((log_probs * response_mask).sum()).backward();
-      std::vector<torch::Tensor> grads;
-      for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
-      return std::make_pair(log_probs.detach(), grads);
+      return masked_log_probs_and_grads(model, log_probs, response_mask);
     };
     const auto [padded, padded_grads] =
         grads_of(rollout::response_log_probs(model, sequences, P, temperature, attention_mask));
@@ -735,12 +744,7 @@ TEST(Llama, PackedLogProbsWithSharedPromptsEqualThePaddedRows) {
         model, sequences, P, temperature, attention_mask, response_mask, /*share_prompts=*/true));
     EXPECT_LE(((shared - padded) * response_mask).abs().max().item<double>(), 1e-5);
     EXPECT_TRUE(torch::equal(shared * (1 - response_mask), torch::zeros_like(shared)));
-    for (size_t i = 0; i < padded_grads.size(); ++i) {
-      const double scale = padded_grads[i].abs().max().item<double>();
-      ASSERT_GT(scale, 0) << "param " << i;
-      EXPECT_LE((shared_grads[i] - padded_grads[i]).abs().max().item<double>(), 1e-5 * scale)
-          << "param " << i;
-    }
+    expect_same_grads(shared_grads, padded_grads);
   }
 
   // The layout: rows 1 and 2 repeat row 0's prompt (tokens and padding); row 2 then holds
