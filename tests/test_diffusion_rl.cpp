@@ -110,7 +110,7 @@ std::vector<std::string> tiny(const std::string& cache_dir) {
           "pretrain.cache_dir=" + cache_dir,
           "actor_rollout_ref.rollout.n=4",
           "actor_rollout_ref.rollout.pipeline.num_inference_steps=4",
-          "actor_rollout_ref.rollout.val_kwargs.num_inference_steps=4",
+          "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=4",
           "actor_rollout_ref.actor.ppo_mini_batch_size=2",
           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
           "evaluation.per_class=1",

@@ -96,7 +96,7 @@ TEST(SD3TrainerExport, FlowGrpoCheckpointOfShardrlTrainLoadsInDiffusersAndPeft) 
        "attention_head_dim: 8}",
        "reward_model.steps=5", "pretrain.steps=5", "actor_rollout_ref.rollout.n=2",
        "actor_rollout_ref.rollout.pipeline.num_inference_steps=3",
-       "actor_rollout_ref.rollout.val_kwargs.num_inference_steps=2",
+       "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=2",
        "actor_rollout_ref.rollout.algo.sde_window_size=1",
        "actor_rollout_ref.rollout.algo.sde_window_range=[0, 2]",
        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "evaluation.per_class=1",

@@ -94,6 +94,15 @@ TEST(TrainerConfig, OldKeyNamesAreErrorsNamingVerlsKey) {
         [&] { trainer::task_config(grpo, {"algorithm." + key + "=1"}); },
         {"'algorithm." + key + "'", "actor_rollout_ref.actor." + key});
   }
+  // The evaluation sampler's values sit under val_kwargs as verl-omni nests them.
+  for (const auto& [key, nested] :
+       {std::pair{"num_inference_steps", "pipeline"}, std::pair{"noise_level", "algo"}}) {
+    const std::string old_key = std::string("actor_rollout_ref.rollout.val_kwargs.") + key;
+    expect_error_naming<std::invalid_argument>(
+        [&] { trainer::task_config(grpo, {old_key + "=1"}); },
+        {"'" + old_key + "'",
+         std::string("actor_rollout_ref.rollout.val_kwargs.") + nested + "." + key});
+  }
   // verl's names are accepted where verl has them (the checkpoint folder aside: it is no file).
   auto config = trainer::task_config(
       grpo,

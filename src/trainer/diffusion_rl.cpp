@@ -277,8 +277,9 @@ struct Options {
     }
     sampler.validate();
     validation = sampler;
-    validation.num_inference_steps = get<int64_t>(c, r + ".val_kwargs.num_inference_steps");
-    validation.noise_level = get<double>(c, r + ".val_kwargs.noise_level");
+    validation.num_inference_steps =
+        get<int64_t>(c, r + ".val_kwargs.pipeline.num_inference_steps");
+    validation.noise_level = get<double>(c, r + ".val_kwargs.algo.noise_level");
     validation.sde_window_size = 0;
     validation.mix_grpo = false;
     validation.sample_strategy = "random";
@@ -1542,9 +1543,9 @@ Task diffusion_rl_task() {
        "sample width in pixels; equals data.image_size"},
       {r + "pipeline.max_sequence_length", 16, integer().at_least(1),
        "prompt tokens the text encoder keeps"},
-      {r + "val_kwargs.num_inference_steps", 20, integer().at_least(1),
+      {r + "val_kwargs.pipeline.num_inference_steps", 20, integer().at_least(1),
        "evaluation's sampling steps (verl-omni: 50; 20 suffice for 28-pixel images)"},
-      {r + "val_kwargs.noise_level", 0.0, number().at_least(0),
+      {r + "val_kwargs.algo.noise_level", 0.0, number().at_least(0),
        "evaluation's noise (0: the ODE, clean samples)"},
   };
   for (auto& row : rollout_task_keys()) task.keys.push_back(std::move(row));
