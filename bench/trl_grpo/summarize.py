@@ -7,6 +7,10 @@ and update parts; response tokens a step; reward mean; the ratio TRL / ShardRL.
 ShardRL's parts are its metrics.jsonl's time_rollout (weight sync + sampling) and time_update;
 TRL's are its "transformers.generate" block and the rest of the step (scoring, the log-prob
 passes, the 4 forward/backward micro-batches and the optimizer step).
+
+With --accuracy (run.sh's accuracy mode) it prints instead the held-out greedy accuracy of the base
+model and of each side's adapter (eval_heldout.py's JSONs), the scorer's agreement with ShardRL's own
+validation (compare_val.json), each side's steps per second and the ratio ShardRL / TRL.
 """
 import argparse
 import glob
@@ -18,6 +22,8 @@ import statistics
 parser = argparse.ArgumentParser()
 parser.add_argument("dir")
 parser.add_argument("--warmup", type=int, default=1)
+parser.add_argument("--accuracy", action="store_true",
+                    help="run.sh's accuracy mode: held-out accuracy before and after, per side")
 args = parser.parse_args()
 
 
@@ -77,4 +83,21 @@ summary = {
         "s_per_1000_response_tokens": ratio("median_s_per_1000_response_tokens"),
     },
 }
+if args.accuracy:
+    def accuracy(name):
+        return json.load(open(os.path.join(args.dir, f"{name}.heldout.json")))["accuracy"]
+
+    compare = json.load(open(os.path.join(args.dir, "compare_val.json")))
+    steps_per_s = {k: 1 / v["median_step_s"] for k, v in (("shardrl", shardrl), ("trl", trl))}
+    summary = {
+        "held_out_accuracy": {"base": accuracy("base"), "shardrl": accuracy("shardrl"),
+                              "trl": accuracy("trl")},
+        "steps_per_s": steps_per_s,
+        "speedup_shardrl_over_trl": steps_per_s["shardrl"] / steps_per_s["trl"],
+        "median_step_s": {"shardrl": shardrl["median_step_s"], "trl": trl["median_step_s"]},
+        "median_generate_s": {"shardrl": shardrl["median_generate_s"],
+                              "trl": trl["median_generate_s"]},
+        "scorer_vs_shardrl_validation": {k: v for k, v in compare.items() if k != "differing"},
+        "timed_steps": {"shardrl": shardrl["timed_steps"], "trl": trl["timed_steps"]},
+    }
 print(json.dumps(summary, indent=1))

@@ -26,13 +26,13 @@ The job (examples/configs/smollm2_grpo.yaml and src/trainer/lm_grpo.cpp):
 Each step is timed from a TrainerCallback's on_step_begin to its on_step_end (generation, scoring,
 the 4 forward/backward passes and the optimizer step); the generation part is TRL's own
 "transformers.generate" profiling block, recorded by wrapping trl.extras.profiling.ProfilingContext.
-Writes one JSON object (--out) with the per-step seconds, generation seconds, tokens and rewards.
+Writes one JSON object (--out) with the per-step seconds, generation seconds, tokens and rewards;
+--adapter-out saves the trained adapter, which eval_heldout.py scores as it scores ShardRL's.
 """
 import argparse
 import json
 import os
 import platform
-import re
 import sys
 import time
 
@@ -43,6 +43,8 @@ parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--out", required=True)
 parser.add_argument("--work-dir", default=None, help="TRL's output_dir (nothing is saved there)")
 parser.add_argument("--seed", type=int, default=0, help="ShardRL's trainer.seed: picks the problems")
+parser.add_argument("--adapter-out", default=None,
+                    help="save the trained LoRA adapter here (PEFT's folder) for eval_heldout.py")
 parser.add_argument("--val-size", type=int, default=50,
                     help="ShardRL's data.val_size: the held-out problems the training draws skip")
 args = parser.parse_args()
@@ -60,87 +62,9 @@ from peft import LoraConfig  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-PROMPTS_PER_STEP = 4  # data.train_batch_size
-NUM_GENERATIONS = 8  # actor_rollout_ref.rollout.n
-MICRO_BATCH = 8  # actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-
-
-class MT19937_64:
-    """std::mt19937_64, so that the problems are ShardRL's (algos::make_arithmetic_problems)."""
-
-    N, M = 312, 156
-    MASK = (1 << 64) - 1
-
-    def __init__(self, seed):
-        self.mt = [seed & self.MASK]
-        for i in range(1, self.N):
-            prev = self.mt[-1]
-            self.mt.append((6364136223846793005 * (prev ^ (prev >> 62)) + i) & self.MASK)
-        self.index = self.N
-
-    def __call__(self):
-        if self.index >= self.N:
-            upper, lower = 0xFFFFFFFF80000000, 0x7FFFFFFF
-            for i in range(self.N):
-                x = (self.mt[i] & upper) | (self.mt[(i + 1) % self.N] & lower)
-                xa = x >> 1
-                if x & 1:
-                    xa ^= 0xB5026F5AA96619E9
-                self.mt[i] = self.mt[(i + self.M) % self.N] ^ xa
-            self.index = 0
-        y = self.mt[self.index]
-        self.index += 1
-        y ^= (y >> 29) & 0x5555555555555555
-        y ^= (y << 17) & 0x71D67FFFEDA60000
-        y ^= (y << 37) & 0xFFF7EEE000000000
-        y ^= y >> 43
-        return y & self.MASK
-
-
-# The C++ standard fixes the 10000th output of a default-seeded (5489) mt19937_64.
-_check = MT19937_64(5489)
-for _ in range(9999):
-    _check()
-assert _check() == 9981545732273789042, "MT19937_64 is not std::mt19937_64"
-
-
-def make_problems(count, seed, digits=2):
-    """(a, b, a + b) as make_arithmetic_problems draws them with operators "+"."""
-    gen = MT19937_64(seed)
-    limit = 10**digits
-    out = []
-    for _ in range(count):
-        a, b = gen() % limit, gen() % limit
-        gen()  # the operator's draw, from the one-operator string "+"
-        out.append((a, b, a + b))
-    return out
-
-
-def training_problems(step, seed, val_size):
-    """lm_grpo's Problems::training(count, step): fresh draws that avoid the held-out ones."""
-    held_out = {(a, b) for a, b, _ in make_problems(val_size, seed * 31337 + 17)}
-    out = []
-    for round_ in range(100):
-        for a, b, s in make_problems(PROMPTS_PER_STEP, seed * 1000003 + step + round_ * 7919):
-            if (a, b) not in held_out and len(out) < PROMPTS_PER_STEP:
-                out.append((a, b, s))
-        if len(out) == PROMPTS_PER_STEP:
-            return out
-    sys.exit("the held-out problems leave too few to train on")
-
-
-_LAST_INTEGER = re.compile(r"(?<![0-9])(-?)([0-9]+)(?=[^0-9]*$)")
-
-
-def last_integer(text):
-    """algos::parse_last_integer: the last run of digits, negative when a '-' precedes it that
-    does not follow a digit ("3-4" is 4, "= -4" is -4)."""
-    m = _LAST_INTEGER.search(text)
-    if not m:
-        return None
-    start = m.start(2)
-    negative = bool(m.group(1)) and (start < 2 or text[start - 2] not in "0123456789")
-    return -int(m.group(2)) if negative else int(m.group(2))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from job import (MICRO_BATCH, NUM_GENERATIONS, PROMPTS_PER_STEP, last_integer,  # noqa: E402
+                 question, training_problems)
 
 
 def exact_sum(completions, answer, **_):
@@ -154,7 +78,7 @@ def exact_sum(completions, answer, **_):
 rows = []
 for step in range(1, args.steps + 1):
     for a, b, s in training_problems(step, args.seed, args.val_size):
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+        rows.append({"prompt": [{"role": "user", "content": question(a, b)}],
                      "answer": str(s)})
 dataset = datasets.Dataset.from_list(rows)
 
@@ -230,6 +154,8 @@ trainer = GRPOTrainer(model=model, reward_funcs=exact_sum, args=config, train_da
 wall_start = time.perf_counter()
 trainer.train()
 wall = time.perf_counter() - wall_start
+if args.adapter_out:
+    trainer.model.save_pretrained(args.adapter_out)
 
 logs = [h for h in trainer.state.log_history if "reward" in h]
 steps = []
