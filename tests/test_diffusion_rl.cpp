@@ -578,7 +578,8 @@ INSTANTIATE_TEST_SUITE_P(FmnistDemo, Distillation, ::testing::Values(false, true
 // run trains on those files (data.train_files) without sampling, and a bad file is an error naming
 // the file, the line and the field. Pairs whose two images are the same latents (a tie) carry no
 // preference: both members see the same noise and timestep, so the margin is 0, the loss is
-// -log sigmoid(0) and the gradient vanishes. On SD3's MMDiT and on Qwen-Image (true: kQwenImage).
+// -log sigmoid(0) and the gradient vanishes (to rounding). On SD3's MMDiT and on Qwen-Image (true:
+// kQwenImage).
 class OfflineDpo : public ::testing::TestWithParam<bool> {};
 
 TEST_P(OfflineDpo, TrainsOnPairsAnOnlineRunWrote) {
@@ -656,9 +657,11 @@ TEST_P(OfflineDpo, TrainsOnPairsAnOnlineRunWrote) {
     const auto& m = tied_metrics[i];
     EXPECT_EQ(m["reward_margin"].get<double>(), 0.0) << m.dump();
     EXPECT_EQ(m["implicit_acc"].get<double>(), 0.0) << m.dump();
-    EXPECT_LT(m["grad_norm"].get<double>(), 1e-7) << m.dump();
-    // The untied run learns from the same pairs.
-    EXPECT_GT(metrics[i - 1]["grad_norm"].get<double>(), 1e-5) << metrics[i - 1].dump();
+    // The two members' terms cancel up to fp32 rounding: the gradient's sums add them in other
+    // orders (about 1e-6 here, against 3e-3 to 1e-2 learning from the untied pairs).
+    const double untied = metrics[i - 1]["grad_norm"].get<double>();
+    EXPECT_GT(untied, 1e-4) << metrics[i - 1].dump();
+    EXPECT_LT(m["grad_norm"].get<double>(), 1e-3 * untied) << m.dump();
   }
 }
 
