@@ -658,10 +658,11 @@ TEST_P(OfflineDpo, TrainsOnPairsAnOnlineRunWrote) {
     EXPECT_EQ(m["reward_margin"].get<double>(), 0.0) << m.dump();
     EXPECT_EQ(m["implicit_acc"].get<double>(), 0.0) << m.dump();
     // The two members' terms cancel up to fp32 rounding: the gradient's sums add them in other
-    // orders (about 1e-6 here, against 3e-3 to 1e-2 learning from the untied pairs).
+    // orders (about 1e-6, against 3 to 11 learning from the untied pairs; a loser whose noise
+    // differs by 1e-3 gives 5e-2).
     const double untied = metrics[i - 1]["grad_norm"].get<double>();
-    EXPECT_GT(untied, 1e-4) << metrics[i - 1].dump();
-    EXPECT_LT(m["grad_norm"].get<double>(), 1e-3 * untied) << m.dump();
+    EXPECT_GT(untied, 1e-2) << metrics[i - 1].dump();
+    EXPECT_LT(m["grad_norm"].get<double>(), 1e-5 * untied) << m.dump();
   }
 }
 
