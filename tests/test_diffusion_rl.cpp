@@ -276,6 +276,21 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStagesAndResumes) {
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
   expect_same_metrics(dir + "/resumed/metrics.jsonl", dir + "/straight/metrics.jsonl", 4,
                       {"reward_mean", "grad_norm", "loss"});
+  // summary.json's per-class realism (what shows the sandal row's gap) averages, class by class,
+  // to the evaluation's realism: one sample a class here (evaluation.per_class=1).
+  json summary;
+  std::ifstream(dir + "/straight/summary.json") >> summary;
+  for (const std::string when : {"before", "after"}) {
+    const auto& per_class = summary.at("eval_realism_per_class_" + when);
+    ASSERT_EQ(per_class.size(), 10u) << summary.dump();
+    double sum = 0;
+    for (const auto& [phrase, realism] : per_class.items()) {
+      EXPECT_GE(realism.get<double>(), 0.0) << phrase;
+      EXPECT_LE(realism.get<double>(), 1.0) << phrase;
+      sum += realism.get<double>();
+    }
+    EXPECT_NEAR(sum / 10, summary.at("eval_realism_" + when).get<double>(), 1e-6) << summary.dump();
+  }
 
   const auto files = event_files(dir + "/tb");
   ASSERT_EQ(files.size(), 2u);

@@ -767,7 +767,8 @@ struct Evaluation {
   torch::Tensor images;  // [10 * per_class, 1, H, W], class-major
   double reward = 0;     // the task's reward (reward.reward_functions)
   double class_prob = 0, accuracy = 0, realism = 0;
-  std::map<std::string, double> per_class_prob;  // class phrase -> mean p(class)
+  std::map<std::string, double> per_class_prob;     // class phrase -> mean p(class)
+  std::map<std::string, double> per_class_realism;  // class phrase -> mean realism, with its scorer
 };
 
 Evaluation evaluate(const models::FlowModel& model, TaskReward& reward, const PromptTable& prompts,
@@ -798,6 +799,10 @@ Evaluation evaluate(const models::FlowModel& model, TaskReward& reward, const Pr
   for (int64_t c = 0; c < kClasses; ++c) {
     e.per_class_prob[class_phrases()[c]] =
         prob.narrow(0, c * o.eval_per_class, o.eval_per_class).mean().item<double>();
+    if (scores.realism.defined()) {
+      e.per_class_realism[class_phrases()[c]] =
+          scores.realism.narrow(0, c * o.eval_per_class, o.eval_per_class).mean().item<double>();
+    }
   }
   torch::NoGradGuard no_grad;
   e.accuracy =
@@ -1320,12 +1325,14 @@ int run(const Options& o, const json& config, std::shared_ptr<dist::World> world
                  {"eval_accuracy_after", after.accuracy},
                  {"eval_class_prob_per_class_after", after.per_class_prob},
                  {"total_seconds", since(t0)}};
+    if (reward.realism) summary["eval_realism_per_class_after"] = after.per_class_realism;
     if (before) {
       summary["eval_reward_before"] = before->reward;
       summary["eval_class_prob_before"] = before->class_prob;
       summary["eval_realism_before"] = before->realism;
       summary["eval_accuracy_before"] = before->accuracy;
       summary["eval_class_prob_per_class_before"] = before->per_class_prob;
+      if (reward.realism) summary["eval_realism_per_class_before"] = before->per_class_realism;
     }
     write_json(o.run_dir + "/summary.json", summary);
     std::cout << fmt::format(
