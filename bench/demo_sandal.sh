@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The demo's weakest class (issue 43, part 4): what the supervised stage's recipe and the sampler do
+# to the sandal row before RL. Each variant is `make demo`'s job with overrides and one RL step; its
+# summary.json has eval_realism_per_class_before (and _after). Variants that change only the sampler
+# reuse the demo's cached pretrained MMDiT (runs/demo/cache: run `make demo` first); those that change
+# the pretraining recipe pretrain their own. Take the exclusive lock: pretraining seconds are reported.
+#
+#   flock -x /tmp/shardrl-cpu.lock bash bench/demo_sandal.sh [OUT] [VARIANT ...]
+#
+# OUT (default runs/sandal) gets one folder per variant and table.json (per variant: reward, realism,
+# p(class), the sandal row's realism before and after, pretraining seconds). No VARIANT: all of them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-runs/sandal}
+shift || true
+build=${BUILD:-build}
+venv=${SHARDRL_VENV:-$HOME/.cache/shardrl/venv}
+python=$venv/bin/python
+cache=runs/demo/cache
+declare -A overrides=(
+  [baseline]="pretrain.cache_dir=$cache"
+  [pretrain_lr_4e-3]="pretrain.lr=4.0e-3"
+  [layers3_steps600]="pretrain.steps=600 actor_rollout_ref.model.config.num_layers=3"
+  [batch64_steps1800]="pretrain.steps=1800 pretrain.batch_size=64"
+  [eval_steps50]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=50"
+  [shift3]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.shift=3.0"
+  [shift0.5]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.shift=0.5"
+  [cfg3]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.true_cfg_scale=3.0"
+  [cfg5]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.true_cfg_scale=5.0"
+)
+variants=("$@")
+if [[ ${#variants[@]} -eq 0 ]]; then
+  variants=(baseline pretrain_lr_4e-3 layers3_steps600 batch64_steps1800 eval_steps50 shift3 shift0.5
+    cfg3 cfg5)
+fi
+mkdir -p "$out"
+lscpu >"$out/lscpu.txt"
+for v in "${variants[@]}"; do
+  [[ -n ${overrides[$v]+set} ]] || { echo "demo_sandal: unknown variant '$v'" >&2; exit 2; }
+  # Variants with their own recipe pretrain into their own cache, never into the demo's.
+  # shellcheck disable=SC2086
+  OMP_WAIT_POLICY=PASSIVE bash scripts/demo.sh "$build" "trainer.default_local_dir=$out/$v" \
+    "pretrain.cache_dir=$out/$v/cache" trainer.total_training_steps=1 trainer.save_freq=-1 \
+    "trainer.logger=[console, file]" ${overrides[$v]} >"$out/$v.log" 2>&1
+done
+"$python" - "$out" "${variants[@]}" <<'PY'
+import json, sys
+out, rows = sys.argv[1], {}
+for v in sys.argv[2:]:
+    s = json.load(open(f"{out}/{v}/summary.json"))
+    rows[v] = {k: s[k] for k in ("eval_reward_before", "eval_realism_before", "eval_class_prob_before",
+                                 "pretrain_seconds")}
+    rows[v]["sandal_realism_before"] = s["eval_realism_per_class_before"]["sandal"]
+json.dump(rows, open(f"{out}/table.json", "w"), indent=1)
+print(json.dumps(rows, indent=1))
+PY
