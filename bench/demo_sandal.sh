@@ -8,7 +8,7 @@
 #   flock -x /tmp/shardrl-cpu.lock bash bench/demo_sandal.sh [OUT] [VARIANT ...]
 #
 # OUT (default runs/sandal) gets one folder per variant and table.json (per variant: reward, realism,
-# p(class), the sandal row's realism before and after, pretraining seconds). No VARIANT: all of them.
+# p(class), the sandal row's realism, all before RL, and pretraining seconds). No VARIANT: all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/sandal}
