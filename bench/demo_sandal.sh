@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The demo's weakest class (issue 43, part 4): what the supervised stage's recipe and the sampler do
-# to the sandal row before RL. Each variant is `make demo`'s job with overrides and one RL step; its
-# summary.json has eval_realism_per_class_before (and _after). Variants that change only the sampler
-# reuse the demo's cached pretrained MMDiT (runs/demo/cache: run `make demo` first); those that change
-# the pretraining recipe pretrain their own. Take the exclusive lock: pretraining seconds are reported.
+# The demo's weakest class (issue 43, part 4): what the supervised stage's recipe, the sampler and the
+# RL stage's reward do to the sandal row. Each variant is `make demo`'s job with overrides; its
+# summary.json has eval_realism_per_class_before and _after. Recipe and sampler variants run one RL
+# step (their figures are the evaluation before RL); the rl_* variants run the demo's 64 RL steps
+# (their figures are after RL). Variants that keep the recipe reuse the demo's cached pretrained MMDiT
+# (runs/demo/cache: run `make demo` first); those that change it pretrain their own. Take the
+# exclusive lock: pretraining and RL seconds are reported.
 #
 #   flock -x /tmp/shardrl-cpu.lock bash bench/demo_sandal.sh [OUT] [VARIANT ...]
 #
 # OUT (default runs/sandal) gets one folder per variant and table.json (per variant: reward, realism,
-# p(class), the sandal row's realism, all before RL, and pretraining seconds). No VARIANT: all of them.
+# p(class), classifier agreement and the sandal row's realism, before and after RL; pretraining and
+# RL seconds). No VARIANT: all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/sandal}
@@ -17,6 +20,7 @@ build=${BUILD:-build}
 venv=${SHARDRL_VENV:-$HOME/.cache/shardrl/venv}
 python=$venv/bin/python
 cache=runs/demo/cache
+rl="pretrain.cache_dir=$cache trainer.total_training_steps=64"  # wins over the one step below
 declare -A overrides=(
   [baseline]="pretrain.cache_dir=$cache"
   [pretrain_lr_4e-3]="pretrain.lr=4.0e-3"
@@ -27,11 +31,20 @@ declare -A overrides=(
   [shift0.5]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.shift=0.5"
   [cfg3]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.true_cfg_scale=3.0"
   [cfg5]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.true_cfg_scale=5.0"
+  [patch2_width48]="actor_rollout_ref.model.config.patch_size=2 actor_rollout_ref.model.config.num_attention_heads=3"
+  # The RL stage, 64 steps on the cached model: the realism scorer's weight, the KL and the lr.
+  [rl_realism1]="$rl reward.reward_functions.realism.weight=1.0"
+  [rl_realism3]="$rl reward.reward_functions.realism.weight=3.0"
+  [rl_realism5]="$rl reward.reward_functions.realism.weight=5.0"
+  [rl_realism1_kl0.01]="$rl reward.reward_functions.realism.weight=1.0 actor_rollout_ref.actor.kl_loss_coef=0.01"
+  [rl_realism1_lr3e-3]="$rl reward.reward_functions.realism.weight=1.0 actor_rollout_ref.actor.optim.lr=3.0e-3"
+  [rl_realism3_kl0.01]="$rl reward.reward_functions.realism.weight=3.0 actor_rollout_ref.actor.kl_loss_coef=0.01"
 )
 variants=("$@")
 if [[ ${#variants[@]} -eq 0 ]]; then
   variants=(baseline pretrain_lr_4e-3 layers3_steps600 batch64_steps1800 eval_steps50 shift3 shift0.5
-    cfg3 cfg5)
+    cfg3 cfg5 patch2_width48 rl_realism1 rl_realism3 rl_realism5 rl_realism1_kl0.01 rl_realism1_lr3e-3
+    rl_realism3_kl0.01)
 fi
 mkdir -p "$out"
 lscpu >"$out/lscpu.txt"
@@ -48,9 +61,12 @@ import json, sys
 out, rows = sys.argv[1], {}
 for v in sys.argv[2:]:
     s = json.load(open(f"{out}/{v}/summary.json"))
-    rows[v] = {k: s[k] for k in ("eval_reward_before", "eval_realism_before", "eval_class_prob_before",
-                                 "pretrain_seconds")}
-    rows[v]["sandal_realism_before"] = s["eval_realism_per_class_before"]["sandal"]
+    rows[v] = {f"{k}_{when}": s[f"{k}_{when}"] for when in ("before", "after")
+               for k in ("eval_reward", "eval_realism", "eval_class_prob", "eval_accuracy")}
+    for when in ("before", "after"):
+        rows[v][f"sandal_realism_{when}"] = s[f"eval_realism_per_class_{when}"]["sandal"]
+    rows[v].update(pretrain_seconds=s["pretrain_seconds"], rl_seconds_per_step=s["rl_seconds_per_step"],
+                   rl_seconds=s["rl_seconds"])
 json.dump(rows, open(f"{out}/table.json", "w"), indent=1)
 print(json.dumps(rows, indent=1))
 PY

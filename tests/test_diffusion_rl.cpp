@@ -251,6 +251,15 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStagesAndResumes) {
                           "rollout_corr/logprob_abs_diff_max"}) {
     EXPECT_TRUE(metrics[1].contains(key)) << key << " missing in " << metrics[1].dump();
   }
+  // The reward is fmnist_flow_grpo.yaml's weighted sum: p(class) + 3.0 x realism (the weight that
+  // keeps the sandal row from being speckle the classifier accepts).
+  for (size_t i = 1; i < metrics.size(); ++i) {
+    EXPECT_NEAR(metrics[i]["reward_mean"].get<double>(),
+                metrics[i]["reward/classifier_mean"].get<double>() +
+                    3.0 * metrics[i]["reward/realism_mean"].get<double>(),
+                1e-5)
+        << metrics[i].dump();
+  }
   EXPECT_FALSE(metrics[1].contains("val/reward")) << metrics[1].dump();
   EXPECT_TRUE(metrics[2].contains("val/reward")) << metrics[2].dump();
   // True on-policy: the trainer's sharded recomputation of every rollout step is the rollout's.
