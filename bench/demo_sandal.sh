@@ -31,6 +31,10 @@ declare -A overrides=(
   [shift0.5]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.shift=0.5"
   [cfg3]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.true_cfg_scale=3.0"
   [cfg5]="pretrain.cache_dir=$cache actor_rollout_ref.rollout.pipeline.true_cfg_scale=5.0"
+  # The demo repeats the sandal images 6x in the pretraining pool (pretrain.class_repeats).
+  [repeat_sandal1]="pretrain.class_repeats.sandal=1"
+  [repeat_sandal3]="pretrain.class_repeats.sandal=3"
+  [repeat_sandal10]="pretrain.class_repeats.sandal=10"
   [patch2_width48]="actor_rollout_ref.model.config.patch_size=2 actor_rollout_ref.model.config.num_attention_heads=3"
   # The RL stage, 64 steps on the cached model: the realism scorer's weight, the KL and the lr.
   [rl_realism1]="$rl reward.reward_functions.realism.weight=1.0"
@@ -39,12 +43,14 @@ declare -A overrides=(
   [rl_realism1_kl0.01]="$rl reward.reward_functions.realism.weight=1.0 actor_rollout_ref.actor.kl_loss_coef=0.01"
   [rl_realism1_lr3e-3]="$rl reward.reward_functions.realism.weight=1.0 actor_rollout_ref.actor.optim.lr=3.0e-3"
   [rl_realism3_kl0.01]="$rl reward.reward_functions.realism.weight=3.0 actor_rollout_ref.actor.kl_loss_coef=0.01"
+  # 64 RL steps on a model pretrained with each class once (its own cache, as repeat_sandal1's).
+  [rl_repeat_sandal1]="trainer.total_training_steps=64 pretrain.class_repeats.sandal=1"
 )
 variants=("$@")
 if [[ ${#variants[@]} -eq 0 ]]; then
   variants=(baseline pretrain_lr_4e-3 layers3_steps600 batch64_steps1800 eval_steps50 shift3 shift0.5
-    cfg3 cfg5 patch2_width48 rl_realism1 rl_realism3 rl_realism5 rl_realism1_kl0.01 rl_realism1_lr3e-3
-    rl_realism3_kl0.01)
+    cfg3 cfg5 repeat_sandal1 repeat_sandal3 repeat_sandal10 patch2_width48 rl_repeat_sandal1
+    rl_realism1 rl_realism3 rl_realism5 rl_realism1_kl0.01 rl_realism1_lr3e-3 rl_realism3_kl0.01)
 fi
 mkdir -p "$out"
 lscpu >"$out/lscpu.txt"

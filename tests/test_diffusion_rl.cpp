@@ -191,6 +191,10 @@ TEST(FmnistDemo, TrainsOnTwoRanksCachesTheSupervisedStagesAndResumes) {
   ASSERT_EQ(first.exit_code, 0) << first.output;
   EXPECT_NE(first.output.find("classifier test accuracy"), std::string::npos) << first.output;
   EXPECT_NE(first.output.find("pretraining the MMDiT"), std::string::npos) << first.output;
+  // fmnist_flow_grpo.yaml's pretrain.class_repeats {sandal: 6}: Fashion-MNIST's 60000 training
+  // images, and the 6000 sandals five more times.
+  EXPECT_NE(first.output.find("from 90000 training images (sandal: 36000)"), std::string::npos)
+      << first.output;
   // Progress of the long stages, here at every update (SHARDRL_PROGRESS_SECONDS=0).
   for (const char* expected : {"[rank 0] reward classifier: 10/20 steps (50%), ",
                                "[rank 0] reward classifier: 20/20 steps in ",
@@ -787,6 +791,9 @@ TEST(FmnistDemo, ConfigErrorsNameTheKey) {
       {{"actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"}, "loss_mode"},
       {{"actor_rollout_ref.model.architecture=FluxPipeline"},
        "actor_rollout_ref.model.architecture"},
+      {{"pretrain.class_repeats.sandals=2"}, "'pretrain.class_repeats.sandals': unknown class"},
+      {{"pretrain.class_repeats.sandal=0"}, "'pretrain.class_repeats.sandal' must be an integer"},
+      {{"pretrain.class_repeats=[6]"}, "'pretrain.class_repeats' must be a mapping"},
       // model.path's model_index.json names QwenImagePipeline.
       {{"actor_rollout_ref.model.path=" SHARDRL_SOURCE_DIR "/bench/realsize/qwen-image-config",
         "actor_rollout_ref.model.architecture=StableDiffusion3Pipeline"},

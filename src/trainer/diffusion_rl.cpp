@@ -75,6 +75,43 @@ int64_t num_prompts() {
   return kClasses * static_cast<int64_t>(caption_templates().size());
 }
 
+// pretrain.class_repeats ({sandal: 6}): how many times each class's training images appear in
+// the supervised stage's pool, by class index; a class it leaves out appears once.
+std::vector<int64_t> read_class_repeats(const json& c) {
+  const std::string key = "pretrain.class_repeats";
+  std::vector<int64_t> repeats(kClasses, 1);
+  const auto& value = at(c, key);
+  if (value.is_null()) return repeats;
+  for (const auto& [name, times] : value.items()) {
+    const auto& names = class_phrases();
+    const auto it = std::find(names.begin(), names.end(), name);
+    if (it == names.end()) {
+      throw std::invalid_argument(
+          fmt::format("config key '{}.{}': unknown class (expected one of: {})", key, name,
+                      json(names).dump()));
+    }
+    if (!times.is_number_integer() || times.get<int64_t>() < 1) {
+      throw std::invalid_argument(fmt::format("config key '{}.{}' must be an integer >= 1, got {}",
+                                              key, name, times.dump()));
+    }
+    repeats[it - names.begin()] = times.get<int64_t>();
+  }
+  return repeats;
+}
+
+// The supervised stage's pool of training-image indices: every image once, then each class's
+// images again as many more times as class_repeats asks. A class the model finds hard (the
+// demo's sandals: thin straps in many shapes) gets more of the fixed step budget.
+torch::Tensor repeated_pool(const torch::Tensor& labels, const std::vector<int64_t>& repeats) {
+  std::vector<torch::Tensor> parts{torch::arange(labels.size(0), torch::kLong)};
+  for (int64_t k = 0; k < kClasses; ++k) {
+    if (repeats[k] <= 1) continue;
+    const auto of_class = (labels == k).nonzero().flatten();
+    for (int64_t r = 1; r < repeats[k]; ++r) parts.push_back(of_class);
+  }
+  return torch::cat(parts);
+}
+
 // verl-omni's reward.reward_functions aggregated by reward.aggregation weighted_sum, with the
 // task's two built-in scorers: "classifier" (the CNN's probability of the prompted class, or its
 // log with reward_model.reward_mode log_prob) and "realism" (models::NearestExampleScorer over
@@ -168,6 +205,7 @@ struct Options {
   RewardWeights reward;
   int64_t pretrain_steps, pretrain_batch;
   double pretrain_lr, caption_dropout;
+  std::vector<int64_t> class_repeats;  // pretrain.class_repeats, by class index
   int64_t rl_steps, train_batch_size, group_size, mini_batch_size, lora_rank;
   double timestep_fraction;
   algos::DiffusionAdvantageConfig advantage;
@@ -204,6 +242,7 @@ struct Options {
     pretrain_batch = get<int64_t>(c, "pretrain.batch_size");
     pretrain_lr = get<double>(c, "pretrain.lr");
     caption_dropout = get<double>(c, "pretrain.caption_dropout");
+    class_repeats = read_class_repeats(c);
     rl_steps = get<int64_t>(c, "trainer.total_training_steps");
 
     const std::string m = "actor_rollout_ref.model";
@@ -640,10 +679,14 @@ std::string pretrained_transformer(const Options& o, const json& config, const j
                                    const std::shared_ptr<dist::World>& world) {
   const bool lead = world->rank() == 0;
   // The cache holds one folder per model config, text encoder and recipe.
-  const std::string key =
-      fmt::format("{}-{:016x}-{}-n{}-b{}-lr{}-drop{}-seed{}", o.qwen_image() ? "qwen_image" : "sd3",
-                  std::hash<std::string>{}(transformer.dump()), prompts.encoder, o.pretrain_steps,
-                  o.pretrain_batch, o.pretrain_lr, o.caption_dropout, o.seed);
+  std::string repeats;  // "" when every class appears once, as before the key existed
+  for (int64_t k = 0; k < kClasses; ++k) {
+    if (o.class_repeats[k] > 1) repeats += fmt::format("-c{}x{}", k, o.class_repeats[k]);
+  }
+  const std::string key = fmt::format(
+      "{}-{:016x}-{}-n{}-b{}-lr{}-drop{}{}-seed{}", o.qwen_image() ? "qwen_image" : "sd3",
+      std::hash<std::string>{}(transformer.dump()), prompts.encoder, o.pretrain_steps,
+      o.pretrain_batch, o.pretrain_lr, o.caption_dropout, repeats, o.seed);
   const std::string dir = o.cache_dir + "/" + key;
   if (!o.pretrained_dir.empty()) {
     if (lead) std::cout << "pretrained MMDiT: " << o.pretrained_dir << "\n";
@@ -675,7 +718,20 @@ std::string pretrained_transformer(const Options& o, const json& config, const j
   auto engine =
       engine::EngineRegistry::create(engine_config(stage, "diffusion_model", "actor"), world);
   const auto model = engine::flow_model(*engine);
-  data::DistributedSampler sampler(train.size(), o.pretrain_batch, engine->data_parallel_rank(),
+  const auto pool = repeated_pool(train.labels, o.class_repeats);
+  // The classes the pool holds more of than the dataset, as read back from the pool itself.
+  std::string repeated_classes;
+  {
+    const auto in_pool = train.labels.index_select(0, pool).bincount({}, kClasses);
+    const auto in_data = train.labels.bincount({}, kClasses);
+    for (int64_t k = 0; k < kClasses; ++k) {
+      if (in_pool[k].item<int64_t>() == in_data[k].item<int64_t>()) continue;
+      repeated_classes += fmt::format("{}{}: {}", repeated_classes.empty() ? " (" : ", ",
+                                      class_phrases()[k], in_pool[k].item<int64_t>());
+    }
+    if (!repeated_classes.empty()) repeated_classes += ")";
+  }
+  data::DistributedSampler sampler(pool.size(0), o.pretrain_batch, engine->data_parallel_rank(),
                                    engine->data_parallel_size(), o.seed);
   // By data-parallel rank: the sequence-parallel ranks of a sample must draw the same noise.
   auto gen =
@@ -689,18 +745,19 @@ std::string pretrained_transformer(const Options& o, const json& config, const j
   if (lead) {
     std::cout << fmt::format(
                      "pretraining the MMDiT ({} params, {} image + {} text tokens) for {} steps, "
-                     "batch {}\n",
+                     "batch {}, from {} training images{}\n",
                      count_params(engine->module()),
                      (o.image_size / transformer.at("patch_size").get<int64_t>()) *
                          (o.image_size / transformer.at("patch_size").get<int64_t>()),
-                     prompts.prompt_embeds.size(1), o.pretrain_steps, o.pretrain_batch)
+                     prompts.prompt_embeds.size(1), o.pretrain_steps, o.pretrain_batch,
+                     pool.size(0), repeated_classes)
               << std::flush;
   }
   Progress progress("pretraining the MMDiT", o.pretrain_steps, {.unit = "steps", .enabled = lead});
   RecentMean loss;
   const int64_t templates = static_cast<int64_t>(caption_templates().size());
   for (int64_t step = 0; step < o.pretrain_steps; ++step) {
-    auto idx = sampler.indices(step);
+    auto idx = pool.index_select(0, sampler.indices(step));
     auto labels = train.labels.index_select(0, idx);
     // Each image gets one of its class's captions.
     auto ids = labels + kClasses * at::randint(templates, labels.sizes(), gen, torch::kLong);
@@ -1439,6 +1496,9 @@ Task diffusion_rl_task() {
       {"pretrain.lr", 2e-3, number().at_least(0), "the supervised stage's peak learning rate"},
       {"pretrain.caption_dropout", 0.1, number().at_least(0).at_most(1),
        "captions dropped to the empty prompt, so that CFG has an unconditional branch"},
+      {"pretrain.class_repeats", nullptr, mapping().or_null("each class once"),
+       "times each class's training images appear in the supervised stage's pool, by class name "
+       "({sandal: 6}; a class left out: once; ShardRL's key)"},
       {"pretrain.cache_dir", "", text(),
        "where the classifier, prompt embeddings and supervised model are cached (empty: "
        "<default_local_dir>/cache)"},
