@@ -793,6 +793,8 @@ TEST(FmnistDemo, ConfigErrorsNameTheKey) {
        "actor_rollout_ref.model.architecture"},
       {{"pretrain.class_repeats.sandals=2"}, "'pretrain.class_repeats.sandals': unknown class"},
       {{"pretrain.class_repeats.sandal=0"}, "'pretrain.class_repeats.sandal' must be an integer"},
+      {{"pretrain.class_repeats.sandal=1000000000"},
+       "'pretrain.class_repeats.sandal' must be an integer in [1, 1000]"},
       {{"pretrain.class_repeats=[6]"}, "'pretrain.class_repeats' must be a mapping"},
       // model.path's model_index.json names QwenImagePipeline.
       {{"actor_rollout_ref.model.path=" SHARDRL_SOURCE_DIR "/bench/realsize/qwen-image-config",

@@ -90,9 +90,10 @@ std::vector<int64_t> read_class_repeats(const json& c) {
           fmt::format("config key '{}.{}': unknown class (expected one of: {})", key, name,
                       json(names).dump()));
     }
-    if (!times.is_number_integer() || times.get<int64_t>() < 1) {
-      throw std::invalid_argument(fmt::format("config key '{}.{}' must be an integer >= 1, got {}",
-                                              key, name, times.dump()));
+    // Bounded so that a typo cannot size the pool past memory (1000 sandals' repeats: 48 MB).
+    if (!times.is_number_integer() || times.get<int64_t>() < 1 || times.get<int64_t>() > 1000) {
+      throw std::invalid_argument(fmt::format(
+          "config key '{}.{}' must be an integer in [1, 1000], got {}", key, name, times.dump()));
     }
     repeats[it - names.begin()] = times.get<int64_t>();
   }
@@ -1498,7 +1499,7 @@ Task diffusion_rl_task() {
        "captions dropped to the empty prompt, so that CFG has an unconditional branch"},
       {"pretrain.class_repeats", nullptr, mapping().or_null("each class once"),
        "times each class's training images appear in the supervised stage's pool, by class name "
-       "({sandal: 6}; a class left out: once; ShardRL's key)"},
+       "({sandal: 6}; each 1 to 1000; a class left out: once; ShardRL's key)"},
       {"pretrain.cache_dir", "", text(),
        "where the classifier, prompt embeddings and supervised model are cached (empty: "
        "<default_local_dir>/cache)"},
