@@ -113,6 +113,20 @@ torch::Tensor repeated_pool(const torch::Tensor& labels, const std::vector<int64
   return torch::cat(parts);
 }
 
+// " (sandal: 36000)": each class the pool holds more of than the dataset, read back from the pool
+// itself rather than from the config; "" when none.
+std::string repeated_classes(const torch::Tensor& labels, const torch::Tensor& pool) {
+  const auto in_pool = labels.index_select(0, pool).bincount({}, kClasses);
+  const auto in_data = labels.bincount({}, kClasses);
+  std::string out;
+  for (int64_t k = 0; k < kClasses; ++k) {
+    const auto count = in_pool[k].item<int64_t>();
+    if (count == in_data[k].item<int64_t>()) continue;
+    out += fmt::format("{}{}: {}", out.empty() ? " (" : ", ", class_phrases()[k], count);
+  }
+  return out.empty() ? out : out + ")";
+}
+
 // verl-omni's reward.reward_functions aggregated by reward.aggregation weighted_sum, with the
 // task's two built-in scorers: "classifier" (the CNN's probability of the prompted class, or its
 // log with reward_model.reward_mode log_prob) and "realism" (models::NearestExampleScorer over
@@ -720,18 +734,6 @@ std::string pretrained_transformer(const Options& o, const json& config, const j
       engine::EngineRegistry::create(engine_config(stage, "diffusion_model", "actor"), world);
   const auto model = engine::flow_model(*engine);
   const auto pool = repeated_pool(train.labels, o.class_repeats);
-  // The classes the pool holds more of than the dataset, as read back from the pool itself.
-  std::string repeated_classes;
-  {
-    const auto in_pool = train.labels.index_select(0, pool).bincount({}, kClasses);
-    const auto in_data = train.labels.bincount({}, kClasses);
-    for (int64_t k = 0; k < kClasses; ++k) {
-      if (in_pool[k].item<int64_t>() == in_data[k].item<int64_t>()) continue;
-      repeated_classes += fmt::format("{}{}: {}", repeated_classes.empty() ? " (" : ", ",
-                                      class_phrases()[k], in_pool[k].item<int64_t>());
-    }
-    if (!repeated_classes.empty()) repeated_classes += ")";
-  }
   data::DistributedSampler sampler(pool.size(0), o.pretrain_batch, engine->data_parallel_rank(),
                                    engine->data_parallel_size(), o.seed);
   // By data-parallel rank: the sequence-parallel ranks of a sample must draw the same noise.
@@ -751,7 +753,7 @@ std::string pretrained_transformer(const Options& o, const json& config, const j
                      (o.image_size / transformer.at("patch_size").get<int64_t>()) *
                          (o.image_size / transformer.at("patch_size").get<int64_t>()),
                      prompts.prompt_embeds.size(1), o.pretrain_steps, o.pretrain_batch,
-                     pool.size(0), repeated_classes)
+                     pool.size(0), repeated_classes(train.labels, pool))
               << std::flush;
   }
   Progress progress("pretraining the MMDiT", o.pretrain_steps, {.unit = "steps", .enabled = lead});
